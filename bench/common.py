@@ -1,0 +1,64 @@
+"""Shared benchmark plumbing: CUPTI timing, provenance, and the results row format.
+
+Every benchmark writes ``bench/results/<device>/<benchmark>.json``: a list of rows with
+at least op, shape, ours_ms, baseline, baseline_ms, device, jax_version, commit, command.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_slug() -> str:
+  kind = jax.devices()[0].device_kind
+  return re.sub(r"[^A-Za-z0-9]+", "_", kind).strip("_").lower()
+
+
+def commit() -> str:
+  try:
+    sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                         text=True, check=True, cwd=RESULTS.parent.parent).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True,
+                           cwd=RESULTS.parent.parent).stdout.strip()
+    return sha + ("+dirty" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return os.environ.get("CODA_COMMIT", "unknown")
+
+
+def provenance() -> dict:
+  return {"device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
+          "commit": commit(), "command": " ".join(shlex.quote(a) for a in sys.argv)}
+
+
+def time_kernels(fn, *args, iterations: int = 30) -> tuple[float, list[tuple[str, float]]]:
+  """Median over iterations of the summed device time of all kernels ``fn`` launches
+  (CUPTI), and the per-kernel medians of the first breakdown."""
+  from jax.experimental.mosaic.gpu import profiler
+  _, timings = profiler.measure(jax.jit(fn), aggregate=False, iterations=iterations)(*args)
+  if timings is None:
+    raise RuntimeError("CUPTI recorded no kernels")
+  if iterations == 1:
+    timings = [timings]
+  totals = [sum(t for _, t in it) for it in timings]
+  per_kernel = [(name, statistics.median(it[i][1] for it in timings))
+                for i, (name, _) in enumerate(timings[0])]
+  return statistics.median(totals), per_kernel
+
+
+def write_results(benchmark: str, rows: list[dict], markdown: str) -> Path:
+  out = RESULTS / device_slug()
+  out.mkdir(parents=True, exist_ok=True)
+  (out / f"{benchmark}.json").write_text(json.dumps(rows, indent=1) + "\n")
+  (out / f"{benchmark}.md").write_text(markdown)
+  return out

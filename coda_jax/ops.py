@@ -1,0 +1,209 @@
+"""One entry point: a GEMM followed by a composed epilogue program.
+
+    outs = gemm_epilogue(a, b, program, operands, trans_a=False, trans_b=False)
+
+Dispatch (``impl``):
+  "auto"      the compiled Mosaic GPU kernel on an sm90 (Hopper) GPU when the shape tiles;
+              otherwise the XLA reference. Which one runs is logged once per reason.
+  "mosaic"    the compiled kernel; errors if it cannot run.
+  "interpret" the same kernel through Mosaic GPU's interpreter on CPU (tests).
+  "xla"       the pure-jnp reference: fp32 GEMM, then the program on the full matrix.
+The environment variable CODA_JAX_IMPL overrides "auto" (e.g. CODA_JAX_IMPL=interpret).
+
+Outputs are returned finished: ``Store`` outputs as stored, ``RowSum`` as (M,),
+``ColSum`` as (N,), ``RowLogSumExp`` as (M,) log-sum-exp under its own name.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as pk
+from coda_jax import primitives as P
+
+log = logging.getLogger("coda_jax")
+IMPLS = ("auto", "mosaic", "interpret", "xla")
+_announced: set[str] = set()
+
+
+def _announce(msg: str) -> None:
+  if msg not in _announced:
+    _announced.add(msg)
+    log.warning("coda_jax: %s", msg)
+
+
+def _is_hopper() -> bool:
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:
+    return False
+  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def scalar_operand(value, n: int) -> jax.Array:
+  """A runtime scalar as the (N,) column operand that ``ScaleCol`` reads."""
+  return jnp.broadcast_to(jnp.asarray(value, jnp.float32), (n,))
+
+
+def _declared(program, m, n):
+  inputs: dict[str, pk.InputKind] = {}
+  outputs: list[pk.EpilogueOutput] = []
+  width_div, pair = 1, 1
+  for prim in program:
+    if not isinstance(prim, P.Primitive):
+      raise ValueError(f"program step {prim!r} is not a coda_jax primitive")
+    for name, kind in prim.inputs().items():
+      if inputs.setdefault(name, kind) != kind:
+        raise ValueError(f"operand {name!r} is read both as {inputs[name].value} and {kind.value}")
+      if width_div != 1 and kind != pk.InputKind.ROW:
+        raise ValueError(f"{type(prim).__name__} reads {kind.value} operand {name!r} after a "
+                         "narrowing step; column and tile operands must come before it")
+    if width_div != 1 and prim.pair_block() is not None:
+      raise ValueError("a pairwise step after a narrowing (gated) step is not supported")
+    outputs += prim.outputs(width_div)
+    if prim.pair_block() is not None:
+      pair = max(pair, 2 * prim.pair_block())
+      if n % (2 * prim.pair_block()):
+        raise ValueError(f"{type(prim).__name__}: N={n} must be a multiple of the pair block "
+                         f"2*{prim.pair_block()}")
+    width_div *= prim.width_divisor()
+  names = [o.name for o in outputs]
+  if len(set(names)) != len(names):
+    raise ValueError(f"program declares duplicate outputs: {names}")
+  if not outputs:
+    raise ValueError("program stores nothing: add a Store or a reduction")
+  return inputs, tuple(outputs), pair
+
+
+def _check_operands(inputs, operands, m, n):
+  missing = set(inputs) - set(operands)
+  if missing:
+    raise ValueError(f"program reads operands {sorted(missing)} that were not passed")
+  extra = set(operands) - set(inputs)
+  if extra:
+    raise ValueError(f"operands {sorted(extra)} are not read by the program")
+  for name, kind in inputs.items():
+    pk.epilogue.check_input(name, kind, operands[name], m, n)
+
+
+def _problem(a, b, trans_a, trans_b):
+  for nm, v in (("a", a), ("b", b)):
+    if v.ndim != 2:
+      raise ValueError(f"{nm} must be 2-D, got shape {v.shape}")
+  if a.dtype != b.dtype:
+    raise ValueError(f"a and b must share a dtype, got {a.dtype} and {b.dtype}")
+  if a.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+    raise ValueError(f"a.dtype={a.dtype}: expected bfloat16, float16 (or float32 for the "
+                     "XLA reference)")
+  m, k = a.shape[::-1] if trans_a else a.shape
+  k2, n = b.shape[::-1] if trans_b else b.shape
+  if k != k2:
+    raise ValueError(f"contracting dims differ: a has K={k}, b has K={k2} "
+                     f"(trans_a={trans_a}, trans_b={trans_b})")
+  return m, n, k
+
+
+class _MatrixEnv:
+  """``Env`` over whole matrices, for the reference."""
+
+  def __init__(self, operands):
+    self.operands = operands
+    self.stored: dict[str, jax.Array] = {}
+
+  def load(self, name):
+    return self.operands[name]
+
+  def store(self, name, value):
+    self.stored[name] = value
+
+
+def reference(a, b, program, operands, *, trans_a=False, trans_b=False, round_to=None):
+  """The semantics of ``gemm_epilogue`` in jnp. With ``round_to`` (e.g. bfloat16) every
+  intermediate is rounded as an unfused XLA graph in that dtype would round it."""
+  m, n, _ = _problem(a, b, trans_a, trans_b)
+  inputs, outputs, _ = _declared(program, m, n)
+  _check_operands(inputs, operands, m, n)
+  a2 = a.T if trans_a else a
+  b2 = b.T if trans_b else b
+  x = jnp.matmul(a2, b2, preferred_element_type=jnp.float32,
+                 precision=jax.lax.Precision.HIGHEST)
+  if round_to is not None:
+    x = x.astype(round_to).astype(jnp.float32)
+  env = _MatrixEnv(operands)
+  P.run_program(program, x, env, round_to=round_to)
+  return _finish(program, {o.name: env.stored[o.name][None] if o.kind != pk.OutputKind.TILE
+                           else env.stored[o.name].astype(o.dtype) for o in outputs})
+
+
+def _finish(program, raw):
+  out = {}
+  for prim in program:
+    if isinstance(prim, P.Store):
+      out[prim.name] = raw[prim.name]
+    elif isinstance(prim, (P.RowSum, P.ColSum)):
+      out[prim.name] = jnp.sum(raw[prim.name], axis=0)
+    elif isinstance(prim, P.RowLogSumExp):
+      out[prim.name] = P.finish_lse(raw[prim.name + "_max"], raw[prim.name + "_sumexp"])
+  return out
+
+
+def kernel_config(a, b, program, operands, *, trans_a=False, trans_b=False) -> pk.GemmConfig:
+  """The default kernel tuning for this problem and program (raises if it cannot tile)."""
+  m, n, k = _problem(a, b, trans_a, trans_b)
+  inputs, outputs, pair = _declared(tuple(program), m, n)
+  return pk.default_config(m, n, k, a.dtype, input_kinds=dict(inputs),
+                           input_dtypes={nm: operands[nm].dtype for nm in inputs},
+                           outputs=outputs, min_epi_tile_n=pair)
+
+
+def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
+                  operands: dict[str, jax.Array] | None = None, *, trans_a: bool = False,
+                  trans_b: bool = False, impl: str = "auto",
+                  config: pk.GemmConfig | None = None) -> dict[str, jax.Array]:
+  """``a @ b`` (A (M, K) or (K, M) with trans_a; B (K, N) or (N, K) with trans_b), then
+  ``program`` on the fp32 result, tile by tile. Returns the finished outputs by name."""
+  operands = dict(operands or {})
+  program = tuple(program)
+  if impl not in IMPLS:
+    raise ValueError(f"impl={impl!r}: one of {IMPLS}")
+  if impl == "auto":
+    impl = os.environ.get("CODA_JAX_IMPL", "auto")
+    if impl not in IMPLS:
+      raise ValueError(f"CODA_JAX_IMPL={impl!r}: one of {IMPLS}")
+  m, n, k = _problem(a, b, trans_a, trans_b)
+  inputs, outputs, pair = _declared(program, m, n)
+  _check_operands(inputs, operands, m, n)
+  if impl == "auto":
+    if not _is_hopper():
+      _announce("no sm90 GPU: running the XLA reference path")
+      impl = "xla"
+    elif a.dtype == jnp.float32:
+      _announce("float32 operands: running the XLA reference path")
+      impl = "xla"
+    else:
+      try:
+        config = config or kernel_config(a, b, program, operands, trans_a=trans_a,
+                                         trans_b=trans_b)
+        impl = "mosaic"
+      except ValueError as e:
+        _announce(f"shape ({m}, {n}, {k}) does not tile ({e}): running the XLA reference path")
+        impl = "xla"
+  if impl == "xla":
+    return reference(a, b, program, operands, trans_a=trans_a, trans_b=trans_b)
+  config = config or kernel_config(a, b, program, operands, trans_a=trans_a, trans_b=trans_b)
+  if config.epi_tile_n % pair:
+    raise ValueError(f"config.epi_tile_n={config.epi_tile_n} must be a multiple of the "
+                     f"program's pair block {pair}")
+
+  def epilogue(tile, acc):
+    P.run_program(program, acc, tile)
+
+  raw = pk.gemm(a, b, inputs={nm: (kind, operands[nm]) for nm, kind in inputs.items()},
+                epilogue=epilogue, outputs=outputs, trans_a=trans_a, trans_b=trans_b,
+                config=config,
+                interpret=pk.interpret_params() if impl == "interpret" else None)
+  return _finish(program, raw)

@@ -1,0 +1,252 @@
+"""Epilogue primitives: scale, accumulate, pairwise, reduce, store.
+
+A program is a sequence of primitives applied, in order, to a running fp32 value that
+starts as the GEMM accumulator. Each primitive has one ``apply`` written against a small
+``Env`` interface, so the *same code* runs on a kernel sub-tile (through
+``pallas_kernels.EpilogueTile``) and on the whole (M, N) matrix in the jnp reference:
+the reference is the definition, the kernel is an evaluation strategy.
+
+Column-pair layout (pairwise primitives): columns are grouped in blocks of 2*P; within a
+block, column j (j < P) pairs with column j + P. For SwiGLU, P gate columns are followed
+by the P matching up columns; for RoPE with rotate-half heads, P = head_dim / 2 and a
+block is one head. ``layout.py`` converts standard weights to and from this layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import EpilogueOutput, InputKind, OutputKind
+
+
+class Env(Protocol):
+  """What a primitive may touch: operands (by kind) and outputs."""
+  def load(self, name: str) -> jax.Array: ...
+  def store(self, name: str, value: jax.Array) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Primitive:
+  def inputs(self) -> dict[str, InputKind]:
+    return {}
+
+  def outputs(self, width_divisor: int) -> tuple[EpilogueOutput, ...]:
+    return ()
+
+  def width_divisor(self) -> int:  # how much this primitive narrows the value
+    return 1
+
+  def pair_block(self) -> int | None:  # P, for pairwise primitives
+    return None
+
+  def apply(self, x: jax.Array, env: Env) -> jax.Array:
+    raise NotImplementedError
+
+
+# ---- scale -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ScaleConst(Primitive):
+  """x * c for a Python constant c (folded into the kernel)."""
+  value: float
+
+  def apply(self, x, env):
+    return x * jnp.float32(self.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleRow(Primitive):
+  """x * r[m]; ``name`` is an (M,) operand (e.g. RMSNorm's reciprocal RMS)."""
+  name: str
+
+  def inputs(self):
+    return {self.name: InputKind.ROW}
+
+  def apply(self, x, env):
+    return x * env.load(self.name).astype(jnp.float32)[:, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleCol(Primitive):
+  """x * g[n]; ``name`` is an (N,) operand. A runtime scalar is passed as a
+  broadcast (N,) operand (see ``ops.scalar_operand``)."""
+  name: str
+
+  def inputs(self):
+    return {self.name: InputKind.COL}
+
+  def apply(self, x, env):
+    return x * env.load(self.name).astype(jnp.float32)[None, :]
+
+
+# ---- accumulate ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class AddTile(Primitive):
+  """x + t[m, n]; ``name`` is an (M, N) operand (a residual, or the previous value of
+  an output being accumulated into)."""
+  name: str
+
+  def inputs(self):
+    return {self.name: InputKind.TILE}
+
+  def apply(self, x, env):
+    return x + env.load(self.name).astype(jnp.float32)
+
+
+# ---- pairwise --------------------------------------------------------------------------
+def _blocks(x, p):
+  """Splits the columns into (first, second) halves of each 2p-wide block."""
+  n = x.shape[-1]
+  return [(x[:, i:i + p], x[:, i + p:i + 2 * p]) for i in range(0, n, 2 * p)]
+
+
+def _join(parts):
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+_ACTIVATIONS = {
+    "silu": lambda a: a * jax.nn.sigmoid(a),
+    # tanh form: erf is slower on the SFU and GeGLU checkpoints commonly use it.
+    "gelu": lambda a: jax.nn.gelu(a, approximate=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gated(Primitive):
+  """(a, b) -> act(a) * b per column pair; halves the width. act: silu or gelu."""
+  block: int
+  activation: str = "silu"
+
+  def __post_init__(self):
+    if self.activation not in _ACTIVATIONS:
+      raise ValueError(f"Gated.activation={self.activation!r}: one of {sorted(_ACTIVATIONS)}")
+    if self.block <= 0 or self.block % 8:
+      raise ValueError(f"Gated.block={self.block} must be a positive multiple of 8")
+
+  def width_divisor(self):
+    return 2
+
+  def pair_block(self):
+    return self.block
+
+  def apply(self, x, env):
+    act = _ACTIVATIONS[self.activation]
+    return _join([act(a) * b for a, b in _blocks(x, self.block)])
+
+
+_TWO_PI = 6.283185307179586
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotate(Primitive):
+  """(a, b) -> (a cos t - b sin t, b cos t + a sin t), t = pos[m] * freq[n], per pair.
+
+  ``positions`` is an (M,) operand (int32 or float; per token, so packed sequences
+  work) and ``freqs`` an (N,) fp32 operand: the angular frequency of each column (both
+  members of a pair carry the same value; columns with frequency 0 pass unchanged,
+  which is how V heads ride through a fused QKV).
+  """
+  positions: str
+  freqs: str
+  block: int
+
+  def __post_init__(self):
+    if self.block <= 0 or self.block % 8:
+      raise ValueError(f"Rotate.block={self.block} must be a positive multiple of 8")
+
+  def inputs(self):
+    return {self.positions: InputKind.ROW, self.freqs: InputKind.COL}
+
+  def pair_block(self):
+    return self.block
+
+  def apply(self, x, env):
+    pos = env.load(self.positions).astype(jnp.float32)
+    freq = env.load(self.freqs).astype(jnp.float32)
+    p = self.block
+    out = []
+    for i, (a, b) in enumerate(_blocks(x, p)):
+      t = pos[:, None] * freq[None, 2 * p * i:2 * p * i + p]
+      # Reduce to [-pi, pi] first: the kernel's fast sin/cos are accurate only there.
+      # The fp32 angle itself is already rounded at ~1e-3 rad for t ~ 1e4, so this adds
+      # no error beyond what any fp32 RoPE has.
+      t = t - _TWO_PI * jnp.round(t * (1 / _TWO_PI))
+      c, s = jnp.cos(t), jnp.sin(t)
+      out += [a * c - b * s, b * c + a * s]
+    return _join(out)
+
+
+# ---- reduce ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RowSum(Primitive):
+  """Per-row partial sums of x (or x**2 with ``square``) -> output ``name``."""
+  name: str
+  square: bool = False
+
+  def outputs(self, width_divisor):
+    return (EpilogueOutput(self.name, OutputKind.ROW_PARTIAL, jnp.float32),)
+
+  def apply(self, x, env):
+    env.store(self.name, jnp.sum(x * x if self.square else x, axis=1))
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLogSumExp(Primitive):
+  """Per-row partial (max, sum exp(x - max)) -> outputs ``name``_max, ``name``_sumexp."""
+  name: str
+
+  def outputs(self, width_divisor):
+    return (EpilogueOutput(self.name + "_max", OutputKind.ROW_PARTIAL, jnp.float32),
+            EpilogueOutput(self.name + "_sumexp", OutputKind.ROW_PARTIAL, jnp.float32))
+
+  def apply(self, x, env):
+    mx = jnp.max(x, axis=1)
+    env.store(self.name + "_max", mx)
+    env.store(self.name + "_sumexp", jnp.sum(jnp.exp(x - mx[:, None]), axis=1))
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class ColSum(Primitive):
+  """Per-column partial sums of x over the sub-tile's rows -> output ``name``."""
+  name: str
+
+  def outputs(self, width_divisor):
+    return (EpilogueOutput(self.name, OutputKind.COL_PARTIAL, jnp.float32),)
+
+  def apply(self, x, env):
+    env.store(self.name, jnp.sum(x, axis=0))
+    return x
+
+
+# ---- store -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Store(Primitive):
+  """Writes the running value to output ``name`` (M, N / narrowing) in ``dtype``."""
+  name: str
+  dtype: Any = jnp.bfloat16
+
+  def outputs(self, width_divisor):
+    return (EpilogueOutput(self.name, OutputKind.TILE, jnp.dtype(self.dtype), width_divisor),)
+
+  def apply(self, x, env):
+    env.store(self.name, x)
+    return x
+
+
+def run_program(program, x, env: Env, round_to=None) -> None:
+  """Applies ``program`` to ``x``. ``round_to`` rounds the value after every step: the
+  unfused-XLA emulation that the tolerance rule compares against."""
+  for prim in program:
+    x = prim.apply(x, env)
+    if round_to is not None:
+      x = x.astype(round_to).astype(jnp.float32)
+
+
+def finish_lse(max_partials: jax.Array, sumexp_partials: jax.Array) -> jax.Array:
+  """Combines (blocks, M) partials from ``RowLogSumExp`` into log-sum-exp per row."""
+  mx = jnp.max(max_partials, axis=0)
+  return mx + jnp.log(jnp.sum(sumexp_partials * jnp.exp(max_partials - mx), axis=0))

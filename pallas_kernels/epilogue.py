@@ -1,0 +1,130 @@
+"""The contract between the GEMM mainloop and an epilogue closure.
+
+An epilogue is a Python callable ``fn(tile: EpilogueTile, acc) -> None``, traced once
+per epilogue sub-tile of shape ``(epi_tile_m, epi_tile_n)``. ``acc`` is the fp32
+accumulator sub-tile, still in registers. Through ``tile`` the closure reads the extra
+operands the caller passed (already staged in shared memory by asynchronous copies
+issued before the mainloop) and writes the outputs it declared.
+
+Operand kinds, by the shape of the array passed for them (M x N is the GEMM output):
+  row   (M,)    one value per output row; ``tile.load`` gives (epi_tile_m,)
+  col   (N,)    one value per output column; ``tile.load`` gives (epi_tile_n,)
+  tile  (M, N)  ``tile.load`` gives (epi_tile_m, epi_tile_n) in the operand's dtype
+
+Output kinds:
+  tile         (M, N // width_divisor); ``tile.store`` takes (epi_m, epi_n // width_divisor)
+  row_partial  (N // epi_tile_n, M) fp32; ``tile.store`` takes (epi_m,): one partial per
+               row and epilogue column block, finished by a reduction over axis 0.
+  col_partial  (M // epi_tile_m, N) fp32; ``tile.store`` takes (epi_n,).
+
+Every declared output must be stored exactly once per sub-tile: the kernel checks this
+at trace time, so an unwritten output is an error, not garbage.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+
+class InputKind(enum.Enum):
+  ROW = "row"
+  COL = "col"
+  TILE = "tile"
+
+
+class OutputKind(enum.Enum):
+  TILE = "tile"
+  ROW_PARTIAL = "row_partial"
+  COL_PARTIAL = "col_partial"
+
+
+@dataclasses.dataclass(frozen=True)
+class EpilogueOutput:
+  """A declared output of an epilogue program."""
+  name: str
+  kind: OutputKind = OutputKind.TILE
+  dtype: Any = jnp.bfloat16
+  width_divisor: int = 1  # 2 for the half-width output of a gated pair
+
+  def __post_init__(self):
+    if self.width_divisor not in (1, 2):
+      raise ValueError(f"output {self.name!r}: width_divisor must be 1 or 2, "
+                       f"got {self.width_divisor}")
+    if self.kind != OutputKind.TILE and jnp.dtype(self.dtype) != jnp.float32:
+      raise ValueError(f"output {self.name!r}: partial reductions are fp32")
+
+
+def check_input(name: str, kind: InputKind, value, m: int, n: int) -> None:
+  want = {InputKind.ROW: (m,), InputKind.COL: (n,), InputKind.TILE: (m, n)}[kind]
+  if tuple(value.shape) != want:
+    raise ValueError(f"operand {name!r}: a {kind.value} operand must have shape {want}, "
+                     f"got {tuple(value.shape)}")
+
+
+def output_shape(out: EpilogueOutput, m: int, n: int, epi_m: int, epi_n: int):
+  if out.kind == OutputKind.TILE:
+    return (m, n // out.width_divisor)
+  if out.kind == OutputKind.ROW_PARTIAL:
+    return (n // epi_n, m)
+  return (m // epi_m, n)
+
+
+class EpilogueTile:
+  """What an epilogue closure sees of one sub-tile. Built by the kernel."""
+
+  def __init__(self, *, row0, col0, shape, inputs: dict[str, tuple[InputKind, Callable]],
+               outputs: dict[str, tuple[EpilogueOutput, Callable]]):
+    self.row0 = row0  # global row of the sub-tile's first element (traced int32)
+    self.col0 = col0  # global column likewise
+    self.shape = shape  # (epi_tile_m, epi_tile_n)
+    self._inputs = inputs
+    self._outputs = outputs
+    self.stored: set[str] = set()
+
+  def load(self, name: str) -> jax.Array:
+    if name not in self._inputs:
+      raise KeyError(f"epilogue reads operand {name!r}, but only "
+                     f"{sorted(self._inputs)} were passed")
+    return self._inputs[name][1]()
+
+  def store(self, name: str, value: jax.Array) -> None:
+    if name not in self._outputs:
+      raise KeyError(f"epilogue stores {name!r}, but only {sorted(self._outputs)} "
+                     "were declared")
+    if name in self.stored:
+      raise ValueError(f"epilogue stores {name!r} twice in one sub-tile")
+    spec, write = self._outputs[name]
+    em, en = self.shape
+    want = {OutputKind.TILE: (em, en // spec.width_divisor),
+            OutputKind.ROW_PARTIAL: (em,), OutputKind.COL_PARTIAL: (en,)}[spec.kind]
+    if tuple(value.shape) != want:
+      raise ValueError(f"epilogue stores {name!r} with shape {value.shape}, "
+                       f"expected {want}")
+    self.stored.add(name)
+    write(value.astype(spec.dtype))
+
+
+def store_main(out_name: str = "out") -> Callable[[EpilogueTile, jax.Array], None]:
+  """The plain epilogue: cast the accumulator and store it."""
+  def epilogue(tile: EpilogueTile, acc):
+    tile.store(out_name, acc)
+  return epilogue
+
+
+# Loads of 1-D operands name their register layout explicitly, so that they broadcast
+# against the WGMMA accumulator without a relayout.
+def load_row(ref) -> jax.Array:
+  return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+
+
+def load_col(ref) -> jax.Array:
+  return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+
+
+__all__ = ["EpilogueOutput", "EpilogueTile", "InputKind", "OutputKind", "store_main",
+           "check_input", "output_shape", "load_row", "load_col"]

@@ -1,0 +1,476 @@
+"""Persistent, warp-specialised Hopper GEMM with a composable epilogue.
+
+One memory warpgroup streams A and B tiles through a ``stages``-deep TMA ring into
+shared memory; two compute warpgroups each own half of a CTA tile and issue wgmma into
+fp32 register accumulators. When a tile's K loop ends, each compute warpgroup walks its
+accumulator in (epi_tile_m, epi_tile_n) sub-tiles and calls the epilogue closure on each
+(see ``epilogue.py``), then TMA-stores what the closure wrote. Stores are left in flight
+while the next tile's mainloop starts; the memory warpgroup has already prefetched the
+next tile's operands.
+
+Operand orders: ``trans_a`` reads A stored (K, M), ``trans_b`` reads B stored (N, K);
+both are fed to wgmma as transposed shared-memory views, so no transpose is materialised.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import epilogue as epi
+
+SMEM_LIMIT_BYTES = 227 * 1024  # sm90 per-block opt-in maximum
+_SMEM_RESERVE_BYTES = 1024  # barriers and alignment padding
+_REDUCTION_SCRATCH_BYTES = 2048  # plgpu.CompilerParams.reduction_scratch_bytes default
+
+
+class MatDim(enum.IntEnum):
+  M = 0
+  N = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+  """Tuning knobs. Tiles are per compute warpgroup; the CTA tile is two of them."""
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  stages: int = 4
+  epi_tile_m: int = 64
+  epi_tile_n: int = 64
+  wg_dim: MatDim = MatDim.M  # the two compute warpgroups split the CTA tile along this
+  grid_minor_dim: MatDim = MatDim.N
+  grid_tile_width: int = 16  # L2 reuse: tiles visited in bands this wide
+  mma_in_flight: int = 1  # wgmma groups left running when a K step ends (0 or 1)
+  # Pair CTAs along this dim into a cluster that multicasts the operand they share
+  # (cluster along M shares B tiles, along N shares A tiles), halving its L2 traffic.
+  cluster_dim: MatDim | None = MatDim.N
+
+  @property
+  def cluster_tile(self) -> tuple[int, int]:
+    """The unit the grid is divided into: a CTA tile, doubled along cluster_dim."""
+    cm, cn = self.cta_tile
+    return (cm * (2 if self.cluster_dim == MatDim.M else 1),
+            cn * (2 if self.cluster_dim == MatDim.N else 1))
+
+  @property
+  def cta_tile(self) -> tuple[int, int]:
+    return (self.tile_m * (2 if self.wg_dim == MatDim.M else 1),
+            self.tile_n * (2 if self.wg_dim == MatDim.N else 1))
+
+  def check(self):
+    for name in ("tile_m", "tile_n", "tile_k", "epi_tile_m", "epi_tile_n"):
+      v = getattr(self, name)
+      if v <= 0 or v % 8:
+        raise ValueError(f"GemmConfig.{name}={v} must be a positive multiple of 8")
+    if self.tile_m % 64:
+      raise ValueError(f"GemmConfig.tile_m={self.tile_m} must be a multiple of 64 (wgmma M)")
+    if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
+      raise ValueError(f"epilogue tile ({self.epi_tile_m}, {self.epi_tile_n}) must divide "
+                       f"the warpgroup tile ({self.tile_m}, {self.tile_n})")
+    if self.epi_tile_m % 64:
+      raise ValueError(f"GemmConfig.epi_tile_m={self.epi_tile_m} must be a multiple of 64")
+    if self.stages < 2 + self.mma_in_flight:
+      raise ValueError(f"GemmConfig.stages={self.stages} must be >= 2 + mma_in_flight")
+    if self.mma_in_flight not in (0, 1):
+      raise ValueError(f"GemmConfig.mma_in_flight={self.mma_in_flight} must be 0 or 1")
+
+
+def _swizzle_transforms(minor_elems: int, dtype) -> tuple:
+  swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
+  swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def smem_bytes(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
+               outputs: tuple[epi.EpilogueOutput, ...]) -> int:
+  """Shared memory one CTA needs for this config and epilogue program."""
+  it = jnp.dtype(dtype).itemsize
+  cm, cn = config.cta_tile
+  total = config.stages * (cm + cn) * config.tile_k * it
+  em, en = config.epi_tile_m, config.epi_tile_n
+  for o in outputs:  # 2 warpgroups x 2 slots
+    if o.kind == epi.OutputKind.TILE:
+      total += 4 * em * (en // o.width_divisor) * jnp.dtype(o.dtype).itemsize
+    else:
+      total += 4 * (em if o.kind == epi.OutputKind.ROW_PARTIAL else en) * 4
+  for name, kind in input_kinds.items():
+    isz = jnp.dtype(input_dtypes[name]).itemsize
+    total += {epi.InputKind.ROW: 2 * config.tile_m * isz,
+              epi.InputKind.COL: 2 * config.tile_n * isz,
+              epi.InputKind.TILE: 4 * em * en * isz}[kind]
+  if any(o.kind == epi.OutputKind.COL_PARTIAL for o in outputs):
+    total += 2 * _REDUCTION_SCRATCH_BYTES
+  return total + _SMEM_RESERVE_BYTES
+
+
+def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=None,
+                   input_dtypes=None, outputs=(), min_epi_tile_n: int = 1) -> GemmConfig:
+  """Per-shape defaults: the largest tiles that divide the problem and fit in SMEM.
+
+  Tuned on H100 (bench/tune_gemm.py, results in bench/results/): 256x128 CTA tiles (the
+  warpgroups split M) in clusters of two along N that multicast A, N-minor order in bands
+  of 16, and one wgmma group in flight were best or within 1% of best at every
+  benchmark shape.
+
+  ``min_epi_tile_n``: the epilogue sub-tile width must be a multiple of this (the
+  pair block of a pairwise epilogue).
+  """
+  input_kinds = input_kinds or {}
+  input_dtypes = input_dtypes or {}
+  candidates = [  # (tile_m, tile_n, wg_dim, cluster_dim), fastest first
+      (128, 128, MatDim.M, MatDim.N), (128, 128, MatDim.M, None), (128, 128, MatDim.N, None),
+      (128, 64, MatDim.N, None), (64, 128, MatDim.M, None), (64, 64, MatDim.N, None),
+      (64, 32, MatDim.N, None)]
+  for tm, tn, wg, cl in candidates:
+    for tk in (64, 32, 16):
+      probe = GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, wg_dim=wg, cluster_dim=cl)
+      if k % tk or m % probe.cluster_tile[0] or n % probe.cluster_tile[1]:
+        continue
+      # Pipeline depth matters more than epilogue sub-tile width: try narrower sub-tiles
+      # (smaller epilogue buffers) before fewer stages.
+      for stages in (4, 3, 2):
+        for en in (64, 32, 16):
+          en = max(min(en, tn), min_epi_tile_n)
+          if tn % en or en % min_epi_tile_n:
+            continue
+          cfg = dataclasses.replace(probe, epi_tile_n=en, stages=stages,
+                                    mma_in_flight=int(stages > 2))
+          if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs) <= SMEM_LIMIT_BYTES:
+            return cfg
+  raise ValueError(f"no GEMM tiling divides (M, N, K)=({m}, {n}, {k}) with an epilogue "
+                   f"width that is a multiple of {min_epi_tile_n}: M must be a multiple of "
+                   "64, N of 64 and K of 16")
+
+
+def interpret_params():
+  """Mosaic GPU's CPU interpreter, for tests on machines without a Hopper GPU."""
+  return plgpu.InterpretGPUParams()
+
+
+def _check_operands(a, b, trans_a, trans_b) -> tuple[int, int, int]:
+  if a.ndim != 2 or b.ndim != 2:
+    raise ValueError(f"a and b must be 2-D, got a.shape={a.shape}, b.shape={b.shape}")
+  if a.dtype != b.dtype:
+    raise ValueError(f"a and b must share a dtype, got {a.dtype} and {b.dtype}")
+  if a.dtype not in (jnp.bfloat16, jnp.float16):
+    raise ValueError(f"a.dtype={a.dtype}: the Hopper GEMM takes bfloat16 or float16")
+  m, k = a.shape[::-1] if trans_a else a.shape
+  k2, n = b.shape[::-1] if trans_b else b.shape
+  if k != k2:
+    raise ValueError(f"contracting dims differ: a gives K={k} ({'(K, M)' if trans_a else '(M, K)'}"
+                     f" layout), b gives K={k2} ({'(N, K)' if trans_b else '(K, N)'} layout)")
+  return m, n, k
+
+
+def _check_tiling(m, n, k, config: GemmConfig):
+  config.check()
+  cm, cn = config.cluster_tile
+  if m % cm or n % cn or k % config.tile_k:
+    raise ValueError(f"(M, N, K)=({m}, {n}, {k}) must be multiples of the cluster tile "
+                     f"({cm}, {cn}, {config.tile_k}) of {config}")
+
+
+class _Epilogue:
+  """One compute warpgroup's epilogue machinery: staging of extra
+  operands, the sub-tile walk that calls the closure, and the TMA stores."""
+
+  def __init__(self, cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg):
+    self.cfg, self.in_gmem, self.out_gmem = cfg, in_gmem, out_gmem
+    self.kinds, self.outputs, self.fn, self.smem, self.wg = (
+        input_kinds, outputs, epilogue, smem, wg)
+    self.tiles_in = [nm for nm, kd in input_kinds.items() if kd == epi.InputKind.TILE]
+    self.vecs_in = [nm for nm, kd in input_kinds.items() if kd != epi.InputKind.TILE]
+    em, en = cfg.epi_tile_m, cfg.epi_tile_n
+    self.sub_tiles = [(i, j) for i in range(cfg.tile_m // em) for j in range(cfg.tile_n // en)]
+
+  @staticmethod
+  def scratch(cfg, input_kinds, input_dtypes, outputs) -> dict:
+    em, en = cfg.epi_tile_m, cfg.epi_tile_n
+    out = {}
+    for o in outputs:  # [warpgroup, slot, ...]
+      if o.kind == epi.OutputKind.TILE:
+        w = en // o.width_divisor
+        out["o_" + o.name] = plgpu.SMEM((2, 2, em, w), o.dtype,
+                                        transforms=_swizzle_transforms(w, o.dtype))
+      else:
+        length = em if o.kind == epi.OutputKind.ROW_PARTIAL else en
+        out["o_" + o.name] = plgpu.SMEM((2, 2, length), jnp.float32)
+    tiles = [nm for nm, kd in input_kinds.items() if kd == epi.InputKind.TILE]
+    vecs = [nm for nm, kd in input_kinds.items() if kd != epi.InputKind.TILE]
+    for nm in tiles:
+      dt = input_dtypes[nm]
+      out["i_" + nm] = plgpu.SMEM((2, 2, em, en), dt, transforms=_swizzle_transforms(en, dt))
+    for nm in vecs:
+      length = cfg.tile_m if input_kinds[nm] == epi.InputKind.ROW else cfg.tile_n
+      out["i_" + nm] = plgpu.SMEM((2, length), input_dtypes[nm])
+    if tiles:
+      out["tile_bar"] = plgpu.Barrier(num_arrivals=len(tiles), num_barriers=4)
+    if vecs:
+      out["vec_bar"] = plgpu.Barrier(num_arrivals=len(vecs), num_barriers=2)
+    return out
+
+  def _origin(self, s, row_base, col_base):
+    i, j = self.sub_tiles[s]
+    em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
+    return pl.multiple_of(row_base + i * em, em), pl.multiple_of(col_base + j * en, en)
+
+  def _fetch_tiles(self, s, row_base, col_base):
+    r0, c0 = self._origin(s, row_base, col_base)
+    em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
+    for nm in self.tiles_in:
+      plgpu.copy_gmem_to_smem(self.in_gmem[nm].at[pl.ds(r0, em), pl.ds(c0, en)],
+                              self.smem["i_" + nm].at[self.wg, s % 2],
+                              self.smem["tile_bar"].at[self.wg * 2 + s % 2])
+
+  def prefetch(self, row_base, col_base):
+    """Issues the operand loads for the tile at (row_base, col_base); call before the
+    mainloop so they land while it runs."""
+    if not (self.vecs_in or self.tiles_in):
+      return
+    # The previous tile's epilogue may still be reading these buffers in other warps:
+    # commit_smem ends with a warpgroup barrier.
+    plgpu.commit_smem()
+    for nm in self.vecs_in:
+      if self.kinds[nm] == epi.InputKind.ROW:
+        src = self.in_gmem[nm].at[pl.ds(row_base, self.cfg.tile_m)]
+      else:
+        src = self.in_gmem[nm].at[pl.ds(col_base, self.cfg.tile_n)]
+      plgpu.copy_gmem_to_smem(src, self.smem["i_" + nm].at[self.wg],
+                              self.smem["vec_bar"].at[self.wg])
+    # Tile operands run two sub-tiles ahead of the epilogue, one per slot.
+    for s in range(min(2, len(self.sub_tiles)) if self.tiles_in else 0):
+      self._fetch_tiles(s, row_base, col_base)
+
+  def run(self, acc, row_base, col_base):
+    if self.vecs_in:
+      plgpu.barrier_wait(self.smem["vec_bar"].at[self.wg])
+    if not any(o.kind == epi.OutputKind.COL_PARTIAL for o in self.outputs):
+      self._subtiles(acc, row_base, col_base)
+      return
+    # Cross-warp (column) reductions use compiler-placed scratch at a static SMEM offset,
+    # the same for both warpgroups: give warpgroup 1 its own copy of the epilogue, traced
+    # under a padding allocation that moves its scratch.
+    pl.when(self.wg == 0)(lambda: self._subtiles(acc, row_base, col_base))
+    pl.when(self.wg == 1)(lambda: pl.run_scoped(
+        lambda _pad: self._subtiles(acc, row_base, col_base),
+        plgpu.SMEM((_REDUCTION_SCRATCH_BYTES // 4,), jnp.float32), collective_axes="wg"))
+
+  def _subtiles(self, acc, row_base, col_base):
+    em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
+    for s, (i, j) in enumerate(self.sub_tiles):
+      slot = s % 2
+      r0, c0 = self._origin(s, row_base, col_base)
+      if self.tiles_in:
+        plgpu.barrier_wait(self.smem["tile_bar"].at[self.wg * 2 + slot])
+      # The stores issued two sub-tiles ago used this slot.
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      tile = self._tile(slot, i, j, r0, c0)
+      self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
+      missing = {o.name for o in self.outputs} - tile.stored
+      if missing:
+        raise ValueError(f"epilogue did not store outputs {sorted(missing)}")
+      plgpu.commit_smem()  # also: every warp is done reading this slot's operands
+      if self.tiles_in and s + 2 < len(self.sub_tiles):
+        self._fetch_tiles(s + 2, row_base, col_base)
+      for o in self.outputs:
+        plgpu.copy_smem_to_gmem(self.smem["o_" + o.name].at[self.wg, slot],
+                                self._window(o, r0, c0), commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
+
+  def _tile(self, slot, i, j, r0, c0):
+    em, en, smem, wg = self.cfg.epi_tile_m, self.cfg.epi_tile_n, self.smem, self.wg
+
+    def reader(nm):
+      kind = self.kinds[nm]
+      if kind == epi.InputKind.TILE:
+        return lambda: smem["i_" + nm].at[wg, slot][...]
+      if kind == epi.InputKind.ROW:
+        return lambda: epi.load_row(smem["i_" + nm].at[wg, pl.ds(i * em, em)])
+      return lambda: epi.load_col(smem["i_" + nm].at[wg, pl.ds(j * en, en)])
+
+    def writer(o):
+      def write(value):
+        smem["o_" + o.name][wg, slot] = value
+      return write
+
+    return epi.EpilogueTile(
+        row0=r0, col0=c0, shape=(em, en),
+        inputs={nm: (kind, reader(nm)) for nm, kind in self.kinds.items()},
+        outputs={o.name: (o, writer(o)) for o in self.outputs})
+
+  def _window(self, o, r0, c0):
+    em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
+    ref = self.out_gmem[o.name]
+    if o.kind == epi.OutputKind.TILE:
+      w = en // o.width_divisor
+      return ref.at[pl.ds(r0, em), pl.ds(pl.multiple_of(c0 // o.width_divisor, w), w)]
+    if o.kind == epi.OutputKind.ROW_PARTIAL:
+      return ref.at[c0 // en, pl.ds(r0, em)]
+    return ref.at[r0 // em, pl.ds(c0, en)]
+
+
+def _operand_views(a_smem, b_smem, trans_a, trans_b, wg_m, wg_n):
+  """wgmma operands from shared-memory tiles, transposed views where stored so."""
+  a_op = a_smem.at[:, wg_m].transpose((1, 0)) if trans_a else a_smem.at[wg_m]
+  b_op = b_smem.at[wg_n].transpose((1, 0)) if trans_b else b_smem.at[:, wg_n]
+  return a_op, b_op
+
+
+def _kernel(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, trans_b,
+            input_names, input_kinds, outputs, epilogue):
+  """Both compute warpgroups share each CTA tile and each pipeline stage."""
+  in_gmem = dict(zip(input_names, refs[:len(input_names)]))
+  out_gmem = dict(zip([o.name for o in outputs], refs[len(input_names):]))
+  dtype = a_gmem.dtype
+  tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+  cm, cn = cfg.cta_tile
+  clm, cln = cfg.cluster_tile
+  m_iters, n_iters, k_iters = m // clm, n // cln, k // tk
+  share_a = ("cluster",) if cfg.cluster_dim == MatDim.N else ()
+  share_b = ("cluster",) if cfg.cluster_dim == MatDim.M else ()
+  a_block = (tk, cm) if trans_a else (cm, tk)
+  b_block = (cn, tk) if trans_b else (tk, cn)
+  # With an MMA left in flight, its operands' slot is released one step late.
+  a_spec = plgpu.BlockSpec(a_block, (lambda kk: (kk, 0)) if trans_a else (lambda kk: (0, kk)),
+                           transforms=_swizzle_transforms(a_block[1], dtype),
+                           delay_release=cfg.mma_in_flight, collective_axes=share_a)
+  b_spec = plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if trans_b else (lambda kk: (kk, 0)),
+                           transforms=_swizzle_transforms(b_block[1], dtype),
+                           delay_release=cfg.mma_in_flight, collective_axes=share_b)
+
+  def pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_iters,), memory_registers=40, in_specs=[a_spec, b_spec],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=cfg.stages,
+        compute_context=compute_context)
+
+  def scope(pipeline_allocs, **smem):
+    wg = lax.axis_index("wg")
+    ep = _Epilogue(cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg)
+
+    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+    def _tile_loop(info):
+      (lin,) = info.index
+      mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), cfg.grid_minor_dim,
+                                  cfg.grid_tile_width)
+      if cfg.cluster_dim == MatDim.M:
+        mi = mi * 2 + lax.axis_index("cluster")
+      elif cfg.cluster_dim == MatDim.N:
+        ni = ni * 2 + lax.axis_index("cluster")
+      if cfg.wg_dim == MatDim.M:
+        row_base, col_base = mi * cm + wg * tm, ni * cn
+        wg_m, wg_n = pl.ds(wg * tm, tm), slice(None)
+      else:
+        row_base, col_base = mi * cm, ni * cn + wg * tn
+        wg_m, wg_n = slice(None), pl.ds(wg * tn, tn)
+
+      def compute_context(run_mainloop):
+        ep.prefetch(row_base, col_base)
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+        def _acc_scope(acc_ref):
+          run_mainloop(acc_ref)
+          ep.run(acc_ref[...], row_base, col_base)
+
+      def mma_body(_, a_smem, b_smem, acc_ref):
+        plgpu.wgmma(acc_ref, *_operand_views(a_smem, b_smem, trans_a, trans_b, wg_m, wg_n))
+        plgpu.wgmma_wait(cfg.mma_in_flight)
+        return acc_ref
+
+      a_cta = a_gmem.at[:, pl.ds(mi * cm, cm)] if trans_a else a_gmem.at[pl.ds(mi * cm, cm)]
+      b_cta = b_gmem.at[pl.ds(ni * cn, cn)] if trans_b else b_gmem.at[:, pl.ds(ni * cn, cn)]
+      pipeline(mma_body, compute_context)(a_cta, b_cta, allocations=pipeline_allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  ignore = lambda *_, **__: None
+  pl.run_scoped(
+      scope,
+      pipeline_allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+      collective_axes="wg",
+      **_Epilogue.scratch(cfg, input_kinds, {nm: r.dtype for nm, r in in_gmem.items()},
+                          outputs),
+  )
+
+
+def gemm(a: jax.Array, b: jax.Array, *,
+         inputs: dict[str, tuple[epi.InputKind, jax.Array]] | None = None,
+         epilogue: Callable | None = None,
+         outputs: tuple[epi.EpilogueOutput, ...] | None = None,
+         trans_a: bool = False, trans_b: bool = False,
+         config: GemmConfig | None = None, num_sms: int | None = None,
+         interpret=None) -> dict[str, jax.Array]:
+  """Runs ``a @ b`` (operands optionally transposed) with an epilogue program.
+
+  Args:
+    a: (M, K), or (K, M) with ``trans_a``. bfloat16 or float16.
+    b: (K, N), or (N, K) with ``trans_b``. Same dtype as ``a``.
+    inputs: extra operands, name -> (kind, array); row (M,), col (N,), tile (M, N).
+    epilogue: ``fn(tile, acc)``; default stores ``acc`` to the output ``"out"``.
+    outputs: declared outputs; default one (M, N) ``"out"`` in ``a.dtype``.
+    config: tuning; default ``default_config`` for the shape and program.
+    num_sms: size of the persistent grid; default the device's SM count.
+    interpret: ``plgpu.InterpretGPUParams()`` to run on CPU through the interpreter.
+  Returns:
+    dict of output name to array, shapes per ``epilogue.output_shape``.
+  """
+  inputs = dict(inputs or {})
+  outputs = tuple(outputs) if outputs is not None else (epi.EpilogueOutput("out", dtype=a.dtype),)
+  epilogue = epilogue or epi.store_main(outputs[0].name)
+  names = [o.name for o in outputs]
+  if len(set(names)) != len(names):
+    raise ValueError(f"output names must be unique, got {names}")
+  m, n, k = _check_operands(a, b, trans_a, trans_b)
+  for nm, (kind, v) in inputs.items():
+    epi.check_input(nm, kind, v, m, n)
+  input_kinds = {nm: kind for nm, (kind, _) in inputs.items()}
+  input_dtypes = {nm: v.dtype for nm, (_, v) in inputs.items()}
+  if config is None:
+    config = default_config(m, n, k, a.dtype, input_kinds=input_kinds,
+                            input_dtypes=input_dtypes, outputs=outputs)
+  _check_tiling(m, n, k, config)
+  for o in outputs:
+    if o.kind == epi.OutputKind.TILE and (config.epi_tile_n // o.width_divisor) % 8:
+      raise ValueError(f"output {o.name!r}: epi_tile_n={config.epi_tile_n} / "
+                       f"{o.width_divisor} must be a multiple of 8")
+  need = smem_bytes(config, a.dtype, input_kinds, input_dtypes, outputs)
+  if need > SMEM_LIMIT_BYTES:
+    raise ValueError(f"{config} with this epilogue needs {need} bytes of shared memory, "
+                     f"over the {SMEM_LIMIT_BYTES}-byte limit: lower stages or tiles")
+  if num_sms is None:
+    num_sms = jax.devices()[0].core_count if interpret is None else 2
+  tiles = (m // config.cluster_tile[0]) * (n // config.cluster_tile[1])
+  cluster = 1 if config.cluster_dim is None else 2
+  out_type = tuple(
+      jax.ShapeDtypeStruct(epi.output_shape(o, m, n, config.epi_tile_m, config.epi_tile_n),
+                           o.dtype) for o in outputs)
+  names_in = tuple(inputs)
+  grid = min(num_sms // cluster, tiles)
+  kernel = plgpu.kernel(
+      functools.partial(_kernel, cfg=config, m=m, n=n, k=k, trans_a=trans_a,
+                        trans_b=trans_b, input_names=names_in, input_kinds=input_kinds,
+                        outputs=outputs, epilogue=epilogue),
+      out_type=out_type,
+      grid=(grid,),
+      grid_names=("sm",),
+      cluster=(cluster,),
+      cluster_names=("cluster",),
+      num_threads=3,
+      thread_name="wg",
+      # approx_math: SFU exp/sin/cos/division in epilogues (inputs are range-reduced
+      # where that matters; see coda_jax.primitives.Rotate).
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
+      interpret=interpret,
+  )
+  results = kernel(a, b, *(inputs[nm][1] for nm in names_in))
+  return dict(zip(names, results))

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Creates .venv with Python >= 3.12 and installs coda-jax with its test and bench extras
+# (jax/jaxlib pinned to 0.11.2, the GPU host's version). Idempotent; prints the python.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+find_python() {
+  for cand in python3.12 python3.13 python3; do
+    if command -v "$cand" >/dev/null 2>&1 &&
+       "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+      echo "$cand"; return 0
+    fi
+  done
+  # pyenv shims exist but point elsewhere unless told which version to use.
+  if command -v pyenv >/dev/null 2>&1; then
+    for v in $(pyenv versions --bare | grep -E '^3\.(1[2-9])' | sort -rV); do
+      echo "$(pyenv root)/versions/$v/bin/python3"; return 0
+    done
+  fi
+  return 1
+}
+if [ ! -x .venv/bin/python ]; then
+  py=$(find_python) || { echo "setup: need Python >= 3.12 (jax 0.11 requires it)" >&2; exit 1; }
+  echo "setup: creating .venv with $py ($("$py" --version))" >&2
+  "$py" -m venv .venv
+fi
+stamp=.venv/.coda-jax-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip >&2
+  .venv/bin/python -m pip install -q -e ".[test,bench]" >&2
+  touch "$stamp"
+fi
+echo "$(pwd)/.venv/bin/python"
