@@ -69,18 +69,17 @@ def sweep(shapes):
     b = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
     xla = time_ms(jax.jit(lambda a, b: a @ b), a, b)
     best = None
-    for tm, tn, (wg, gmin), tk, st, gw, fl, cl in itertools.product(
-        (128,), (128,), ((MatDim.N, MatDim.M), (MatDim.M, MatDim.N)), (64,), (4,), (8, 16), (1,),
+    for tm, tn, (wg, gmin), tk, st, gw, cl in itertools.product(
+        (128,), (128,), ((MatDim.N, MatDim.M), (MatDim.M, MatDim.N)), (64,), (4,), (8, 16),
         (None, MatDim.M, MatDim.N)):
       cfg = GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=st, wg_dim=wg,
-                       grid_minor_dim=gmin, grid_tile_width=gw, mma_in_flight=fl,
-                       cluster_dim=cl)
+                       grid_minor_dim=gmin, grid_tile_width=gw, cluster_dim=cl)
       try:
         t = time_ms(jax.jit(lambda a, b, cfg=cfg: gemm(a, b, config=cfg)["out"]), a, b)
       except Exception as e:
         print(f"  {cfg}: {type(e).__name__} {str(e)[:200]}", flush=True)
         continue
-      print(f"  {m}x{k}x{n} wg={wg.name} minor={gmin.name} width={gw} in_flight={fl} "
+      print(f"  {m}x{k}x{n} wg={wg.name} minor={gmin.name} width={gw} "
             f"cluster={cl.name if cl is not None else None}: {t:.4f} ms "
             f"(xla {xla:.4f})", flush=True)
       if best is None or t < best[0]:

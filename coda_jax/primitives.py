@@ -215,7 +215,7 @@ class ColSum(Primitive):
   name: str
 
   def outputs(self, width_divisor):
-    return (EpilogueOutput(self.name, OutputKind.COL_PARTIAL, jnp.float32),)
+    return (EpilogueOutput(self.name, OutputKind.COL_PARTIAL, jnp.float32, width_divisor),)
 
   def apply(self, x, env):
     env.store(self.name, jnp.sum(x, axis=0))

@@ -15,7 +15,8 @@ Output kinds:
   tile         (M, N // width_divisor); ``tile.store`` takes (epi_m, epi_n // width_divisor)
   row_partial  (N // epi_tile_n, M) fp32; ``tile.store`` takes (epi_m,): one partial per
                row and epilogue column block, finished by a reduction over axis 0.
-  col_partial  (M // epi_tile_m, N) fp32; ``tile.store`` takes (epi_n,).
+  col_partial  (M // epi_tile_m, N // width_divisor) fp32; ``tile.store`` takes
+               (epi_n // width_divisor,).
 
 Every declared output must be stored exactly once per sub-tile: the kernel checks this
 at trace time, so an unwritten output is an error, not garbage.
@@ -49,7 +50,7 @@ class EpilogueOutput:
   name: str
   kind: OutputKind = OutputKind.TILE
   dtype: Any = jnp.bfloat16
-  width_divisor: int = 1  # 2 for the half-width output of a gated pair
+  width_divisor: int = 1  # 2 after a gated pair halved the width (tile, col_partial)
 
   def __post_init__(self):
     if self.width_divisor not in (1, 2):
@@ -57,6 +58,9 @@ class EpilogueOutput:
                        f"got {self.width_divisor}")
     if self.kind != OutputKind.TILE and jnp.dtype(self.dtype) != jnp.float32:
       raise ValueError(f"output {self.name!r}: partial reductions are fp32")
+    if self.kind == OutputKind.ROW_PARTIAL and self.width_divisor != 1:
+      raise ValueError(f"output {self.name!r}: row partials have one value per row; "
+                       "width_divisor does not apply")
 
 
 def check_input(name: str, kind: InputKind, value, m: int, n: int) -> None:
@@ -71,7 +75,7 @@ def output_shape(out: EpilogueOutput, m: int, n: int, epi_m: int, epi_n: int):
     return (m, n // out.width_divisor)
   if out.kind == OutputKind.ROW_PARTIAL:
     return (n // epi_n, m)
-  return (m // epi_m, n)
+  return (m // epi_m, n // out.width_divisor)
 
 
 class EpilogueTile:
@@ -101,7 +105,8 @@ class EpilogueTile:
     spec, write = self._outputs[name]
     em, en = self.shape
     want = {OutputKind.TILE: (em, en // spec.width_divisor),
-            OutputKind.ROW_PARTIAL: (em,), OutputKind.COL_PARTIAL: (en,)}[spec.kind]
+            OutputKind.ROW_PARTIAL: (em,),
+            OutputKind.COL_PARTIAL: (en // spec.width_divisor,)}[spec.kind]
     if tuple(value.shape) != want:
       raise ValueError(f"epilogue stores {name!r} with shape {value.shape}, "
                        f"expected {want}")

@@ -49,7 +49,6 @@ class GemmConfig:
   wg_dim: MatDim = MatDim.M  # the two compute warpgroups split the CTA tile along this
   grid_minor_dim: MatDim = MatDim.N
   grid_tile_width: int = 16  # L2 reuse: tiles visited in bands this wide
-  mma_in_flight: int = 1  # wgmma groups left running when a K step ends (0 or 1)
   # Pair CTAs along this dim into a cluster that multicasts the operand they share
   # (cluster along M shares B tiles, along N shares A tiles), halving its L2 traffic.
   cluster_dim: MatDim | None = MatDim.N
@@ -78,10 +77,8 @@ class GemmConfig:
                        f"the warpgroup tile ({self.tile_m}, {self.tile_n})")
     if self.epi_tile_m % 64:
       raise ValueError(f"GemmConfig.epi_tile_m={self.epi_tile_m} must be a multiple of 64")
-    if self.stages < 2 + self.mma_in_flight:
-      raise ValueError(f"GemmConfig.stages={self.stages} must be >= 2 + mma_in_flight")
-    if self.mma_in_flight not in (0, 1):
-      raise ValueError(f"GemmConfig.mma_in_flight={self.mma_in_flight} must be 0 or 1")
+    if self.stages < 2:
+      raise ValueError(f"GemmConfig.stages={self.stages} must be >= 2")
 
 
 def _swizzle_transforms(minor_elems: int, dtype) -> tuple:
@@ -101,25 +98,27 @@ def smem_bytes(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
     if o.kind == epi.OutputKind.TILE:
       total += 4 * em * (en // o.width_divisor) * jnp.dtype(o.dtype).itemsize
     else:
-      total += 4 * (em if o.kind == epi.OutputKind.ROW_PARTIAL else en) * 4
+      total += 4 * (em if o.kind == epi.OutputKind.ROW_PARTIAL else en // o.width_divisor) * 4
   for name, kind in input_kinds.items():
     isz = jnp.dtype(input_dtypes[name]).itemsize
     total += {epi.InputKind.ROW: 2 * config.tile_m * isz,
               epi.InputKind.COL: 2 * config.tile_n * isz,
               epi.InputKind.TILE: 4 * em * en * isz}[kind]
   if any(o.kind == epi.OutputKind.COL_PARTIAL for o in outputs):
-    total += 2 * _REDUCTION_SCRATCH_BYTES
+    total += _REDUCTION_SCRATCH_BYTES
   return total + _SMEM_RESERVE_BYTES
 
 
 def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=None,
-                   input_dtypes=None, outputs=(), min_epi_tile_n: int = 1) -> GemmConfig:
+                   input_dtypes=None, outputs=(), min_epi_tile_n: int = 1,
+                   trans_a: bool = False, trans_b: bool = False) -> GemmConfig:
   """Per-shape defaults: the largest tiles that divide the problem and fit in SMEM.
 
   Tuned on H100 (bench/tune_gemm.py, results in bench/results/): 256x128 CTA tiles (the
   warpgroups split M) in clusters of two along N that multicast A, N-minor order in bands
   of 16, and one wgmma group in flight were best or within 1% of best at every
   benchmark shape.
+  ``trans_a`` / ``not trans_b`` (MN-major operands) need tile_k a multiple of 64.
 
   ``min_epi_tile_n``: the epilogue sub-tile width must be a multiple of this (the
   pair block of a pairwise epilogue).
@@ -131,7 +130,7 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
       (128, 64, MatDim.N, None), (64, 128, MatDim.M, None), (64, 64, MatDim.N, None),
       (64, 32, MatDim.N, None)]
   for tm, tn, wg, cl in candidates:
-    for tk in (64, 32, 16):
+    for tk in (64, 32, 16) if (not trans_a and trans_b) else (64,):
       probe = GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, wg_dim=wg, cluster_dim=cl)
       if k % tk or m % probe.cluster_tile[0] or n % probe.cluster_tile[1]:
         continue
@@ -142,13 +141,12 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
           en = max(min(en, tn), min_epi_tile_n)
           if tn % en or en % min_epi_tile_n:
             continue
-          cfg = dataclasses.replace(probe, epi_tile_n=en, stages=stages,
-                                    mma_in_flight=int(stages > 2))
+          cfg = dataclasses.replace(probe, epi_tile_n=en, stages=stages)
           if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs) <= SMEM_LIMIT_BYTES:
             return cfg
   raise ValueError(f"no GEMM tiling divides (M, N, K)=({m}, {n}, {k}) with an epilogue "
                    f"width that is a multiple of {min_epi_tile_n}: M must be a multiple of "
-                   "64, N of 64 and K of 16")
+                   "64, N of 64 and K of 64 (of 16 with A (M, K) and B (N, K))")
 
 
 def interpret_params():
@@ -156,13 +154,15 @@ def interpret_params():
   return plgpu.InterpretGPUParams()
 
 
-def _check_operands(a, b, trans_a, trans_b) -> tuple[int, int, int]:
+def check_operands(a, b, trans_a=False, trans_b=False,
+                   dtypes=(jnp.bfloat16, jnp.float16)) -> tuple[int, int, int]:
+  """Validates GEMM operands (rank, shared dtype in ``dtypes``, K); returns (M, N, K)."""
   if a.ndim != 2 or b.ndim != 2:
     raise ValueError(f"a and b must be 2-D, got a.shape={a.shape}, b.shape={b.shape}")
   if a.dtype != b.dtype:
     raise ValueError(f"a and b must share a dtype, got {a.dtype} and {b.dtype}")
-  if a.dtype not in (jnp.bfloat16, jnp.float16):
-    raise ValueError(f"a.dtype={a.dtype}: the Hopper GEMM takes bfloat16 or float16")
+  if a.dtype not in dtypes:
+    raise ValueError(f"a.dtype={a.dtype}: expected one of {[jnp.dtype(d).name for d in dtypes]}")
   m, k = a.shape[::-1] if trans_a else a.shape
   k2, n = b.shape[::-1] if trans_b else b.shape
   if k != k2:
@@ -171,8 +171,11 @@ def _check_operands(a, b, trans_a, trans_b) -> tuple[int, int, int]:
   return m, n, k
 
 
-def _check_tiling(m, n, k, config: GemmConfig):
+def _check_tiling(m, n, k, config: GemmConfig, trans_a: bool, trans_b: bool):
   config.check()
+  if (trans_a or not trans_b) and config.tile_k % 64:
+    raise ValueError(f"tile_k={config.tile_k}: an operand stored MN-major (A as (K, M) or "
+                     "B as (K, N)) needs tile_k to be a multiple of 64 for wgmma")
   cm, cn = config.cluster_tile
   if m % cm or n % cn or k % config.tile_k:
     raise ValueError(f"(M, N, K)=({m}, {n}, {k}) must be multiples of the cluster tile "
@@ -202,7 +205,7 @@ class _Epilogue:
         out["o_" + o.name] = plgpu.SMEM((2, 2, em, w), o.dtype,
                                         transforms=_swizzle_transforms(w, o.dtype))
       else:
-        length = em if o.kind == epi.OutputKind.ROW_PARTIAL else en
+        length = em if o.kind == epi.OutputKind.ROW_PARTIAL else en // o.width_divisor
         out["o_" + o.name] = plgpu.SMEM((2, 2, length), jnp.float32)
     tiles = [nm for nm, kd in input_kinds.items() if kd == epi.InputKind.TILE]
     vecs = [nm for nm, kd in input_kinds.items() if kd != epi.InputKind.TILE]
@@ -216,6 +219,8 @@ class _Epilogue:
       out["tile_bar"] = plgpu.Barrier(num_arrivals=len(tiles), num_barriers=4)
     if vecs:
       out["vec_bar"] = plgpu.Barrier(num_arrivals=len(vecs), num_barriers=2)
+    if any(o.kind == epi.OutputKind.COL_PARTIAL for o in outputs):
+      out["turn"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)
     return out
 
   def _origin(self, s, row_base, col_base):
@@ -253,16 +258,17 @@ class _Epilogue:
   def run(self, acc, row_base, col_base):
     if self.vecs_in:
       plgpu.barrier_wait(self.smem["vec_bar"].at[self.wg])
-    if not any(o.kind == epi.OutputKind.COL_PARTIAL for o in self.outputs):
+    if "turn" not in self.smem:
       self._subtiles(acc, row_base, col_base)
       return
-    # Cross-warp (column) reductions use compiler-placed scratch at a static SMEM offset,
-    # the same for both warpgroups: give warpgroup 1 its own copy of the epilogue, traced
-    # under a padding allocation that moves its scratch.
-    pl.when(self.wg == 0)(lambda: self._subtiles(acc, row_base, col_base))
-    pl.when(self.wg == 1)(lambda: pl.run_scoped(
-        lambda _pad: self._subtiles(acc, row_base, col_base),
-        plgpu.SMEM((_REDUCTION_SCRATCH_BYTES // 4,), jnp.float32), collective_axes="wg"))
+    # Column (cross-warp) reductions use compiler-placed SMEM scratch at one static
+    # offset, the same for both warpgroups: take turns, warpgroup 0 first.
+    turn = self.smem["turn"]
+    pl.when(self.wg == 1)(lambda: plgpu.barrier_wait(turn.at[0]))
+    self._subtiles(acc, row_base, col_base)
+    pl.when(self.wg == 0)(lambda: plgpu.barrier_arrive(turn.at[0]))
+    pl.when(self.wg == 1)(lambda: plgpu.barrier_arrive(turn.at[1]))
+    pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(turn.at[1]))
 
   def _subtiles(self, acc, row_base, col_base):
     em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
@@ -271,8 +277,9 @@ class _Epilogue:
       r0, c0 = self._origin(s, row_base, col_base)
       if self.tiles_in:
         plgpu.barrier_wait(self.smem["tile_bar"].at[self.wg * 2 + slot])
-      # The stores issued two sub-tiles ago used this slot.
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      # The stores issued two sub-tiles ago used this slot; at a tile's first sub-tile
+      # the previous tile's last store may have used it too (odd sub-tile counts).
+      plgpu.wait_smem_to_gmem(0 if s == 0 else 1, wait_read_only=True)
       tile = self._tile(slot, i, j, r0, c0)
       self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
       missing = {o.name for o in self.outputs} - tile.stored
@@ -315,7 +322,8 @@ class _Epilogue:
       return ref.at[pl.ds(r0, em), pl.ds(pl.multiple_of(c0 // o.width_divisor, w), w)]
     if o.kind == epi.OutputKind.ROW_PARTIAL:
       return ref.at[c0 // en, pl.ds(r0, em)]
-    return ref.at[r0 // em, pl.ds(c0, en)]
+    w = en // o.width_divisor
+    return ref.at[r0 // em, pl.ds(pl.multiple_of(c0 // o.width_divisor, w), w)]
 
 
 def _operand_views(a_smem, b_smem, trans_a, trans_b, wg_m, wg_n):
@@ -339,13 +347,12 @@ def _kernel(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, trans_b,
   share_b = ("cluster",) if cfg.cluster_dim == MatDim.M else ()
   a_block = (tk, cm) if trans_a else (cm, tk)
   b_block = (cn, tk) if trans_b else (tk, cn)
-  # With an MMA left in flight, its operands' slot is released one step late.
   a_spec = plgpu.BlockSpec(a_block, (lambda kk: (kk, 0)) if trans_a else (lambda kk: (0, kk)),
                            transforms=_swizzle_transforms(a_block[1], dtype),
-                           delay_release=cfg.mma_in_flight, collective_axes=share_a)
+                           collective_axes=share_a)
   b_spec = plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if trans_b else (lambda kk: (kk, 0)),
                            transforms=_swizzle_transforms(b_block[1], dtype),
-                           delay_release=cfg.mma_in_flight, collective_axes=share_b)
+                           collective_axes=share_b)
 
   def pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -383,7 +390,10 @@ def _kernel(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, trans_b,
 
       def mma_body(_, a_smem, b_smem, acc_ref):
         plgpu.wgmma(acc_ref, *_operand_views(a_smem, b_smem, trans_a, trans_b, wg_m, wg_n))
-        plgpu.wgmma_wait(cfg.mma_in_flight)
+        # Wait for this MMA before its slot is released: with the MMA left in flight
+        # (delay_release) the pipeline never releases the last K step's slot, and the
+        # next tile's prologue overwrites it while the MMA may still read it.
+        plgpu.wgmma_wait(0)
         return acc_ref
 
       a_cta = a_gmem.at[:, pl.ds(mi * cm, cm)] if trans_a else a_gmem.at[pl.ds(mi * cm, cm)]
@@ -429,15 +439,16 @@ def gemm(a: jax.Array, b: jax.Array, *,
   names = [o.name for o in outputs]
   if len(set(names)) != len(names):
     raise ValueError(f"output names must be unique, got {names}")
-  m, n, k = _check_operands(a, b, trans_a, trans_b)
+  m, n, k = check_operands(a, b, trans_a, trans_b)
   for nm, (kind, v) in inputs.items():
     epi.check_input(nm, kind, v, m, n)
   input_kinds = {nm: kind for nm, (kind, _) in inputs.items()}
   input_dtypes = {nm: v.dtype for nm, (_, v) in inputs.items()}
   if config is None:
     config = default_config(m, n, k, a.dtype, input_kinds=input_kinds,
-                            input_dtypes=input_dtypes, outputs=outputs)
-  _check_tiling(m, n, k, config)
+                            input_dtypes=input_dtypes, outputs=outputs, trans_a=trans_a,
+                            trans_b=trans_b)
+  _check_tiling(m, n, k, config, trans_a, trans_b)
   for o in outputs:
     if o.kind == epi.OutputKind.TILE and (config.epi_tile_n // o.width_divisor) % 8:
       raise ValueError(f"output {o.name!r}: epi_tile_n={config.epi_tile_n} / "
@@ -454,6 +465,9 @@ def gemm(a: jax.Array, b: jax.Array, *,
       jax.ShapeDtypeStruct(epi.output_shape(o, m, n, config.epi_tile_m, config.epi_tile_n),
                            o.dtype) for o in outputs)
   names_in = tuple(inputs)
+  if num_sms < cluster:
+    raise ValueError(f"num_sms={num_sms} is smaller than the cluster ({cluster} CTAs) of "
+                     f"{config}: pass cluster_dim=None or more SMs")
   grid = min(num_sms // cluster, tiles)
   kernel = plgpu.kernel(
       functools.partial(_kernel, cfg=config, m=m, n=n, k=k, trans_a=trans_a,

@@ -1,0 +1,103 @@
+"""Shared fixtures: backend selection (compiled Mosaic GPU kernel on Hopper, the Mosaic GPU
+interpreter elsewhere), the interpreter's race detector, per-test random keys, and
+interpreter-state cleanup."""
+import os
+import sys
+
+# XLA's CPU client deadlocks the Mosaic GPU interpreter on small (2-core) machines
+# unless NPROC is large. This must happen before jax is imported.
+os.environ.setdefault("NPROC", "32")
+
+import zlib  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+import pallas_kernels  # noqa: E402
+
+_IMPLS = ("mosaic", "interpret")
+
+
+def _on_hopper() -> bool:
+  dev = jax.devices()[0]
+  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def _kernel_impl() -> str:
+  forced = os.environ.get("CODA_JAX_TEST_IMPL")
+  if forced:
+    if forced not in _IMPLS:
+      raise pytest.UsageError(f"CODA_JAX_TEST_IMPL={forced!r}: one of {_IMPLS}")
+    return forced
+  return "mosaic" if _on_hopper() else "interpret"
+
+
+def pytest_report_header(config):
+  dev = jax.devices()[0]
+  impl = _kernel_impl()
+  how = ("compiled Mosaic GPU kernel" if impl == "mosaic"
+         else "Mosaic GPU interpreter on CPU (slow; small shapes)")
+  return [f"coda_jax kernels: impl={impl!r} ({how}); jax {jax.__version__}, "
+          f"device {dev.platform}:{getattr(dev, 'device_kind', '?')}"
+          + (" [forced by CODA_JAX_TEST_IMPL]" if os.environ.get("CODA_JAX_TEST_IMPL") else "")]
+
+
+@pytest.fixture(scope="session")
+def kernel_impl() -> str:
+  """``impl`` for ``coda_jax.gemm_epilogue``: "mosaic" on sm90, else "interpret"."""
+  return _kernel_impl()
+
+
+@pytest.fixture(scope="session")
+def interpret(kernel_impl):
+  """``interpret`` for ``pallas_kernels.gemm``: None (compiled) or interpreter params."""
+  return None if kernel_impl == "mosaic" else pallas_kernels.interpret_params()
+
+
+class RaceDetector:
+  """The interpreter with its happens-before race detector switched on."""
+
+  def __init__(self):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    self.params = plgpu.InterpretGPUParams(detect_races=True)
+
+  def races_found(self) -> bool:
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    return gpu_callbacks.get_races().races_found
+
+
+@pytest.fixture
+def race_detector(kernel_impl, monkeypatch):
+  """Interpreter-only: ``.params`` for ``pallas_kernels.gemm(interpret=...)``; also makes
+  ``coda_jax.gemm_epilogue(impl="interpret")`` detect races. ``.races_found()`` reports
+  on the last kernel run."""
+  if kernel_impl != "interpret":
+    pytest.skip("race detection needs the Mosaic GPU interpreter (on a GPU, use "
+                "compute-sanitizer --tool racecheck instead)")
+  try:
+    det = RaceDetector()
+  except (ImportError, TypeError) as e:
+    pytest.skip(f"this jax's Mosaic GPU interpreter has no race detector: {e}")
+  monkeypatch.setattr(pallas_kernels, "interpret_params", lambda: det.params)
+  return det
+
+
+@pytest.fixture
+def key(request):
+  """A PRNG key unique to this test (and parametrisation), stable across runs."""
+  return jax.random.key(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpreter_state():
+  yield
+  # An exception inside an interpreted kernel leaves the interpreter's global state
+  # (barriers, thread bookkeeping) dirty, which would hang or poison later tests.
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+        reset_gpu_interpret_mode_state)
+  except ImportError:
+    return
+  reset_gpu_interpret_mode_state()

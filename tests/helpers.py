@@ -1,0 +1,67 @@
+"""Error measures and input generators shared by the tests."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Added to every "2x the unfused baseline" bound, so that a baseline that happens to be
+# exact (error 0) doesn't demand bit-exactness from a differently ordered accumulation.
+EPS = 1e-6
+
+
+def f64(x) -> np.ndarray:
+  return np.asarray(jnp.asarray(x).astype(jnp.float32), dtype=np.float64)
+
+
+def rel_err(x, ref) -> float:
+  """Relative Frobenius error ||x - ref|| / ||ref||, in float64."""
+  x, ref = f64(x), f64(ref)
+  assert x.shape == ref.shape, (x.shape, ref.shape)
+  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def worst_row_err(x, ref) -> float:
+  """Largest per-row relative error: one bad row (or an unwritten sub-tile) stands out
+  here even when the whole-matrix error is diluted."""
+  x, ref = f64(x), f64(ref)
+  assert x.shape == ref.shape, (x.shape, ref.shape)
+  x, ref = x.reshape(ref.shape[0], -1), ref.reshape(ref.shape[0], -1)
+  return float(np.max(np.linalg.norm(x - ref, axis=1) / np.linalg.norm(ref, axis=1)))
+
+
+def assert_within_baseline(got, truth, baseline, what=""):
+  """The tolerance rule: our error vs the fp32 truth is at most twice the error of an
+  unfused XLA computation of the same thing (plus EPS), overall and in every row."""
+  got_np = f64(got)
+  assert np.all(np.isfinite(got_np)), f"{what}: non-finite values (unwritten output?)"
+  e, e_base = rel_err(got, truth), rel_err(baseline, truth)
+  assert e <= 2 * e_base + EPS, f"{what}: rel err {e:.3g} > 2 x unfused {e_base:.3g}"
+  r, r_base = worst_row_err(got, truth), worst_row_err(baseline, truth)
+  assert r <= 2 * r_base + EPS, f"{what}: worst-row err {r:.3g} > 2 x unfused {r_base:.3g}"
+
+
+def normal(key, shape, dtype=jnp.float32):
+  return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def gemm_inputs(key, m, n, k, dtype, trans_a=False, trans_b=False):
+  ka, kb = jax.random.split(key)
+  a = normal(ka, (k, m) if trans_a else (m, k), dtype)
+  b = normal(kb, (n, k) if trans_b else (k, n), dtype)
+  return a, b
+
+
+def matmul_f32(a, b, trans_a=False, trans_b=False):
+  """The fp32 truth of the product of (possibly stored-transposed) low-precision inputs."""
+  a = a.astype(jnp.float32)
+  b = b.astype(jnp.float32)
+  return jnp.matmul(a.T if trans_a else a, b.T if trans_b else b,
+                    preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+
+
+def rope_freqs(n, p, theta=10000.0, zero_blocks=()):
+  """(N,) per-column angular frequencies for rotate-half heads of width 2p: column j of a
+  head and column j + p share theta**(-2j / 2p). Heads listed in zero_blocks get 0."""
+  inv = theta ** (-2.0 * np.arange(p) / (2 * p))
+  heads = [np.zeros(2 * p) if h in zero_blocks else np.concatenate([inv, inv])
+           for h in range(n // (2 * p))]
+  return jnp.asarray(np.concatenate(heads), jnp.float32)

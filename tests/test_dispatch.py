@@ -1,0 +1,105 @@
+"""impl selection in coda_jax.gemm_epilogue: "xla", "auto" and the CODA_JAX_IMPL override."""
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import coda_jax as cj
+import pallas_kernels
+from coda_jax import ops
+from helpers import assert_within_baseline, gemm_inputs, normal, rel_err
+
+PROGRAM = [cj.ScaleRow("r"), cj.Store("y"), cj.RowSum("s", square=True)]
+
+
+@pytest.fixture
+def problem(key):
+  a, b = gemm_inputs(key, 128, 256, 128, jnp.bfloat16)
+  return a, b, {"r": normal(jax.random.fold_in(key, 1), (128,))}
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+  """Records the ``interpret`` argument of every pallas_kernels.gemm call."""
+  calls, real = [], pallas_kernels.gemm
+
+  def spy(*args, **kw):
+    calls.append(kw.get("interpret"))
+    return real(*args, **kw)
+  monkeypatch.setattr(pallas_kernels, "gemm", spy)
+  monkeypatch.delenv("CODA_JAX_IMPL", raising=False)
+  monkeypatch.setattr(ops, "_announced", set())  # see every fallback message again
+  return calls
+
+
+def assert_same(got, want):
+  assert set(got) == set(want)
+  for name in want:
+    assert got[name].dtype == want[name].dtype, name
+    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_xla_is_the_reference(problem, kernel_calls, trans):
+  a, b, ops_ = problem
+  b = b.T if trans else b
+  got = cj.gemm_epilogue(a, b, PROGRAM, ops_, trans_b=trans, impl="xla")
+  assert_same(got, cj.reference(a, b, PROGRAM, ops_, trans_b=trans))
+  assert got["y"].shape == (128, 256) and got["s"].shape == (128,)
+  assert kernel_calls == []
+
+
+def test_auto(problem, kernel_calls, kernel_impl, caplog):
+  a, b, ops_ = problem
+  with caplog.at_level(logging.WARNING, logger="coda_jax"):
+    got = cj.gemm_epilogue(a, b, PROGRAM, ops_, impl="auto")
+  if kernel_impl == "interpret":  # no sm90 GPU here: the XLA reference runs
+    assert kernel_calls == []
+    assert_same(got, cj.reference(a, b, PROGRAM, ops_))
+    assert "no sm90 GPU" in caplog.text
+  else:  # Hopper: the compiled kernel, bit-identical to asking for it
+    assert kernel_calls == [None]
+    assert_same(got, cj.gemm_epilogue(a, b, PROGRAM, ops_, impl="mosaic"))
+
+
+def test_auto_falls_back_on_float32_and_untileable_shapes(key, kernel_calls):
+  a, b = gemm_inputs(key, 128, 256, 128, jnp.float32)
+  r = normal(jax.random.fold_in(key, 1), (128,))
+  assert_same(cj.gemm_epilogue(a, b, PROGRAM, {"r": r}, impl="auto"),
+              cj.reference(a, b, PROGRAM, {"r": r}))
+  a, b = gemm_inputs(key, 120, 256, 128, jnp.bfloat16)  # M=120 does not tile
+  r = r[:120]
+  assert_same(cj.gemm_epilogue(a, b, PROGRAM, {"r": r}, impl="auto"),
+              cj.reference(a, b, PROGRAM, {"r": r}))
+  assert kernel_calls == []
+
+
+def test_env_selects_xla(problem, kernel_calls, monkeypatch):
+  a, b, ops_ = problem
+  monkeypatch.setenv("CODA_JAX_IMPL", "xla")
+  assert_same(cj.gemm_epilogue(a, b, PROGRAM, ops_), cj.reference(a, b, PROGRAM, ops_))
+  assert kernel_calls == []
+
+
+def test_env_selects_kernel(problem, kernel_calls, kernel_impl, monkeypatch):
+  a, b, ops_ = problem
+  monkeypatch.setenv("CODA_JAX_IMPL", kernel_impl)
+  got = cj.gemm_epilogue(a, b, PROGRAM, ops_)  # impl="auto" is the default
+  assert len(kernel_calls) == 1
+  assert (kernel_calls[0] is None) == (kernel_impl == "mosaic")
+  up = lambda x: x.astype(jnp.float32)
+  truth = cj.reference(up(a), up(b), [cj.ScaleRow("r"), cj.Store("y", jnp.float32),
+                                      cj.RowSum("s", square=True)], ops_)
+  unfused = cj.reference(a, b, PROGRAM, ops_, round_to=a.dtype)
+  assert_within_baseline(got["y"], truth["y"], unfused["y"], "y")
+  assert rel_err(got["s"], truth["s"]) < 1e-5
+
+
+def test_env_does_not_override_explicit_impl(problem, kernel_calls, monkeypatch):
+  a, b, ops_ = problem
+  monkeypatch.setenv("CODA_JAX_IMPL", "interpret")
+  assert_same(cj.gemm_epilogue(a, b, PROGRAM, ops_, impl="xla"),
+              cj.reference(a, b, PROGRAM, ops_))
+  assert kernel_calls == []

@@ -1,0 +1,203 @@
+"""Bad inputs fail early with a ValueError that names the problem."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+import coda_jax as cj
+import pallas_kernels as pk
+from pallas_kernels import EpilogueOutput, GemmConfig, InputKind, MatDim, OutputKind
+from helpers import gemm_inputs, normal
+
+M, N, K = 128, 256, 64
+STORE = [cj.Store("y")]
+
+
+@pytest.fixture
+def ab(key):
+  return gemm_inputs(key, M, N, K, jnp.bfloat16)
+
+
+def run(a, b, program=STORE, operands=None, **kw):
+  # impl="xla" so that a check that is missing would not reach (slow) kernel code.
+  kw.setdefault("impl", "xla")
+  return cj.gemm_epilogue(a, b, program, operands or {}, **kw)
+
+
+# ---- coda_jax.gemm_epilogue ------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_rank3_a(key, ab, impl):
+  a3 = normal(key, (2, M, K), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"2-D.*\(2, 128, 64\)"):
+    run(a3, ab[1], impl=impl)
+
+
+def test_dtype_mismatch(ab):
+  with pytest.raises(ValueError, match="share a dtype.*bfloat16.*float16"):
+    run(ab[0], ab[1].astype(jnp.float16))
+
+
+def test_contracting_mismatch(ab):
+  with pytest.raises(ValueError, match="contracting dims differ.*K=64.*K=32"):
+    run(ab[0], ab[1][:32])
+
+
+@pytest.mark.parametrize("kind,shape", [("r", (M + 8,)), ("g", (M,)), ("x0", (M, N // 2))])
+def test_operand_wrong_shape(key, ab, kind, shape):
+  program = {"r": [cj.ScaleRow("r")], "g": [cj.ScaleCol("g")],
+             "x0": [cj.AddTile("x0")]}[kind] + STORE
+  want = {"r": (M,), "g": (N,), "x0": (M, N)}[kind]
+  with pytest.raises(ValueError, match=rf"operand '{kind}'.*shape \({want[0]},.*got \({shape[0]},"):
+    run(*ab, program, {kind: normal(key, shape)})
+
+
+def test_missing_operand(ab):
+  with pytest.raises(ValueError, match=r"reads operands \['r'\] that were not passed"):
+    run(*ab, [cj.ScaleRow("r"), cj.Store("y")], {})
+
+
+def test_extra_operand(key, ab):
+  with pytest.raises(ValueError, match=r"operands \['zz'\] are not read"):
+    run(*ab, STORE, {"zz": normal(key, (M,))})
+
+
+@pytest.mark.parametrize("prim", [cj.Gated(96), cj.Rotate("pos", "fr", 96)], ids=["gated", "rotate"])
+def test_n_not_multiple_of_pair_block(key, ab, prim):
+  ops = {"pos": jnp.arange(M), "fr": normal(key, (N,))} if isinstance(prim, cj.Rotate) else {}
+  with pytest.raises(ValueError, match=r"N=256 must be a multiple of the pair block 2\*96"):
+    run(*ab, [prim, cj.Store("y")], ops)
+
+
+@pytest.mark.parametrize("program", [
+    [cj.Store("y"), cj.Store("y")],
+    [cj.RowSum("s"), cj.ColSum("s")],
+    [cj.RowLogSumExp("l"), cj.Store("l_max")],
+], ids=["store", "reductions", "lse_parts"])
+def test_duplicate_outputs(ab, program):
+  with pytest.raises(ValueError, match="duplicate outputs"):
+    run(*ab, program)
+
+
+def test_program_without_outputs(ab):
+  with pytest.raises(ValueError, match="stores nothing"):
+    run(*ab, [cj.ScaleConst(2.0)])
+
+
+def test_not_a_primitive(ab):
+  with pytest.raises(ValueError, match="not a coda_jax primitive"):
+    run(*ab, [lambda x: x, cj.Store("y")])
+
+
+def test_operand_read_as_two_kinds(key, ab):
+  with pytest.raises(ValueError, match="'v' is read both as row and col"):
+    run(*ab, [cj.ScaleRow("v"), cj.ScaleCol("v"), cj.Store("y")], {"v": normal(key, (M,))})
+
+
+def test_column_operand_after_narrowing(key, ab):
+  with pytest.raises(ValueError, match="after a narrowing step"):
+    run(*ab, [cj.Gated(32), cj.ScaleCol("g"), cj.Store("y")], {"g": normal(key, (N,))})
+
+
+def test_unknown_impl(ab):
+  with pytest.raises(ValueError, match="impl='cuda'"):
+    run(*ab, impl="cuda")
+
+
+def test_unknown_impl_from_env(ab, monkeypatch):
+  monkeypatch.setenv("CODA_JAX_IMPL", "triton")
+  with pytest.raises(ValueError, match="CODA_JAX_IMPL='triton'"):
+    run(*ab, impl="auto")
+
+
+def test_config_epilogue_width_vs_pair_block(ab):
+  cfg = GemmConfig(tile_m=64, tile_n=64, tile_k=32, stages=3, epi_tile_n=32)
+  with pytest.raises(ValueError, match="epi_tile_n=32 must be a multiple of the program's pair block 64"):
+    run(*ab, [cj.Gated(32), cj.Store("y")], impl="interpret", config=cfg)
+
+
+@pytest.mark.parametrize("make", [lambda: cj.Gated(32, "relu"), lambda: cj.Gated(12),
+                                  lambda: cj.Rotate("p", "f", 0)], ids=["act", "gblock", "rblock"])
+def test_bad_primitive(make):
+  with pytest.raises(ValueError, match="activation|multiple of 8"):
+    make()
+
+
+# ---- pallas_kernels.gemm ---------------------------------------------------------------
+def test_gemm_rank3(key, ab, interpret):
+  with pytest.raises(ValueError, match="2-D"):
+    pk.gemm(normal(key, (2, M, K), jnp.bfloat16), ab[1], interpret=interpret)
+
+
+def test_gemm_float32(ab, interpret):
+  a, b = (x.astype(jnp.float32) for x in ab)
+  with pytest.raises(ValueError, match="float32.*bfloat16.*float16"):
+    pk.gemm(a, b, interpret=interpret)
+
+
+def test_gemm_config_does_not_divide(ab, interpret):
+  cfg = GemmConfig(tile_m=128, tile_n=128, tile_k=64)  # CTA at least (128, 128)
+  a, b = ab
+  with pytest.raises(ValueError, match=r"\(M, N, K\)=\(64, 256, 64\) must be multiples of"):
+    pk.gemm(a[:64], b, config=cfg, interpret=interpret)
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (GemmConfig(tile_m=96), "tile_m=96 must be a multiple of 64"),
+    (GemmConfig(tile_n=100), "tile_n=100 must be a positive multiple of 8"),
+    (GemmConfig(epi_tile_n=48), "must divide the warpgroup tile"),
+    (GemmConfig(stages=1), "stages=1"),
+])
+def test_gemm_bad_config(ab, interpret, cfg, match):
+  with pytest.raises(ValueError, match=match):
+    pk.gemm(*ab, config=cfg, interpret=interpret)
+
+
+def test_gemm_too_much_shared_memory(key, interpret):
+  a, b = gemm_inputs(key, 256, 512, 256, jnp.bfloat16)
+  cfg = GemmConfig(tile_m=128, tile_n=256, tile_k=128, stages=8)
+  with pytest.raises(ValueError, match="bytes of shared memory"):
+    pk.gemm(a, b, config=cfg, interpret=interpret)
+
+
+def test_gemm_duplicate_output_names(ab, interpret):
+  outs = (EpilogueOutput("o"), EpilogueOutput("o"))
+  with pytest.raises(ValueError, match="output names must be unique"):
+    pk.gemm(*ab, outputs=outs, epilogue=lambda t, acc: None, interpret=interpret)
+
+
+def test_gemm_input_wrong_shape(key, ab, interpret):
+  with pytest.raises(ValueError, match=r"operand 'g': a col operand must have shape \(256,\)"):
+    pk.gemm(*ab, inputs={"g": (InputKind.COL, normal(key, (M,)))}, interpret=interpret)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(width_divisor=3), "width_divisor must be 1 or 2"),
+    (dict(kind=OutputKind.ROW_PARTIAL, dtype=jnp.bfloat16), "partial reductions are fp32"),
+])
+def test_bad_output_spec(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    EpilogueOutput("o", **kwargs)
+
+
+SMALL = GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=3, wg_dim=MatDim.N, cluster_dim=None)
+
+
+def test_epilogue_forgets_an_output(ab, interpret):
+  """Checked while the kernel is traced: an unwritten output is an error, not garbage."""
+  outs = (EpilogueOutput("out"), EpilogueOutput("aux"))
+  with pytest.raises(ValueError, match=r"did not store outputs \['aux'\]"):
+    pk.gemm(*ab, outputs=outs, epilogue=lambda t, acc: t.store("out", acc), config=SMALL,
+            interpret=interpret)
+
+
+def test_epilogue_stores_twice(ab, interpret):
+  def twice(t, acc):
+    t.store("out", acc)
+    t.store("out", acc)
+  with pytest.raises(ValueError, match="stores 'out' twice"):
+    pk.gemm(*ab, epilogue=twice, config=SMALL, interpret=interpret)
+
+
+def test_epilogue_store_wrong_shape(ab, interpret):
+  with pytest.raises(ValueError, match=r"stores 'out' with shape \(64, 32\), expected \(64, 64\)"):
+    pk.gemm(*ab, epilogue=lambda t, acc: t.store("out", acc[:, :32]), config=SMALL,
+            interpret=interpret)

@@ -1,0 +1,102 @@
+"""The plain GEMM (default epilogue) of pallas_kernels.gemm against an fp32 reference."""
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import GemmConfig, MatDim
+from helpers import assert_within_baseline, gemm_inputs, matmul_f32
+
+M_, N_ = MatDim.M, MatDim.N
+# Every knob that changes the kernel's structure is spelled out, so that a change of
+# GemmConfig's defaults doesn't silently change what these tests cover.
+CONFIGS = {
+    # CTA (64, 128); two epilogue sub-tiles per warpgroup
+    "wg_n": GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=3, epi_tile_n=32,
+                       wg_dim=N_, cluster_dim=None),
+    # CTA (128, 64); one sub-tile per warpgroup, so consecutive sub-tiles share a slot
+    "wg_m": GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=3, epi_tile_n=64,
+                       wg_dim=M_, cluster_dim=None),
+    "minor_m": GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=3, epi_tile_n=32,
+                          wg_dim=N_, cluster_dim=None, grid_minor_dim=M_, grid_tile_width=2),
+    "two_stages": GemmConfig(tile_m=128, tile_n=64, tile_k=64, stages=2,
+                             wg_dim=N_, cluster_dim=None),
+    # clusters of two CTAs that multicast the shared operand
+    "cluster_n": GemmConfig(tile_m=128, tile_n=64, tile_k=64, stages=4, epi_tile_n=32,
+                            wg_dim=M_, cluster_dim=N_),
+    "cluster_m": GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=3, wg_dim=N_,
+                            cluster_dim=M_),
+    "default": None,
+}
+# (M, N, K, dtype): non-square, K = 3 x tile_k; M, N divisible by every cluster tile.
+SHAPES = [(512, 256, 192, jnp.bfloat16), (256, 512, 128, jnp.float16)]
+TRANSPOSES = dict(argnames="trans_a,trans_b", ids=["nn", "tn", "nt", "tt"],
+                  argvalues=[(False, False), (True, False), (False, True), (True, True)])
+
+
+def check_gemm(a, b, interpret, trans_a=False, trans_b=False, **kw):
+  out = pk.gemm(a, b, trans_a=trans_a, trans_b=trans_b, interpret=interpret, **kw)
+  assert list(out) == ["out"]
+  got = out["out"]
+  truth = matmul_f32(a, b, trans_a, trans_b)
+  assert got.shape == truth.shape and got.dtype == a.dtype
+  # XLA's own low-precision product is the yardstick.
+  xla = jnp.matmul(a.T if trans_a else a, b.T if trans_b else b)
+  assert xla.dtype == a.dtype
+  assert_within_baseline(got, truth, xla, "gemm")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize(**TRANSPOSES)
+def test_transposes(key, interpret, dtype, trans_a, trans_b):
+  a, b = gemm_inputs(key, 128, 256, 192, dtype, trans_a, trans_b)
+  check_gemm(a, b, interpret, trans_a, trans_b, config=CONFIGS["wg_n"], num_sms=2)
+
+
+@pytest.mark.parametrize(**TRANSPOSES)
+def test_tile_k_32(key, interpret, trans_a, trans_b):
+  """K = 96 in three steps of 32: wgmma takes that with both operands K-major (A (M, K),
+  B (N, K)); an MN-major operand needs tile_k % 64 == 0, which must be an error."""
+  a, b = gemm_inputs(key, 128, 256, 96, jnp.bfloat16, trans_a, trans_b)
+  cfg = GemmConfig(tile_m=64, tile_n=64, tile_k=32, stages=3, epi_tile_n=32, wg_dim=N_,
+                   cluster_dim=None)
+  if trans_a or not trans_b:
+    with pytest.raises(ValueError, match="MN-major"):
+      pk.gemm(a, b, trans_a=trans_a, trans_b=trans_b, config=cfg, interpret=interpret)
+  else:
+    check_gemm(a, b, interpret, trans_a, trans_b, config=cfg, num_sms=2)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:3])))
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_configs(key, interpret, config, shape):
+  m, n, k, dtype = shape
+  a, b = gemm_inputs(key, m, n, k, dtype)
+  check_gemm(a, b, interpret, config=config, num_sms=2)  # several tiles per SM
+
+
+def test_default_config_single_k_step(key, interpret):
+  """K = tile_k: each tile's K loop is one step."""
+  a, b = gemm_inputs(key, 512, 512, 64, jnp.bfloat16)
+  check_gemm(a, b, interpret, num_sms=2)
+
+
+def test_more_sms_than_tiles(key, interpret):
+  a, b = gemm_inputs(key, 128, 256, 128, jnp.bfloat16, trans_b=True)
+  check_gemm(a, b, interpret, trans_b=True, config=CONFIGS["wg_n"], num_sms=16)
+
+
+def test_fewer_sms_than_a_cluster(key, interpret):
+  """num_sms=1 with 2-CTA clusters cannot launch: an error that says why."""
+  a, b = gemm_inputs(key, 256, 256, 128, jnp.bfloat16)
+  with pytest.raises(ValueError, match="num_sms=1 is smaller than the cluster"):
+    check_gemm(a, b, interpret, config=CONFIGS["cluster_n"], num_sms=1)
+
+
+@pytest.mark.parametrize("k,config", [(128, "wg_n"), (128, "cluster_n"), (128, "wg_m"),
+                                      (64, "default")])
+def test_race_free(key, race_detector, k, config):
+  """Several tiles per SM, so that buffer reuse across tiles is exercised; the
+  interpreter's happens-before checker sees races that its eager copies hide."""
+  a, b = gemm_inputs(key, 512, 256, k, jnp.bfloat16)
+  check_gemm(a, b, race_detector.params, config=CONFIGS[config], num_sms=2)
+  assert not race_detector.races_found(), "data race in the kernel (see stdout)"

@@ -1,0 +1,210 @@
+"""Epilogue primitives and programs through coda_jax.gemm_epilogue, against the fp32
+truth (coda_jax.reference on upcast inputs, fp32 stores) and the unfused-XLA emulation
+(coda_jax.reference(..., round_to=dtype))."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import coda_jax as cj
+import pallas_kernels
+from pallas_kernels import GemmConfig, MatDim
+from helpers import (assert_within_baseline, f64, gemm_inputs, matmul_f32, normal,
+                     rel_err, rope_freqs)
+
+# K = 128: two K steps even with the default tile_k (a single K step is a mainloop case,
+# covered in test_gemm_mainloop.py).
+M, N, K = 256, 512, 128
+REDUCTION_RTOL = 1e-5  # fp32 outputs accumulated in fp32 from the same inputs
+P32, P64 = 32, 64
+
+PROGRAMS = {
+    "scale_const": [cj.ScaleConst(0.37), cj.Store("y")],
+    "scale_row": [cj.ScaleRow("r"), cj.Store("y")],
+    "scale_col": [cj.ScaleCol("g"), cj.Store("y")],
+    "add_tile": [cj.AddTile("x0"), cj.Store("y")],
+    "store_f32": [cj.Store("y", jnp.float32)],
+    "silu32": [cj.Gated(P32), cj.Store("y")],
+    "gelu32": [cj.Gated(P32, "gelu"), cj.Store("y")],
+    "silu64": [cj.Gated(P64), cj.Store("y")],
+    "gelu64": [cj.Gated(P64, "gelu"), cj.Store("y")],
+    "rope32": [cj.Rotate("pos", "fr32", P32), cj.Store("y")],
+    "rope64": [cj.Rotate("pos", "fr64", P64), cj.Store("y")],
+    "rowsum": [cj.RowSum("s")],
+    "rowsum_sq": [cj.RowSum("s", square=True)],
+    "lse": [cj.RowLogSumExp("lse")],
+    "colsum": [cj.ColSum("c")],
+    # compositions
+    "residual_norm": [cj.AddTile("x0"), cj.Store("x1"), cj.RowSum("ss", square=True),
+                      cj.ScaleCol("g"), cj.Store("h")],
+    "norm_swiglu": [cj.ScaleRow("r"), cj.Gated(P32), cj.Store("y")],
+    "norm_rope": [cj.ScaleRow("r"), cj.Rotate("pos", "fr32", P32), cj.Store("q")],
+    "norm_lse": [cj.ScaleRow("r"), cj.RowLogSumExp("lse")],
+    "colsum_store": [cj.ColSum("c"), cj.Store("o")],
+    "everything": [cj.ScaleConst(0.125), cj.ScaleCol("g"), cj.AddTile("x0"), cj.Store("y"),
+                   cj.ColSum("c"), cj.RowSum("s")],
+    "geglu_rowsum": [cj.ScaleRow("r"), cj.Gated(P32, "gelu"), cj.RowSum("s", square=True),
+                     cj.Store("y")],
+    "swiglu_colsum": [cj.Gated(P32), cj.ColSum("c"), cj.Store("y")],  # (N/2,) sums
+}
+
+
+@pytest.fixture(autouse=True)
+def two_sm_grid(monkeypatch):
+  """gemm_epilogue sizes the persistent grid by the SM count: at these small shapes a
+  GPU would run one tile per CTA. Two SMs make every CTA loop over several tiles, as
+  the interpreter does by default, so that buffer reuse across tiles is tested."""
+  real = pallas_kernels.gemm
+  monkeypatch.setattr(pallas_kernels, "gemm", lambda *a, **kw: real(*a, **{"num_sms": 2, **kw}))
+
+
+def make_operands(key, program, m, n, dtype):
+  ks = jax.random.split(key, 4)
+  pool = {
+      "r": lambda: normal(ks[0], (m,)),
+      "g": lambda: normal(ks[1], (n,)),
+      "x0": lambda: normal(ks[2], (m, n), dtype),
+      "pos": lambda: jax.random.randint(ks[3], (m,), 0, 8192, jnp.int32),
+      "fr32": lambda: rope_freqs(n, P32),
+      "fr64": lambda: rope_freqs(n, P64),
+  }
+  names = {nm for prim in program for nm in prim.inputs()}
+  return {nm: pool[nm]() for nm in names}
+
+
+def f32_stores(program):
+  return [dataclasses.replace(p, dtype=jnp.float32) if isinstance(p, cj.Store) else p
+          for p in program]
+
+
+def alt_config(program):
+  """Warpgroups split along M, clusters of two along M: 4 cluster tiles at (M, N).
+  Epilogue sub-tiles as wide as the program's pair block (64 or 128): two or one per
+  warpgroup."""
+  pair = max([2 * p.pair_block() for p in program if p.pair_block()] + [64])
+  return GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=3, wg_dim=MatDim.M,
+                    epi_tile_n=pair, cluster_dim=MatDim.M)
+
+
+def check_program(a, b, program, operands, impl, *, trans_a=False, trans_b=False,
+                  config=None):
+  """Runs the program and checks every output; returns (got, fp32 truth)."""
+  got = cj.gemm_epilogue(a, b, program, operands, trans_a=trans_a, trans_b=trans_b,
+                         impl=impl, config=config)
+  up = lambda x: x.astype(jnp.float32)
+  truth = cj.reference(up(a), up(b), f32_stores(program), operands, trans_a=trans_a,
+                       trans_b=trans_b)
+  unfused = cj.reference(a, b, program, operands, trans_a=trans_a, trans_b=trans_b,
+                         round_to=a.dtype)
+  assert set(got) == set(truth)
+  stores = {p.name: jnp.dtype(p.dtype) for p in program if isinstance(p, cj.Store)}
+  for name in got:
+    assert got[name].shape == truth[name].shape, name
+    if name in stores:
+      assert got[name].dtype == stores[name], name
+      assert_within_baseline(got[name], truth[name], unfused[name], name)
+    else:  # a reduction: fp32, accumulated in fp32 from the same inputs as the truth
+      assert got[name].dtype == jnp.float32, name
+      assert np.all(np.isfinite(f64(got[name]))), name
+      assert rel_err(got[name], truth[name]) < REDUCTION_RTOL, name
+  return got, truth
+
+
+@pytest.mark.parametrize("config", ["default", "alt"])
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_program(key, kernel_impl, name, config):
+  program = PROGRAMS[name]
+  a, b = gemm_inputs(key, M, N, K, jnp.bfloat16)
+  ops = make_operands(jax.random.fold_in(key, 1), program, M, N, a.dtype)
+  check_program(a, b, program, ops, kernel_impl,
+                config=alt_config(program) if config == "alt" else None)
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True),
+                                             (True, True)], ids=["nn", "tn", "nt", "tt"])
+def test_transposed_operands(key, kernel_impl, trans_a, trans_b):
+  program = [cj.ScaleRow("r"), cj.ScaleCol("g"), cj.Store("y"), cj.RowSum("s")]
+  a, b = gemm_inputs(key, 128, 256, 128, jnp.bfloat16, trans_a, trans_b)
+  ops = make_operands(jax.random.fold_in(key, 1), program, 128, 256, a.dtype)
+  check_program(a, b, program, ops, kernel_impl, trans_a=trans_a, trans_b=trans_b)
+
+
+@pytest.mark.parametrize("name", ["residual_norm", "norm_swiglu"])
+def test_float16(key, kernel_impl, name):
+  program = [dataclasses.replace(p, dtype=jnp.float16) if isinstance(p, cj.Store) else p
+             for p in PROGRAMS[name]]
+  a, b = gemm_inputs(key, 128, 256, 128, jnp.float16)
+  ops = make_operands(jax.random.fold_in(key, 1), program, 128, 256, a.dtype)
+  check_program(a, b, program, ops, kernel_impl)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_logsumexp_matches_jax(key, kernel_impl, scaled):
+  a, b = gemm_inputs(key, M, N, K, jnp.bfloat16)
+  r = normal(jax.random.fold_in(key, 1), (M,))
+  program = ([cj.ScaleRow("r")] if scaled else []) + [cj.RowLogSumExp("lse")]
+  got = cj.gemm_epilogue(a, b, program, {"r": r} if scaled else {}, impl=kernel_impl)
+  x = matmul_f32(a, b) * (r[:, None] if scaled else 1.0)
+  want = jax.nn.logsumexp(x, axis=1)
+  assert rel_err(got["lse"], want) < REDUCTION_RTOL
+
+
+def rope_rotate_half(x, pos, freqs, p):
+  """Textbook rotate-half RoPE in float64: per head of width 2p,
+  x * cos + rotate_half(x) * sin, rotate_half([x1, x2]) = [-x2, x1]."""
+  x, pos, freqs = np.asarray(x, np.float64), np.asarray(pos, np.float64), np.asarray(freqs, np.float64)
+  out = np.empty_like(x)
+  for h in range(x.shape[1] // (2 * p)):
+    sl = slice(2 * p * h, 2 * p * (h + 1))
+    xh = x[:, sl]
+    ang = pos[:, None] * freqs[None, sl]
+    rot = np.concatenate([-xh[:, p:], xh[:, :p]], axis=1)
+    out[:, sl] = xh * np.cos(ang) + rot * np.sin(ang)
+  return out
+
+
+@pytest.mark.parametrize("p", [P32, P64])
+def test_rotate_is_rotate_half_rope(key, kernel_impl, p):
+  a, b = gemm_inputs(key, M, N, K, jnp.bfloat16)
+  pos = jax.random.randint(jax.random.fold_in(key, 1), (M,), 0, 8192, jnp.int32)
+  freqs = rope_freqs(N, p)
+  got = cj.gemm_epilogue(a, b, [cj.Rotate("pos", "fr", p), cj.Store("q")],
+                         {"pos": pos, "fr": freqs}, impl=kernel_impl)["q"]
+  truth = rope_rotate_half(f64(matmul_f32(a, b)), pos, freqs, p)
+  # Unfused yardstick: XLA's bf16 GEMM output, RoPE, rounded to bf16 again.
+  unfused = jnp.asarray(rope_rotate_half(f64(jnp.matmul(a, b)), pos, freqs, p),
+                        jnp.float32).astype(jnp.bfloat16)
+  assert_within_baseline(got, truth, unfused, "rope")
+
+
+def test_zero_frequency_block_passes_through(key, kernel_impl):
+  a, b = gemm_inputs(key, M, N, K, jnp.bfloat16)
+  ops = {"r": normal(jax.random.fold_in(key, 1), (M,)),
+         "pos": jax.random.randint(jax.random.fold_in(key, 2), (M,), 1, 8192, jnp.int32),
+         "fr": rope_freqs(N, P32, zero_blocks=(1, 5))}
+  config = GemmConfig(tile_m=128, tile_n=128, tile_k=64, stages=3, epi_tile_n=64,
+                      wg_dim=MatDim.N, cluster_dim=None)
+  rot = cj.gemm_epilogue(a, b, [cj.ScaleRow("r"), cj.Rotate("pos", "fr", P32), cj.Store("q")],
+                         ops, impl=kernel_impl, config=config)["q"]
+  plain = cj.gemm_epilogue(a, b, [cj.ScaleRow("r"), cj.Store("q")], {"r": ops["r"]},
+                           impl=kernel_impl, config=config)["q"]
+  rot, plain = f64(rot), f64(plain)
+  zero = np.asarray(ops["fr"]) == 0
+  assert zero.sum() == 2 * 2 * P32
+  np.testing.assert_array_equal(rot[:, zero], plain[:, zero])
+  assert rel_err(rot[:, ~zero], plain[:, ~zero]) > 0.1  # the other heads did rotate
+
+
+@pytest.mark.parametrize("name", ["residual_norm", "norm_rope", "colsum_store"])
+def test_race_free(key, race_detector, name):
+  """Epilogue operands and outputs are double-buffered across sub-tiles and tiles: run
+  several tiles per SM (two sub-tiles per warpgroup) under the race detector."""
+  program = PROGRAMS[name]
+  a, b = gemm_inputs(key, 256, 256, K, jnp.bfloat16)
+  ops = make_operands(jax.random.fold_in(key, 1), program, 256, 256, a.dtype)
+  config = GemmConfig(tile_m=128, tile_n=64, tile_k=64, stages=3, epi_tile_n=64,
+                      wg_dim=MatDim.N, cluster_dim=None)  # 4 tiles, 2 sub-tiles per WG
+  check_program(a, b, program, ops, "interpret", config=config)
+  assert not race_detector.races_found(), "data race in the kernel (see stdout)"
