@@ -36,9 +36,20 @@ def commit() -> str:
     return os.environ.get("CODA_COMMIT", "unknown")
 
 
+def command_line() -> str:
+  """How this benchmark was invoked, as a command one can paste in the repo root."""
+  script = Path(sys.argv[0]).resolve()
+  args = " ".join(shlex.quote(a) for a in sys.argv[1:])
+  try:
+    module = ".".join(script.relative_to(RESULTS.parent.parent).with_suffix("").parts)
+    return f"PYTHONPATH=. python -m {module} {args}".rstrip()
+  except ValueError:
+    return f"python {shlex.quote(sys.argv[0])} {args}".rstrip()
+
+
 def provenance() -> dict:
   return {"device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
-          "commit": commit(), "command": " ".join(shlex.quote(a) for a in sys.argv)}
+          "commit": commit(), "command": command_line()}
 
 
 def time_kernels(fn, *args, iterations: int = 30) -> tuple[float, list[tuple[str, float]]]:
