@@ -10,9 +10,10 @@ find_python() {
       echo "$cand"; return 0
     fi
   done
-  # pyenv shims exist but point elsewhere unless told which version to use.
+  # pyenv shims exist but point elsewhere unless told which version to use. Prefer the
+  # oldest qualifying version: 3.12 is what the GPU host runs.
   if command -v pyenv >/dev/null 2>&1; then
-    for v in $(pyenv versions --bare | grep -E '^3\.(1[2-9])' | sort -rV); do
+    for v in $(pyenv versions --bare | grep -E '^3\.(1[2-9])' | sort -V); do
       echo "$(pyenv root)/versions/$v/bin/python3"; return 0
     done
   fi
