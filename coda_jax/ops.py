@@ -153,9 +153,15 @@ def kernel_config(a, b, program, operands, *, trans_a=False, trans_b=False) -> p
 def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
                   operands: dict[str, jax.Array] | None = None, *, trans_a: bool = False,
                   trans_b: bool = False, impl: str = "auto",
-                  config: pk.GemmConfig | None = None) -> dict[str, jax.Array]:
+                  config: pk.GemmConfig | None = None,
+                  in_place: dict[str, str] | None = None) -> dict[str, jax.Array]:
   """``a @ b`` (A (M, K) or (K, M) with trans_a; B (K, N) or (N, K) with trans_b), then
-  ``program`` on the fp32 result, tile by tile. Returns the finished outputs by name."""
+  ``program`` on the fp32 result, tile by tile. Returns the finished outputs by name.
+
+  ``in_place`` maps a ``Store`` output to the ``AddTile`` operand whose buffer it
+  overwrites (gradient accumulation: ``[AddTile("g"), Store("g_new", jnp.float32)]``
+  with ``in_place={"g_new": "g"}``); donate that operand under ``jit`` to reuse its
+  memory. The values are the same with or without it."""
   operands = dict(operands or {})
   program = tuple(program)
   if impl not in IMPLS:
@@ -194,6 +200,6 @@ def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
 
   raw = pk.gemm(a, b, inputs={nm: (kind, operands[nm]) for nm, kind in inputs.items()},
                 epilogue=epilogue, outputs=outputs, trans_a=trans_a, trans_b=trans_b,
-                config=config,
+                config=config, in_place=in_place,
                 interpret=pk.interpret_params() if impl == "interpret" else None)
   return _finish(program, raw)

@@ -334,10 +334,12 @@ def _operand_views(a_smem, b_smem, trans_a, trans_b, wg_m, wg_n):
 
 
 def _kernel(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, trans_b,
-            input_names, input_kinds, outputs, epilogue):
+            input_names, input_kinds, outputs, epilogue, in_place):
   """Both compute warpgroups share each CTA tile and each pipeline stage."""
   in_gmem = dict(zip(input_names, refs[:len(input_names)]))
-  out_gmem = dict(zip([o.name for o in outputs], refs[len(input_names):]))
+  fresh = [o.name for o in outputs if o.name not in in_place]
+  out_gmem = dict(zip(fresh, refs[len(input_names):]))
+  out_gmem.update({o: in_gmem[i] for o, i in in_place.items()})
   dtype = a_gmem.dtype
   tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
   cm, cn = cfg.cta_tile
@@ -417,6 +419,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
          epilogue: Callable | None = None,
          outputs: tuple[epi.EpilogueOutput, ...] | None = None,
          trans_a: bool = False, trans_b: bool = False,
+         in_place: dict[str, str] | None = None,
          config: GemmConfig | None = None, num_sms: int | None = None,
          interpret=None) -> dict[str, jax.Array]:
   """Runs ``a @ b`` (operands optionally transposed) with an epilogue program.
@@ -427,6 +430,10 @@ def gemm(a: jax.Array, b: jax.Array, *,
     inputs: extra operands, name -> (kind, array); row (M,), col (N,), tile (M, N).
     epilogue: ``fn(tile, acc)``; default stores ``acc`` to the output ``"out"``.
     outputs: declared outputs; default one (M, N) ``"out"`` in ``a.dtype``.
+    in_place: output name -> tile operand name: the output is written into that
+      operand's buffer (a mutable ``jax.Ref`` inside; XLA reuses the buffer when the
+      caller donates it), e.g. accumulating a gradient into its previous value. Each
+      element is read before it is written, by the same CTA.
     config: tuning; default ``default_config`` for the shape and program.
     num_sms: size of the persistent grid; default the device's SM count.
     interpret: ``plgpu.InterpretGPUParams()`` to run on CPU through the interpreter.
@@ -463,7 +470,20 @@ def gemm(a: jax.Array, b: jax.Array, *,
   cluster = 1 if config.cluster_dim is None else 2
   out_type = tuple(
       jax.ShapeDtypeStruct(epi.output_shape(o, m, n, config.epi_tile_m, config.epi_tile_n),
-                           o.dtype) for o in outputs)
+                           o.dtype) for o in outputs if o.name not in in_place)
+  in_place = dict(in_place or {})
+  specs = {o.name: o for o in outputs}
+  for out_name, in_name in in_place.items():
+    if out_name not in specs or in_name not in inputs:
+      raise ValueError(f"in_place={in_place}: {out_name!r} must be a declared output and "
+                       f"{in_name!r} a passed operand")
+    o, (kind, v) = specs[out_name], inputs[in_name]
+    if (kind != epi.InputKind.TILE or o.kind != epi.OutputKind.TILE or o.width_divisor != 1
+        or jnp.dtype(o.dtype) != v.dtype):
+      raise ValueError(f"in_place {out_name!r} <- {in_name!r}: both must be full-width (M, N) "
+                       f"tiles of one dtype, got {o} and a {kind.value} operand of {v.dtype}")
+  if len(set(in_place.values())) != len(in_place):
+    raise ValueError(f"in_place={in_place}: an operand can back one output only")
   names_in = tuple(inputs)
   if num_sms < cluster:
     raise ValueError(f"num_sms={num_sms} is smaller than the cluster ({cluster} CTAs) of "
@@ -472,7 +492,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
   kernel = plgpu.kernel(
       functools.partial(_kernel, cfg=config, m=m, n=n, k=k, trans_a=trans_a,
                         trans_b=trans_b, input_names=names_in, input_kinds=input_kinds,
-                        outputs=outputs, epilogue=epilogue),
+                        outputs=outputs, epilogue=epilogue, in_place=in_place),
       out_type=out_type,
       grid=(grid,),
       grid_names=("sm",),
@@ -486,5 +506,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
       interpret=interpret,
   )
-  results = kernel(a, b, *(inputs[nm][1] for nm in names_in))
-  return dict(zip(names, results))
+  backing = {nm: jax.new_ref(inputs[nm][1]) for nm in in_place.values()}
+  results = iter(kernel(a, b, *(backing.get(nm, inputs[nm][1]) for nm in names_in)))
+  return {nm: jax.freeze(backing[in_place[nm]]) if nm in in_place else next(results)
+          for nm in names}
