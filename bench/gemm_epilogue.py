@@ -168,7 +168,7 @@ def main():
     md.append(f"| {r['op']} | {'x'.join(map(str, r['shape']))} | {r['ours_ms']:.4f} | "
               f"{r['baseline_ms']:.4f} | {r['speedup_vs_baseline']:.3f} | "
               f"{r['ours_vs_our_plain_gemm'] if r['ours_vs_our_plain_gemm'] else '-'} |")
-  plain = [r["speedup_vs_baseline"] for r in rows if r["op"] == "plain"]
+  plain = [r["speedup_vs_baseline"] for r in rows if r["op"] == "plain" and r["ours_ms"]]
   if plain:
     gm = math.exp(sum(math.log(v) for v in plain) / len(plain))
     md += ["", f"plain GEMM speed vs XLA: geometric mean {gm:.3f}, min {min(plain):.3f}"]

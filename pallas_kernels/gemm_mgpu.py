@@ -451,6 +451,19 @@ def gemm(a: jax.Array, b: jax.Array, *,
     epi.check_input(nm, kind, v, m, n)
   input_kinds = {nm: kind for nm, (kind, _) in inputs.items()}
   input_dtypes = {nm: v.dtype for nm, (_, v) in inputs.items()}
+  in_place = dict(in_place or {})
+  specs = {o.name: o for o in outputs}
+  for out_name, in_name in in_place.items():
+    if out_name not in specs or in_name not in inputs:
+      raise ValueError(f"in_place={in_place}: {out_name!r} must be a declared output and "
+                       f"{in_name!r} a passed operand")
+    o, (kind, v) = specs[out_name], inputs[in_name]
+    if (kind != epi.InputKind.TILE or o.kind != epi.OutputKind.TILE or o.width_divisor != 1
+        or jnp.dtype(o.dtype) != v.dtype):
+      raise ValueError(f"in_place {out_name!r} <- {in_name!r}: both must be full-width (M, N) "
+                       f"tiles of one dtype, got {o} and a {kind.value} operand of {v.dtype}")
+  if len(set(in_place.values())) != len(in_place):
+    raise ValueError(f"in_place={in_place}: an operand can back one output only")
   if config is None:
     config = default_config(m, n, k, a.dtype, input_kinds=input_kinds,
                             input_dtypes=input_dtypes, outputs=outputs, trans_a=trans_a,
@@ -471,19 +484,6 @@ def gemm(a: jax.Array, b: jax.Array, *,
   out_type = tuple(
       jax.ShapeDtypeStruct(epi.output_shape(o, m, n, config.epi_tile_m, config.epi_tile_n),
                            o.dtype) for o in outputs if o.name not in in_place)
-  in_place = dict(in_place or {})
-  specs = {o.name: o for o in outputs}
-  for out_name, in_name in in_place.items():
-    if out_name not in specs or in_name not in inputs:
-      raise ValueError(f"in_place={in_place}: {out_name!r} must be a declared output and "
-                       f"{in_name!r} a passed operand")
-    o, (kind, v) = specs[out_name], inputs[in_name]
-    if (kind != epi.InputKind.TILE or o.kind != epi.OutputKind.TILE or o.width_divisor != 1
-        or jnp.dtype(o.dtype) != v.dtype):
-      raise ValueError(f"in_place {out_name!r} <- {in_name!r}: both must be full-width (M, N) "
-                       f"tiles of one dtype, got {o} and a {kind.value} operand of {v.dtype}")
-  if len(set(in_place.values())) != len(in_place):
-    raise ValueError(f"in_place={in_place}: an operand can back one output only")
   names_in = tuple(inputs)
   if num_sms < cluster:
     raise ValueError(f"num_sms={num_sms} is smaller than the cluster ({cluster} CTAs) of "
