@@ -129,15 +129,7 @@ def reference(a, b, program, operands, *, trans_a=False, trans_b=False, round_to
 
 
 def _finish(program, raw):
-  out = {}
-  for prim in program:
-    if isinstance(prim, P.Store):
-      out[prim.name] = raw[prim.name]
-    elif isinstance(prim, (P.RowSum, P.ColSum)):
-      out[prim.name] = jnp.sum(raw[prim.name], axis=0)
-    elif isinstance(prim, P.RowLogSumExp):
-      out[prim.name] = P.finish_lse(raw[prim.name + "_max"], raw[prim.name + "_sumexp"])
-  return out
+  return {name: v for prim in program for name, v in prim.finish(raw).items()}
 
 
 def kernel_config(a, b, program, operands, *, trans_a=False, trans_b=False) -> pk.GemmConfig:

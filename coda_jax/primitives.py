@@ -45,6 +45,10 @@ class Primitive:
   def apply(self, x: jax.Array, env: Env) -> jax.Array:
     raise NotImplementedError
 
+  def finish(self, raw: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """User-facing results from this step's raw kernel outputs (partials reduced)."""
+    return {}
+
 
 # ---- scale -----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +196,9 @@ class RowSum(Primitive):
     env.store(self.name, jnp.sum(x * x if self.square else x, axis=1))
     return x
 
+  def finish(self, raw):
+    return {self.name: jnp.sum(raw[self.name], axis=0)}
+
 
 @dataclasses.dataclass(frozen=True)
 class RowLogSumExp(Primitive):
@@ -208,6 +215,9 @@ class RowLogSumExp(Primitive):
     env.store(self.name + "_sumexp", jnp.sum(jnp.exp(x - mx[:, None]), axis=1))
     return x
 
+  def finish(self, raw):
+    return {self.name: finish_lse(raw[self.name + "_max"], raw[self.name + "_sumexp"])}
+
 
 @dataclasses.dataclass(frozen=True)
 class ColSum(Primitive):
@@ -220,6 +230,9 @@ class ColSum(Primitive):
   def apply(self, x, env):
     env.store(self.name, jnp.sum(x, axis=0))
     return x
+
+  def finish(self, raw):
+    return {self.name: jnp.sum(raw[self.name], axis=0)}
 
 
 # ---- store -----------------------------------------------------------------------------
@@ -235,6 +248,9 @@ class Store(Primitive):
   def apply(self, x, env):
     env.store(self.name, x)
     return x
+
+  def finish(self, raw):
+    return {self.name: raw[self.name]}
 
 
 def run_program(program, x, env: Env, round_to=None) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import math
 from typing import Callable
 
 import jax
@@ -115,9 +114,8 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
   """Per-shape defaults: the largest tiles that divide the problem and fit in SMEM.
 
   Tuned on H100 (bench/tune_gemm.py, results in bench/results/): 256x128 CTA tiles (the
-  warpgroups split M) in clusters of two along N that multicast A, N-minor order in bands
-  of 16, and one wgmma group in flight were best or within 1% of best at every
-  benchmark shape.
+  warpgroups split M) in clusters of two along N that multicast A and N-minor order in
+  bands of 16 were best or within 1% of best at every benchmark shape.
   ``trans_a`` / ``not trans_b`` (MN-major operands) need tile_k a multiple of 64.
 
   ``min_epi_tile_n``: the epilogue sub-tile width must be a multiple of this (the
@@ -317,13 +315,11 @@ class _Epilogue:
   def _window(self, o, r0, c0):
     em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
     ref = self.out_gmem[o.name]
-    if o.kind == epi.OutputKind.TILE:
-      w = en // o.width_divisor
-      return ref.at[pl.ds(r0, em), pl.ds(pl.multiple_of(c0 // o.width_divisor, w), w)]
     if o.kind == epi.OutputKind.ROW_PARTIAL:
       return ref.at[c0 // en, pl.ds(r0, em)]
     w = en // o.width_divisor
-    return ref.at[r0 // em, pl.ds(pl.multiple_of(c0 // o.width_divisor, w), w)]
+    cols = pl.ds(pl.multiple_of(c0 // o.width_divisor, w), w)
+    return ref.at[pl.ds(r0, em), cols] if o.kind == epi.OutputKind.TILE else ref.at[r0 // em, cols]
 
 
 def _operand_views(a_smem, b_smem, trans_a, trans_b, wg_m, wg_n):
