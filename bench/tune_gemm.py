@@ -62,6 +62,29 @@ def time_ms(f, *args, iterations=20):
   return statistics.median(per_iter)
 
 
+def variant_sweep(shapes):
+  """The default config against single-knob variants of it."""
+  base = GemmConfig()
+  variants = {"default": base,
+              "epi_n128_st3": dataclasses.replace(base, epi_tile_n=128, stages=3),
+              "tk128_st2": dataclasses.replace(base, tile_k=128, stages=2),
+              "tk128_st3_epi32": dataclasses.replace(base, tile_k=128, stages=3, epi_tile_n=32),
+              "st5_epi32": dataclasses.replace(base, stages=5, epi_tile_n=32),
+              "epi_m128_n32": dataclasses.replace(base, epi_tile_m=128, epi_tile_n=32)}
+  print("\n| M | K | N | XLA ms | " + " | ".join(variants) + " |")
+  for (m, k, n) in shapes:
+    a = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
+    xla = time_ms(jax.jit(lambda a, b: a @ b), a, b)
+    cells = []
+    for cfg in variants.values():
+      try:
+        cells.append(f"{time_ms(jax.jit(lambda a, b, cfg=cfg: gemm(a, b, config=cfg)['out']), a, b):.4f}")
+      except Exception as e:
+        cells.append(type(e).__name__)
+    print(f"| {m} | {k} | {n} | {xla:.4f} | " + " | ".join(cells) + " |", flush=True)
+
+
 def sweep(shapes):
   rows = []
   for (m, k, n) in shapes:
@@ -96,9 +119,13 @@ if __name__ == "__main__":
   p = argparse.ArgumentParser()
   p.add_argument("--shapes", default="16384x2048x2048")
   p.add_argument("--skip-check", action="store_true")
+  p.add_argument("--variants", action="store_true", help="default config vs one-knob variants")
   args = p.parse_args()
   print(jax.devices(), jax.__version__, flush=True)
   shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
   if not args.skip_check:
     check_features()
+  if args.variants:
+    variant_sweep(shapes)
+    sys.exit(0)
   sweep([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
