@@ -63,6 +63,14 @@ class EpilogueOutput:
                        "width_divisor does not apply")
 
 
+  def subtile_shape(self, epi_m: int, epi_n: int) -> tuple[int, ...]:
+    """What ``EpilogueTile.store`` takes for this output in one (epi_m, epi_n) sub-tile."""
+    if self.kind == OutputKind.ROW_PARTIAL:
+      return (epi_m,)
+    width = epi_n // self.width_divisor
+    return (epi_m, width) if self.kind == OutputKind.TILE else (width,)
+
+
 def check_input(name: str, kind: InputKind, value, m: int, n: int) -> None:
   want = {InputKind.ROW: (m,), InputKind.COL: (n,), InputKind.TILE: (m, n)}[kind]
   if tuple(value.shape) != want:
@@ -103,10 +111,7 @@ class EpilogueTile:
     if name in self.stored:
       raise ValueError(f"epilogue stores {name!r} twice in one sub-tile")
     spec, write = self._outputs[name]
-    em, en = self.shape
-    want = {OutputKind.TILE: (em, en // spec.width_divisor),
-            OutputKind.ROW_PARTIAL: (em,),
-            OutputKind.COL_PARTIAL: (en // spec.width_divisor,)}[spec.kind]
+    want = spec.subtile_shape(*self.shape)
     if tuple(value.shape) != want:
       raise ValueError(f"epilogue stores {name!r} with shape {value.shape}, "
                        f"expected {want}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 from typing import Callable
 
 import jax
@@ -88,21 +89,14 @@ def _swizzle_transforms(minor_elems: int, dtype) -> tuple:
 
 def smem_bytes(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
                outputs: tuple[epi.EpilogueOutput, ...]) -> int:
-  """Shared memory one CTA needs for this config and epilogue program."""
-  it = jnp.dtype(dtype).itemsize
+  """Shared memory one CTA needs for this config and epilogue program: the pipeline
+  ring plus exactly the buffers the epilogue allocates."""
   cm, cn = config.cta_tile
-  total = config.stages * (cm + cn) * config.tile_k * it
-  em, en = config.epi_tile_m, config.epi_tile_n
-  for o in outputs:  # 2 warpgroups x 2 slots
-    if o.kind == epi.OutputKind.TILE:
-      total += 4 * em * (en // o.width_divisor) * jnp.dtype(o.dtype).itemsize
-    else:
-      total += 4 * (em if o.kind == epi.OutputKind.ROW_PARTIAL else en // o.width_divisor) * 4
-  for name, kind in input_kinds.items():
-    isz = jnp.dtype(input_dtypes[name]).itemsize
-    total += {epi.InputKind.ROW: 2 * config.tile_m * isz,
-              epi.InputKind.COL: 2 * config.tile_n * isz,
-              epi.InputKind.TILE: 4 * em * en * isz}[kind]
+  total = config.stages * (cm + cn) * config.tile_k * jnp.dtype(dtype).itemsize
+  for alloc in _Epilogue.scratch(config, input_kinds, input_dtypes, outputs).values():
+    if isinstance(alloc, plgpu.Barrier):
+      continue  # counted in the reserve
+    total += math.prod(alloc.shape) * jnp.dtype(alloc.dtype).itemsize
   if any(o.kind == epi.OutputKind.COL_PARTIAL for o in outputs):
     total += _REDUCTION_SCRATCH_BYTES
   return total + _SMEM_RESERVE_BYTES
@@ -197,14 +191,11 @@ class _Epilogue:
   def scratch(cfg, input_kinds, input_dtypes, outputs) -> dict:
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     out = {}
-    for o in outputs:  # [warpgroup, slot, ...]
-      if o.kind == epi.OutputKind.TILE:
-        w = en // o.width_divisor
-        out["o_" + o.name] = plgpu.SMEM((2, 2, em, w), o.dtype,
-                                        transforms=_swizzle_transforms(w, o.dtype))
-      else:
-        length = em if o.kind == epi.OutputKind.ROW_PARTIAL else en // o.width_divisor
-        out["o_" + o.name] = plgpu.SMEM((2, 2, length), jnp.float32)
+    for o in outputs:  # [warpgroup, slot, *sub-tile]
+      shape = o.subtile_shape(em, en)
+      # 2-D tiles are TMA-stored through swizzled SMEM; 1-D partials need no swizzle.
+      transforms = _swizzle_transforms(shape[-1], o.dtype) if len(shape) == 2 else ()
+      out["o_" + o.name] = plgpu.SMEM((2, 2, *shape), o.dtype, transforms=transforms)
     tiles = [nm for nm, kd in input_kinds.items() if kd == epi.InputKind.TILE]
     vecs = [nm for nm, kd in input_kinds.items() if kd != epi.InputKind.TILE]
     for nm in tiles:
@@ -317,7 +308,7 @@ class _Epilogue:
     ref = self.out_gmem[o.name]
     if o.kind == epi.OutputKind.ROW_PARTIAL:
       return ref.at[c0 // en, pl.ds(r0, em)]
-    w = en // o.width_divisor
+    w = o.subtile_shape(em, en)[-1]
     cols = pl.ds(pl.multiple_of(c0 // o.width_divisor, w), w)
     return ref.at[pl.ds(r0, em), cols] if o.kind == epi.OutputKind.TILE else ref.at[r0 // em, cols]
 
@@ -466,7 +457,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
                             trans_b=trans_b)
   _check_tiling(m, n, k, config, trans_a, trans_b)
   for o in outputs:
-    if o.kind == epi.OutputKind.TILE and (config.epi_tile_n // o.width_divisor) % 8:
+    if (o.kind == epi.OutputKind.TILE
+        and o.subtile_shape(config.epi_tile_m, config.epi_tile_n)[-1] % 8):
       raise ValueError(f"output {o.name!r}: epi_tile_n={config.epi_tile_n} / "
                        f"{o.width_divisor} must be a multiple of 8")
   need = smem_bytes(config, a.dtype, input_kinds, input_dtypes, outputs)
