@@ -45,15 +45,9 @@ def with_blocked_weights(x):
   return dict(x, b_blocked=layout.gate_up_to_blocked(x["b"], BLOCK))
 
 
-def rope_freqs(n):
-  half = HEAD // 2
-  inv = 500000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  return jnp.tile(jnp.concatenate([inv, inv]), n // HEAD)
-
-
 def programs(n):
   """name -> (ours(x), xla(x), output names compared)."""
-  fr = rope_freqs(n)
+  fr = layout.rope_freqs(n, HEAD, theta=500000.0)
 
   def run(program, **ops):
     return lambda x: cj.gemm_epilogue(x["a"], x["b"], program, {k: x[v] for k, v in ops.items()})

@@ -34,3 +34,17 @@ def blocked_to_gate_up(w: jax.Array, block: int) -> jax.Array:
   chunks = w.reshape(*lead, -1, 2, block)
   return jnp.concatenate([chunks[..., 0, :].reshape(*lead, -1),
                           chunks[..., 1, :].reshape(*lead, -1)], axis=-1)
+
+
+def rope_freqs(n: int, head_dim: int, theta: float = 10000.0,
+               passthrough_heads=()) -> jax.Array:
+  """The (n,) ``freqs`` operand of ``Rotate(block=head_dim // 2)`` for rotate-half heads:
+  columns j and j + head_dim/2 of each head both get theta**(-2j / head_dim). Heads
+  listed in ``passthrough_heads`` get 0 and pass unrotated (V heads of a fused QKV)."""
+  if head_dim % 2 or n % head_dim:
+    raise ValueError(f"rope_freqs: head_dim={head_dim} must be even and divide n={n}")
+  half = head_dim // 2
+  inv = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2 / head_dim)
+  per_head = jnp.tile(jnp.concatenate([inv, inv]), (n // head_dim, 1))
+  rotated = ~jnp.isin(jnp.arange(n // head_dim), jnp.asarray(passthrough_heads, jnp.int32))
+  return (per_head * rotated[:, None]).reshape(n)

@@ -79,7 +79,7 @@ def _declared(program, m, n):
   return inputs, tuple(outputs), pair
 
 
-def _check_operands(inputs, operands, m, n):
+def _check_epilogue_operands(inputs, operands, m, n):
   missing = set(inputs) - set(operands)
   if missing:
     raise ValueError(f"program reads operands {sorted(missing)} that were not passed")
@@ -115,7 +115,7 @@ def reference(a, b, program, operands, *, trans_a=False, trans_b=False, round_to
   intermediate is rounded as an unfused XLA graph in that dtype would round it."""
   m, n, _ = _problem(a, b, trans_a, trans_b)
   inputs, outputs, _ = _declared(program, m, n)
-  _check_operands(inputs, operands, m, n)
+  _check_epilogue_operands(inputs, operands, m, n)
   a2 = a.T if trans_a else a
   b2 = b.T if trans_b else b
   x = jnp.matmul(a2, b2, preferred_element_type=jnp.float32,
@@ -164,7 +164,7 @@ def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
       raise ValueError(f"CODA_JAX_IMPL={impl!r}: one of {IMPLS}")
   m, n, k = _problem(a, b, trans_a, trans_b)
   inputs, outputs, pair = _declared(program, m, n)
-  _check_operands(inputs, operands, m, n)
+  _check_epilogue_operands(inputs, operands, m, n)
   if impl == "auto":
     if not _is_hopper():
       _announce("no sm90 GPU: running the XLA reference path")

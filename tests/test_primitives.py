@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import coda_jax as cj
+from coda_jax import layout
 import pallas_kernels
 from pallas_kernels import GemmConfig, MatDim
 from helpers import (assert_within_baseline, f64, gemm_inputs, matmul_f32, normal,
@@ -163,6 +164,14 @@ def rope_rotate_half(x, pos, freqs, p):
     rot = np.concatenate([-xh[:, p:], xh[:, :p]], axis=1)
     out[:, sl] = xh * np.cos(ang) + rot * np.sin(ang)
   return out
+
+
+@pytest.mark.parametrize("p", [P32, P64])
+def test_layout_rope_freqs_follow_llama(p):
+  """The library's freqs operand against this file's independent definition."""
+  got = np.asarray(layout.rope_freqs(N, 2 * p, theta=500000.0, passthrough_heads=(0, 3)))
+  want = np.asarray(rope_freqs(N, p, theta=500000.0, zero_blocks=(0, 3)))
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("p", [P32, P64])
