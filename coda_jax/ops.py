@@ -52,25 +52,27 @@ def scalar_operand(value, n: int) -> jax.Array:
 def _declared(program, m, n):
   inputs: dict[str, pk.InputKind] = {}
   outputs: list[pk.EpilogueOutput] = []
-  width_div, pair = 1, 1
+  width, pair = 1, 1
   for prim in program:
     if not isinstance(prim, P.Primitive):
       raise ValueError(f"program step {prim!r} is not a coda_jax primitive")
     for name, kind in prim.inputs().items():
       if inputs.setdefault(name, kind) != kind:
         raise ValueError(f"operand {name!r} is read both as {inputs[name].value} and {kind.value}")
-      if width_div != 1 and kind != pk.InputKind.ROW:
+      if width != 1 and kind != pk.InputKind.ROW:
         raise ValueError(f"{type(prim).__name__} reads {kind.value} operand {name!r} after a "
-                         "narrowing step; column and tile operands must come before it")
-    if width_div != 1 and prim.pair_block() is not None:
-      raise ValueError("a pairwise step after a narrowing (gated) step is not supported")
-    outputs += prim.outputs(width_div)
+                         "step that changed the width; column and tile operands must come "
+                         "before it")
+    if width != 1 and (prim.pair_block() is not None or prim.width_factor() != 1):
+      raise ValueError(f"{type(prim).__name__}: a pairwise step after a step that changed the "
+                       "width is not supported")
+    outputs += prim.outputs(width)
     if prim.pair_block() is not None:
       pair = max(pair, 2 * prim.pair_block())
       if n % (2 * prim.pair_block()):
         raise ValueError(f"{type(prim).__name__}: N={n} must be a multiple of the pair block "
                          f"2*{prim.pair_block()}")
-    width_div *= prim.width_divisor()
+    width *= prim.width_factor()
   names = [o.name for o in outputs]
   if len(set(names)) != len(names):
     raise ValueError(f"program declares duplicate outputs: {names}")
@@ -99,9 +101,13 @@ def _problem(a, b, trans_a, trans_b):
 class _MatrixEnv:
   """``Env`` over whole matrices, for the reference."""
 
-  def __init__(self, operands):
+  def __init__(self, operands, shape):
     self.operands = operands
+    self.shape = shape
     self.stored: dict[str, jax.Array] = {}
+
+  def column_ids(self):
+    return jax.lax.broadcasted_iota(jnp.int32, self.shape, 1)
 
   def load(self, name):
     return self.operands[name]
@@ -122,7 +128,7 @@ def reference(a, b, program, operands, *, trans_a=False, trans_b=False, round_to
                  precision=jax.lax.Precision.HIGHEST)
   if round_to is not None:
     x = x.astype(round_to).astype(jnp.float32)
-  env = _MatrixEnv(operands)
+  env = _MatrixEnv(operands, x.shape)
   P.run_program(program, x, env, round_to=round_to)
   return _finish(program, {o.name: env.stored[o.name][None] if o.kind != pk.OutputKind.TILE
                            else env.stored[o.name].astype(o.dtype) for o in outputs})

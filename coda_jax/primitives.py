@@ -23,7 +23,8 @@ from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 
 
 class Env(Protocol):
-  """What a primitive may touch: operands (by kind) and outputs."""
+  """What a primitive may touch: operands (by kind), outputs, column indices."""
+  def column_ids(self) -> jax.Array: ...  # global column of each accumulator element
   def load(self, name: str) -> jax.Array: ...
   def store(self, name: str, value: jax.Array) -> None: ...
 
@@ -33,10 +34,11 @@ class Primitive:
   def inputs(self) -> dict[str, InputKind]:
     return {}
 
-  def outputs(self, width_divisor: int) -> tuple[EpilogueOutput, ...]:
+  def outputs(self, width: float) -> tuple[EpilogueOutput, ...]:
+    """``width``: the running value's width relative to N when this step runs."""
     return ()
 
-  def width_divisor(self) -> int:  # how much this primitive narrows the value
+  def width_factor(self) -> float:  # how this primitive scales the value's width
     return 1
 
   def pair_block(self) -> int | None:  # P, for pairwise primitives
@@ -129,8 +131,8 @@ class Gated(Primitive):
     if self.block <= 0 or self.block % 8:
       raise ValueError(f"Gated.block={self.block} must be a positive multiple of 8")
 
-  def width_divisor(self):
-    return 2
+  def width_factor(self):
+    return 0.5
 
   def pair_block(self):
     return self.block
@@ -189,7 +191,7 @@ class RowSum(Primitive):
   name: str
   square: bool = False
 
-  def outputs(self, width_divisor):
+  def outputs(self, width):
     return (EpilogueOutput(self.name, OutputKind.ROW_PARTIAL, jnp.float32),)
 
   def apply(self, x, env):
@@ -205,7 +207,7 @@ class RowLogSumExp(Primitive):
   """Per-row partial (max, sum exp(x - max)) -> outputs ``name``_max, ``name``_sumexp."""
   name: str
 
-  def outputs(self, width_divisor):
+  def outputs(self, width):
     return (EpilogueOutput(self.name + "_max", OutputKind.ROW_PARTIAL, jnp.float32),
             EpilogueOutput(self.name + "_sumexp", OutputKind.ROW_PARTIAL, jnp.float32))
 
@@ -224,11 +226,35 @@ class ColSum(Primitive):
   """Per-column partial sums of x over the sub-tile's rows -> output ``name``."""
   name: str
 
-  def outputs(self, width_divisor):
-    return (EpilogueOutput(self.name, OutputKind.COL_PARTIAL, jnp.float32, width_divisor),)
+  def outputs(self, width):
+    return (EpilogueOutput(self.name, OutputKind.COL_PARTIAL, jnp.float32, width),)
 
   def apply(self, x, env):
     env.store(self.name, jnp.sum(x, axis=0))
+    return x
+
+  def finish(self, raw):
+    return {self.name: jnp.sum(raw[self.name], axis=0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class PickColumn(Primitive):
+  """Per-row partial of x[m, index[m]] -> output ``name`` (0 where ``index[m]`` is not a
+  column of the sub-tile, so the finished sum is the picked value, or 0 for an index
+  outside [0, N), e.g. an ignored target). ``index`` is an (M,) int32 operand. Must run
+  before any step that changes the width."""
+  index: str
+  name: str
+
+  def inputs(self):
+    return {self.index: InputKind.ROW}
+
+  def outputs(self, width):
+    return (EpilogueOutput(self.name, OutputKind.ROW_PARTIAL, jnp.float32),)
+
+  def apply(self, x, env):
+    hit = env.column_ids() == env.load(self.index)[:, None]
+    env.store(self.name, jnp.sum(jnp.where(hit, x, 0.0), axis=1))
     return x
 
   def finish(self, raw):
@@ -242,8 +268,8 @@ class Store(Primitive):
   name: str
   dtype: Any = jnp.bfloat16
 
-  def outputs(self, width_divisor):
-    return (EpilogueOutput(self.name, OutputKind.TILE, jnp.dtype(self.dtype), width_divisor),)
+  def outputs(self, width):
+    return (EpilogueOutput(self.name, OutputKind.TILE, jnp.dtype(self.dtype), width),)
 
   def apply(self, x, env):
     env.store(self.name, x)

@@ -11,12 +11,16 @@ Operand kinds, by the shape of the array passed for them (M x N is the GEMM outp
   col   (N,)    one value per output column; ``tile.load`` gives (epi_tile_n,)
   tile  (M, N)  ``tile.load`` gives (epi_tile_m, epi_tile_n) in the operand's dtype
 
-Output kinds:
-  tile         (M, N // width_divisor); ``tile.store`` takes (epi_m, epi_n // width_divisor)
+  wide_tile (M, 2N)  twice the output's width (a gated pair's operand in the backward of
+                a gated epilogue): ``tile.load`` gives (epi_tile_m, 2 * epi_tile_n), the
+                columns [2 * col0, 2 * col0 + 2 * epi_tile_n)
+
+Output kinds (``width`` in {0.5, 1, 2}: the output's width relative to N, after a gated
+pair halved the value or a gated backward doubled it):
+  tile         (M, N * width); ``tile.store`` takes (epi_m, epi_n * width)
   row_partial  (N // epi_tile_n, M) fp32; ``tile.store`` takes (epi_m,): one partial per
                row and epilogue column block, finished by a reduction over axis 0.
-  col_partial  (M // epi_tile_m, N // width_divisor) fp32; ``tile.store`` takes
-               (epi_n // width_divisor,).
+  col_partial  (M // epi_tile_m, N * width) fp32; ``tile.store`` takes (epi_n * width,).
 
 Every declared output must be stored exactly once per sub-tile: the kernel checks this
 at trace time, so an unwritten output is an error, not garbage.
@@ -36,6 +40,7 @@ class InputKind(enum.Enum):
   ROW = "row"
   COL = "col"
   TILE = "tile"
+  WIDE_TILE = "wide_tile"
 
 
 class OutputKind(enum.Enum):
@@ -50,29 +55,34 @@ class EpilogueOutput:
   name: str
   kind: OutputKind = OutputKind.TILE
   dtype: Any = jnp.bfloat16
-  width_divisor: int = 1  # 2 after a gated pair halved the width (tile, col_partial)
+  width: float = 1  # relative to N: 0.5 after a gated pair, 2 after a gated backward
 
   def __post_init__(self):
-    if self.width_divisor not in (1, 2):
-      raise ValueError(f"output {self.name!r}: width_divisor must be 1 or 2, "
-                       f"got {self.width_divisor}")
+    if self.width not in (0.5, 1, 2):
+      raise ValueError(f"output {self.name!r}: width must be 0.5, 1 or 2, got {self.width}")
     if self.kind != OutputKind.TILE and jnp.dtype(self.dtype) != jnp.float32:
       raise ValueError(f"output {self.name!r}: partial reductions are fp32")
-    if self.kind == OutputKind.ROW_PARTIAL and self.width_divisor != 1:
+    if self.kind == OutputKind.ROW_PARTIAL and self.width != 1:
       raise ValueError(f"output {self.name!r}: row partials have one value per row; "
-                       "width_divisor does not apply")
+                       "width does not apply")
+
+  def scaled(self, n: int) -> int:
+    """A width (or column offset, possibly traced) of n accumulator columns, as this
+    output's."""
+    return n * 2 if self.width == 2 else n // 2 if self.width == 0.5 else n
 
 
   def subtile_shape(self, epi_m: int, epi_n: int) -> tuple[int, ...]:
     """What ``EpilogueTile.store`` takes for this output in one (epi_m, epi_n) sub-tile."""
     if self.kind == OutputKind.ROW_PARTIAL:
       return (epi_m,)
-    width = epi_n // self.width_divisor
+    width = self.scaled(epi_n)
     return (epi_m, width) if self.kind == OutputKind.TILE else (width,)
 
 
 def check_input(name: str, kind: InputKind, value, m: int, n: int) -> None:
-  want = {InputKind.ROW: (m,), InputKind.COL: (n,), InputKind.TILE: (m, n)}[kind]
+  want = {InputKind.ROW: (m,), InputKind.COL: (n,), InputKind.TILE: (m, n),
+          InputKind.WIDE_TILE: (m, 2 * n)}[kind]
   if tuple(value.shape) != want:
     raise ValueError(f"operand {name!r}: a {kind.value} operand must have shape {want}, "
                      f"got {tuple(value.shape)}")
@@ -80,10 +90,10 @@ def check_input(name: str, kind: InputKind, value, m: int, n: int) -> None:
 
 def output_shape(out: EpilogueOutput, m: int, n: int, epi_m: int, epi_n: int):
   if out.kind == OutputKind.TILE:
-    return (m, n // out.width_divisor)
+    return (m, out.scaled(n))
   if out.kind == OutputKind.ROW_PARTIAL:
     return (n // epi_n, m)
-  return (m // epi_m, n // out.width_divisor)
+  return (m // epi_m, out.scaled(n))
 
 
 class EpilogueTile:
@@ -97,6 +107,11 @@ class EpilogueTile:
     self._inputs = inputs
     self._outputs = outputs
     self.stored: set[str] = set()
+
+  def column_ids(self) -> jax.Array:
+    """(epi_m, epi_n) int32: the global output column of each accumulator element."""
+    return plgpu.broadcasted_iota(jnp.int32, self.shape, 1,
+                                  layout=plgpu.Layout.WGMMA) + self.col0
 
   def load(self, name: str) -> jax.Array:
     if name not in self._inputs:

@@ -28,7 +28,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import epilogue as epi
 
 SMEM_LIMIT_BYTES = 227 * 1024  # sm90 per-block opt-in maximum
-_SMEM_RESERVE_BYTES = 1024  # barriers and alignment padding
+_SMEM_RESERVE_BYTES = 2304  # barriers and alignment padding (measured: ~2.1 KiB)
 _REDUCTION_SCRATCH_BYTES = 2048  # plgpu.CompilerParams.reduction_scratch_bytes default
 
 
@@ -96,7 +96,8 @@ def smem_bytes(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
   for alloc in _Epilogue.scratch(config, input_kinds, input_dtypes, outputs).values():
     if isinstance(alloc, plgpu.Barrier):
       continue  # counted in the reserve
-    total += math.prod(alloc.shape) * jnp.dtype(alloc.dtype).itemsize
+    # Mosaic aligns each buffer (swizzled ones to 1024 bytes): count whole KiB.
+    total += -(-math.prod(alloc.shape) * jnp.dtype(alloc.dtype).itemsize // 1024) * 1024
   if any(o.kind == epi.OutputKind.COL_PARTIAL for o in outputs):
     total += _REDUCTION_SCRATCH_BYTES
   return total + _SMEM_RESERVE_BYTES
@@ -120,22 +121,27 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
   candidates = [  # (tile_m, tile_n, wg_dim, cluster_dim), fastest first
       (128, 128, MatDim.M, MatDim.N), (128, 128, MatDim.M, None), (128, 128, MatDim.N, None),
       (128, 64, MatDim.N, None), (64, 128, MatDim.M, None), (64, 64, MatDim.N, None),
-      (64, 32, MatDim.N, None)]
+      (64, 32, MatDim.N, None), (128, 64, MatDim.M, None), (64, 64, MatDim.M, None)]
+  # (tile_k, stages), deepest K in flight first: with a large epilogue, 5 stages of 32
+  # beat 2 of 64 by 10% (bench/NOTES.md, the SwiGLU backward GEMM).
+  depths = [(64, 4), (64, 3), (32, 6), (32, 5), (32, 4), (64, 2), (32, 3), (16, 6), (16, 4),
+            (32, 2), (16, 2)]
+  if trans_a or not trans_b:  # MN-major operands need tile_k = 64
+    depths = [(tk, st) for tk, st in depths if tk == 64]
   for tm, tn, wg, cl in candidates:
-    for tk in (64, 32, 16) if (not trans_a and trans_b) else (64,):
+    for tk, stages in depths:
       probe = GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, wg_dim=wg, cluster_dim=cl)
       if k % tk or m % probe.cluster_tile[0] or n % probe.cluster_tile[1]:
         continue
       # Pipeline depth matters more than epilogue sub-tile width: try narrower sub-tiles
       # (smaller epilogue buffers) before fewer stages.
-      for stages in (4, 3, 2):
-        for en in (64, 32, 16):
-          en = max(min(en, tn), min_epi_tile_n)
-          if tn % en or en % min_epi_tile_n:
-            continue
-          cfg = dataclasses.replace(probe, epi_tile_n=en, stages=stages)
-          if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs) <= SMEM_LIMIT_BYTES:
-            return cfg
+      for en in (64, 32, 16):
+        en = max(min(en, tn), min_epi_tile_n)
+        if tn % en or en % min_epi_tile_n:
+          continue
+        cfg = dataclasses.replace(probe, epi_tile_n=en, stages=stages)
+        if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs) <= SMEM_LIMIT_BYTES:
+          return cfg
   raise ValueError(f"no GEMM tiling divides (M, N, K)=({m}, {n}, {k}) with an epilogue "
                    f"width that is a multiple of {min_epi_tile_n}: M must be a multiple of "
                    "64, N of 64 and K of 64 (of 16 with A (M, K) and B (N, K))")
@@ -174,6 +180,10 @@ def _check_tiling(m, n, k, config: GemmConfig, trans_a: bool, trans_b: bool):
                      f"({cm}, {cn}, {config.tile_k}) of {config}")
 
 
+# Tile operand kinds and their width in accumulator sub-tile widths.
+_TILE_KINDS = {epi.InputKind.TILE: 1, epi.InputKind.WIDE_TILE: 2}
+
+
 class _Epilogue:
   """One compute warpgroup's epilogue machinery: staging of extra
   operands, the sub-tile walk that calls the closure, and the TMA stores."""
@@ -182,8 +192,8 @@ class _Epilogue:
     self.cfg, self.in_gmem, self.out_gmem = cfg, in_gmem, out_gmem
     self.kinds, self.outputs, self.fn, self.smem, self.wg = (
         input_kinds, outputs, epilogue, smem, wg)
-    self.tiles_in = [nm for nm, kd in input_kinds.items() if kd == epi.InputKind.TILE]
-    self.vecs_in = [nm for nm, kd in input_kinds.items() if kd != epi.InputKind.TILE]
+    self.tiles_in = [nm for nm, kd in input_kinds.items() if kd in _TILE_KINDS]
+    self.vecs_in = [nm for nm, kd in input_kinds.items() if kd not in _TILE_KINDS]
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     self.sub_tiles = [(i, j) for i in range(cfg.tile_m // em) for j in range(cfg.tile_n // en)]
 
@@ -196,11 +206,11 @@ class _Epilogue:
       # 2-D tiles are TMA-stored through swizzled SMEM; 1-D partials need no swizzle.
       transforms = _swizzle_transforms(shape[-1], o.dtype) if len(shape) == 2 else ()
       out["o_" + o.name] = plgpu.SMEM((2, 2, *shape), o.dtype, transforms=transforms)
-    tiles = [nm for nm, kd in input_kinds.items() if kd == epi.InputKind.TILE]
-    vecs = [nm for nm, kd in input_kinds.items() if kd != epi.InputKind.TILE]
+    tiles = [nm for nm, kd in input_kinds.items() if kd in _TILE_KINDS]
+    vecs = [nm for nm, kd in input_kinds.items() if kd not in _TILE_KINDS]
     for nm in tiles:
-      dt = input_dtypes[nm]
-      out["i_" + nm] = plgpu.SMEM((2, 2, em, en), dt, transforms=_swizzle_transforms(en, dt))
+      dt, w = input_dtypes[nm], en * _TILE_KINDS[input_kinds[nm]]
+      out["i_" + nm] = plgpu.SMEM((2, 2, em, w), dt, transforms=_swizzle_transforms(w, dt))
     for nm in vecs:
       length = cfg.tile_m if input_kinds[nm] == epi.InputKind.ROW else cfg.tile_n
       out["i_" + nm] = plgpu.SMEM((2, length), input_dtypes[nm])
@@ -221,7 +231,9 @@ class _Epilogue:
     r0, c0 = self._origin(s, row_base, col_base)
     em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
     for nm in self.tiles_in:
-      plgpu.copy_gmem_to_smem(self.in_gmem[nm].at[pl.ds(r0, em), pl.ds(c0, en)],
+      w = en * _TILE_KINDS[self.kinds[nm]]
+      cols = pl.ds(pl.multiple_of(c0 * _TILE_KINDS[self.kinds[nm]], w), w)
+      plgpu.copy_gmem_to_smem(self.in_gmem[nm].at[pl.ds(r0, em), cols],
                               self.smem["i_" + nm].at[self.wg, s % 2],
                               self.smem["tile_bar"].at[self.wg * 2 + s % 2])
 
@@ -287,7 +299,7 @@ class _Epilogue:
 
     def reader(nm):
       kind = self.kinds[nm]
-      if kind == epi.InputKind.TILE:
+      if kind in _TILE_KINDS:
         return lambda: smem["i_" + nm].at[wg, slot][...]
       if kind == epi.InputKind.ROW:
         return lambda: epi.load_row(smem["i_" + nm].at[wg, pl.ds(i * em, em)])
@@ -309,7 +321,7 @@ class _Epilogue:
     if o.kind == epi.OutputKind.ROW_PARTIAL:
       return ref.at[c0 // en, pl.ds(r0, em)]
     w = o.subtile_shape(em, en)[-1]
-    cols = pl.ds(pl.multiple_of(c0 // o.width_divisor, w), w)
+    cols = pl.ds(pl.multiple_of(o.scaled(c0), w), w)
     return ref.at[pl.ds(r0, em), cols] if o.kind == epi.OutputKind.TILE else ref.at[r0 // em, cols]
 
 
@@ -445,7 +457,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
       raise ValueError(f"in_place={in_place}: {out_name!r} must be a declared output and "
                        f"{in_name!r} a passed operand")
     o, (kind, v) = specs[out_name], inputs[in_name]
-    if (kind != epi.InputKind.TILE or o.kind != epi.OutputKind.TILE or o.width_divisor != 1
+    if (kind != epi.InputKind.TILE or o.kind != epi.OutputKind.TILE or o.width != 1
         or jnp.dtype(o.dtype) != v.dtype):
       raise ValueError(f"in_place {out_name!r} <- {in_name!r}: both must be full-width (M, N) "
                        f"tiles of one dtype, got {o} and a {kind.value} operand of {v.dtype}")
@@ -459,8 +471,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
   for o in outputs:
     if (o.kind == epi.OutputKind.TILE
         and o.subtile_shape(config.epi_tile_m, config.epi_tile_n)[-1] % 8):
-      raise ValueError(f"output {o.name!r}: epi_tile_n={config.epi_tile_n} / "
-                       f"{o.width_divisor} must be a multiple of 8")
+      raise ValueError(f"output {o.name!r}: epi_tile_n={config.epi_tile_n} * "
+                       f"{o.width} must be a multiple of 8")
   need = smem_bytes(config, a.dtype, input_kinds, input_dtypes, outputs)
   if need > SMEM_LIMIT_BYTES:
     raise ValueError(f"{config} with this epilogue needs {need} bytes of shared memory, "

@@ -1,0 +1,342 @@
+"""Whole Llama blocks: our fused shifted block (and post-block) vs jax.jit of the same
+block written the standard way, forward and forward+backward, CUPTI kernel time.
+
+    PYTHONPATH=. python -m bench.block [--shapes 1b,8b] [--out DIR] [--iterations N]
+
+Per shape: (a) shifted block forward and (b) forward+backward, ours vs XLA, each next to
+(c) its GEMMs alone as plain ``jnp.dot`` under jit (the speed of light); (d) each fused op
+of ``fused_ops`` vs jit of its ``jnp_reference``; (e) compiled peak memory of (b); (f)
+post-block forward+backward (1b only). The XLA baseline uses the standard layouts:
+separate gate and up weights, one fused [q | k | v] projection, rotate-half RoPE.
+Writes block.{json,md} to --out (default bench/results/<device>/). Without a GPU it runs
+a tiny shape through the Mosaic GPU interpreter: a correctness check of ours vs the
+baseline, with wall-clock times that say nothing about GPU speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from bench import common
+from coda_jax import blocks, layout
+from coda_jax import fused_ops as F
+from coda_jax import jnp_reference as ref
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+BLOCK = 32  # SwiGLU pair block of our w13 layout
+THETA, EPS, SEQ = 500000.0, 1e-5, 2048  # RoPE base, RMSNorm eps, packed sequence length
+
+
+class Shape(NamedTuple):
+  m: int  # tokens
+  d: int
+  f: int
+  n_q: int
+  n_kv: int
+  head_dim: int
+  vocab: int
+
+  @property
+  def qkv_width(self):
+    return (self.n_q + 2 * self.n_kv) * self.head_dim
+
+
+SHAPES = {"1b": Shape(16384, 2048, 8192, 32, 8, 64, 128256),  # Llama-3.2-1B
+          "8b": Shape(8192, 4096, 14336, 32, 8, 128, 128256),  # Llama-3-8B
+          "tiny": Shape(256, 128, 256, 4, 2, 32, 512)}  # CPU interpreter check
+
+
+def make_inputs(s: Shape, key, dtype=bf16):
+  """Activations ~N(0, 1); weights ~N(0, 1/fan_in) so every GEMM output stays O(1)."""
+  ks = iter(jax.random.split(key, 16))
+  normal = lambda shape, scale=1.0: (scale * jax.random.normal(next(ks), shape, f32)).astype(dtype)
+  weight = lambda k, n: normal((k, n), k ** -0.5)
+  norm = lambda: 1 + 0.1 * jax.random.normal(next(ks), (s.d,), f32)
+  params = dict(wo=weight(s.n_q * s.head_dim, s.d), g_mlp=norm(), w_gate=weight(s.d, s.f),
+                w_up=weight(s.d, s.f), w2=weight(s.f, s.d), g_attn=norm(),
+                wqkv=weight(s.d, s.qkv_width), g_final=norm(), wlm=weight(s.d, s.vocab))
+  return dict(x0=normal((s.m, s.d)), y0=normal((s.m, s.n_q * s.head_dim)),
+              positions=jnp.arange(s.m, dtype=jnp.int32) % SEQ,
+              targets=jax.random.randint(next(ks), (s.m,), 0, s.vocab, jnp.int32),
+              cts=(normal((s.m, s.d)), normal((s.m, s.qkv_width))), params=params)
+
+
+def ours_params(std, keys):
+  # Converted once, as a model would at load time: not part of any timed step.
+  w13 = layout.gate_up_to_blocked(jnp.concatenate([std["w_gate"], std["w_up"]], 1), BLOCK)
+  return {k: w13 if k == "w13" else std[k] for k in keys}
+
+
+def grads_to_standard(grads):
+  """Our (.., {.., w13 pair-blocked}) gradients -> the baseline's gate/up layout."""
+  *acts, dp = grads
+  dp = dict(dp)
+  gate_up = layout.blocked_to_gate_up(dp.pop("w13"), BLOCK)
+  f = gate_up.shape[1] // 2
+  return (*acts, dict(dp, w_gate=gate_up[:, :f], w_up=gate_up[:, f:]))
+
+
+# ---- the XLA baseline, written the way a user writes a Llama block ------------------------
+def rmsnorm(x, g):
+  xf = x.astype(f32)
+  return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + EPS) * g).astype(x.dtype)
+
+
+def rope(x, positions, head_dim):
+  """Rotate-half RoPE on (M, heads * head_dim), fp32 angles."""
+  xh = x.reshape(x.shape[0], -1, head_dim).astype(f32)
+  inv = THETA ** (-jnp.arange(head_dim // 2, dtype=f32) * 2 / head_dim)
+  t = positions.astype(f32)[:, None, None] * jnp.concatenate([inv, inv])
+  half = head_dim // 2
+  rotated = jnp.concatenate([-xh[..., half:], xh[..., :half]], -1)
+  return (xh * jnp.cos(t) + rotated * jnp.sin(t)).reshape(x.shape).astype(x.dtype)
+
+
+def xla_mlp(x0, y0, p, g_next):
+  x1 = y0 @ p["wo"] + x0
+  h1 = rmsnorm(x1, p["g_mlp"])
+  y1 = jax.nn.silu(h1 @ p["w_gate"]) * (h1 @ p["w_up"])
+  x2 = y1 @ p["w2"] + x1
+  return x2, rmsnorm(x2, g_next)
+
+
+def xla_shifted_block(s: Shape):
+  def block(x0, y0, positions, p):
+    x2, h2 = xla_mlp(x0, y0, p, p["g_attn"])
+    qkv = h2 @ p["wqkv"]  # one fused projection, split into heads below
+    nq, nk = s.n_q * s.head_dim, s.n_kv * s.head_dim
+    q, k = rope(qkv[:, :nq], positions, s.head_dim), rope(qkv[:, nq:nq + nk], positions, s.head_dim)
+    return x2, jnp.concatenate([q, k, qkv[:, nq + nk:]], -1)
+  return block
+
+
+def xla_post_block(x0, y0, targets, p):
+  _, h2 = xla_mlp(x0, y0, p, p["g_final"])
+  logits = (h2 @ p["wlm"]).astype(f32)
+  picked = jnp.take_along_axis(logits, targets[:, None], -1)[:, 0]
+  return jnp.mean(jax.nn.logsumexp(logits, -1) - picked)
+
+
+def fwd_bwd(block):
+  """Forward + backward of (x0, y0, positions, params) -> outputs: the gradients of
+  x0, y0 and params for the given output cotangents."""
+  def step(x0, y0, positions, p, cts):
+    _, pull = jax.vjp(lambda a, b, q: block(a, b, positions, q), x0, y0, p)
+    return pull(cts)
+  return step
+
+
+def gemms(s: Shape, backward: bool, key):
+  """(fn, args): the block's forward GEMMs (and, with ``backward``, each one's input
+  gradient dout @ W^T and fp32 weight gradient A^T @ dout), one jitted function. Every
+  GEMM gets its own operands so XLA cannot merge dots that share an input."""
+  mkn = [(s.m, s.n_q * s.head_dim, s.d), (s.m, s.d, 2 * s.f), (s.m, s.f, s.d),
+         (s.m, s.d, s.qkv_width)]
+  ks = iter(jax.random.split(key, 3 * len(mkn)))
+  args = [(jax.random.normal(next(ks), (m, k), bf16),
+           (jax.random.normal(next(ks), (k, n), f32) * k ** -0.5).astype(bf16),
+           jax.random.normal(next(ks), (m, n), bf16)) for m, k, n in mkn]
+
+  def fn(args):
+    outs = [a @ w for a, w, _ in args]
+    if backward:
+      outs += [dout @ w.T for _, w, dout in args]
+      outs += [jnp.dot(a.T, dout, preferred_element_type=f32) for a, _, dout in args]
+    return outs
+  return fn, args
+
+
+def rel_diff(got, want):
+  """Largest relative Frobenius difference over the leaves of two matching pytrees."""
+  norm = lambda v: jnp.linalg.norm(v.astype(f32))
+  return max(float(norm(a.astype(f32) - b.astype(f32)) / norm(b))
+             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+def check_baseline():
+  """The baseline is the same math as ``jnp_reference`` (which ours is tested against):
+  in fp32 they agree to rounding; in bf16 they differ only by where each rounds."""
+  s = SHAPES["tiny"]
+  heads = dict(n_q_heads=s.n_q, n_kv_heads=s.n_kv, head_dim=s.head_dim, theta=THETA)
+  for dtype in (f32, bf16):
+    x = make_inputs(s, jax.random.key(7), dtype)
+    p = x["params"]  # standard layout; ours_params gives jnp_reference's
+    with jax.default_matmul_precision("highest"):
+      mine = xla_shifted_block(s)(x["x0"], x["y0"], x["positions"], p)
+      theirs = ref.shifted_block(x["x0"], x["y0"], x["positions"],
+                                 ours_params(p, blocks.SHIFTED_KEYS), **heads, eps=EPS)
+      post = xla_post_block(x["x0"], x["y0"], x["targets"], p)
+      post_ref = ref.post_block(x["x0"], x["y0"], x["targets"], ours_params(p, blocks.POST_KEYS))
+    print(f"baseline vs jnp_reference ({jnp.dtype(dtype).name}): shifted block "
+          f"{rel_diff(mine, theirs):.1e}, post-block {rel_diff(post, post_ref):.1e}")
+
+
+def peak_bytes(fn, *args):
+  """Compiled peak device memory from ``memory_analysis()``: arguments and outputs live
+  throughout, temp is XLA's liveness-packed scratch, aliased outputs reuse arguments."""
+  m = jax.jit(fn).lower(*args).compile().memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+          - m.alias_size_in_bytes)
+
+
+def run_shape(name, s: Shape, impl, measure, prov, key):
+  x = make_inputs(s, key)
+  std, pos, tgt = x["params"], x["positions"], x["targets"]
+  cfg = blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, rope_theta=THETA, eps=EPS,
+                           swiglu_block=BLOCK, impl=impl)
+  mine = ours_params(std, blocks.SHIFTED_KEYS)
+  ours_block = lambda a, b, c, p: blocks.shifted_block(a, b, c, p, cfg)
+  xla_block = xla_shifted_block(s)
+  std_shifted = {k: std[k] for k in ("wo", "g_mlp", "w_gate", "w_up", "w2", "g_attn", "wqkv")}
+  rows = []
+
+  def compare(op, ours, ours_args, xla, xla_args, to_std=lambda t: t, gemm_fns=None,
+              memory=False):
+    row = dict(op=op, shape=name, dims=s._asdict(), baseline="xla_jit", **prov)
+    try:
+      row["ours_ms"], row["ours_kernels"], got = measure(ours, *ours_args)
+      row["baseline_ms"], row["baseline_kernels"], want = measure(xla, *xla_args)
+      row["speedup_vs_baseline"] = row["baseline_ms"] / row["ours_ms"]
+      row["rel_diff_vs_baseline"] = rel_diff(to_std(got), want)
+      # Both against the fp32 truth of the same math: ours should be as close as XLA's bf16.
+      upcast = lambda v: v.astype(f32) if v.dtype == bf16 else v
+      with jax.default_matmul_precision("highest"):
+        truth = jax.jit(xla)(*jax.tree.map(upcast, xla_args))
+      row["ours_err_vs_fp32"], row["baseline_err_vs_fp32"] = (
+          rel_diff(to_std(got), truth), rel_diff(want, truth))
+      del got, want, truth
+      if gemm_fns:
+        row["gemms_ms"] = measure(*gemm_fns)[0]
+        row["ours_vs_gemms"] = row["ours_ms"] / row["gemms_ms"]
+      if memory:
+        row["ours_peak_bytes"] = peak_bytes(ours, *ours_args)
+        row["baseline_peak_bytes"] = peak_bytes(xla, *xla_args)
+    except Exception as e:  # a failing measurement is reported in the table, not fatal
+      row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    rows.append(row)
+    print(f"{name} {op}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()
+                                       if isinstance(v, (int, float)) and "_" in k)
+          + row.get("error", ""), flush=True)
+
+  gemm_key = jax.random.fold_in(key, 1)
+  compare("shifted_block_fwd", ours_block, (x["x0"], x["y0"], pos, mine),
+          xla_block, (x["x0"], x["y0"], pos, std_shifted), gemm_fns=gemms(s, False, gemm_key))
+  compare("shifted_block_fwd_bwd", fwd_bwd(ours_block), (x["x0"], x["y0"], pos, mine, x["cts"]),
+          fwd_bwd(xla_block), (x["x0"], x["y0"], pos, std_shifted, x["cts"]),
+          to_std=grads_to_standard, gemm_fns=gemms(s, True, gemm_key), memory=True)
+
+  # per-op inputs: a normed residual stream h = x * g and its RMS scale r
+  h, r = (x["x0"].astype(f32) * std["g_mlp"]).astype(bf16), ref.rms_scale(x["x0"], EPS)
+  heads = dict(n_q_heads=s.n_q, n_kv_heads=s.n_kv, head_dim=s.head_dim, theta=THETA)
+  ops = {
+      "residual_rmsnorm": (lambda *a: F.residual_rmsnorm(*a, eps=EPS, impl=impl),
+                           lambda *a: ref.residual_rmsnorm(*a, eps=EPS),
+                           (x["y0"], std["wo"], x["x0"], std["g_mlp"])),
+      "rmsnorm_swiglu": (lambda *a: F.rmsnorm_swiglu(*a, block=BLOCK, impl=impl),
+                         lambda *a: ref.rmsnorm_swiglu(*a, BLOCK), (h, r, mine["w13"])),
+      "rmsnorm_qkv_rope": (lambda *a: F.rmsnorm_qkv_rope(*a, **heads, impl=impl),
+                           lambda *a: ref.rmsnorm_qkv_rope(*a, **heads), (h, r, std["wqkv"], pos)),
+      "rmsnorm_lm_head_loss": (lambda *a: F.rmsnorm_lm_head_loss(*a, impl=impl),
+                               ref.rmsnorm_lm_head_loss, (h, r, std["wlm"], tgt)),
+  }
+  for op, (ours, xla, args) in ops.items():
+    compare(op, ours, args, xla, args)
+
+  if name in ("1b", "tiny"):
+    post_cfg = blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, eps=EPS, swiglu_block=BLOCK,
+                                  impl=impl)
+    grad = lambda loss: jax.grad(loss, argnums=(0, 1, 3))
+    std_post = {k: std[k] for k in ("wo", "g_mlp", "w_gate", "w_up", "w2", "g_final", "wlm")}
+    compare("post_block_fwd_bwd",
+            grad(lambda a, b, t, p: blocks.post_block(a, b, t, p, post_cfg)),
+            (x["x0"], x["y0"], tgt, ours_params(std, blocks.POST_KEYS)),
+            grad(xla_post_block), (x["x0"], x["y0"], tgt, std_post),
+            to_std=grads_to_standard, memory=True)
+  return rows
+
+
+def timer(on_gpu, iterations):
+  def measure(fn, *args):
+    """-> (ms per call, per-kernel ms or None, fn's outputs)."""
+    jitted, times = jax.jit(fn), []
+    out = jax.block_until_ready(jitted(*args))  # the compile, and outputs to compare
+    if on_gpu:
+      return (*common.time_kernels(fn, *args, iterations=iterations), out)
+    for _ in range(iterations):  # CPU: wall clock of the interpreter, not a GPU speed
+      t0 = time.perf_counter()
+      out = jax.block_until_ready(jitted(*args))
+      times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), None, out
+  return measure
+
+
+def markdown(rows, prov, on_gpu):
+  mb = lambda v: f"{v / 2**20:.1f}" if v is not None else "-"
+  fmt = lambda v, p=4: f"{v:.{p}f}" if v is not None else "-"
+  unit = "CUPTI kernel ms per call, median" if on_gpu else "CPU wall-clock ms of the " \
+      "Mosaic GPU interpreter: NOT a GPU speed, a correctness check only"
+  md = ["# Llama blocks: ours vs jax.jit of the standard block", "",
+        f"device: {prov['device']}; jax {prov['jax_version']}; commit {prov['commit']}",
+        f"command: `{prov['command']}`", f"times: {unit}", "",
+        "| shape | op | ours ms | XLA ms | GEMMs alone ms | XLA/ours | ours/GEMMs | "
+        "ours err | XLA err | ours peak MiB | XLA peak MiB |", "|" + "---|" * 11]
+  for r in rows:
+    if "error" in r:
+      md.append(f"| {r['shape']} | {r['op']} | failed: {r['error']} |" + " |" * 8)
+      continue
+    md.append(f"| {r['shape']} | {r['op']} | {fmt(r['ours_ms'])} | {fmt(r['baseline_ms'])} | "
+              f"{fmt(r.get('gemms_ms'))} | {fmt(r['speedup_vs_baseline'], 3)} | "
+              f"{fmt(r.get('ours_vs_gemms'), 3)} | {r['ours_err_vs_fp32']:.1e} | "
+              f"{r['baseline_err_vs_fp32']:.1e} | "
+              f"{mb(r.get('ours_peak_bytes'))} | {mb(r.get('baseline_peak_bytes'))} |")
+  md += ["", "GEMMs alone: the block's GEMMs as plain jnp.dot under jit (fwd: 4; fwd_bwd: "
+         "also dout @ W^T and fp32 A^T @ dout for each). err: largest relative Frobenius "
+         "difference over outputs (fwd) or gradients (fwd_bwd) from the XLA baseline's "
+         "math run in fp32 (HIGHEST precision); ours vs XLA directly is rel_diff_vs_baseline "
+         "in the JSON. Peak: argument + output + temp - alias bytes of the compiled "
+         "fwd+bwd. XLA's block: separate gate/up matmuls, one fused qkv matmul. LM head "
+         "per-op: all M rows, full vocabulary."]
+  return "\n".join(md) + "\n"
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--shapes", default="1b,8b", help=f"comma-separated, of {list(SHAPES)}")
+  p.add_argument("--out", type=Path, default=None,
+                 help="output folder (default bench/results/<device>; a temp folder on CPU)")
+  p.add_argument("--iterations", type=int, default=None, help="default 30 on GPU, 1 on CPU")
+  args = p.parse_args()
+  on_gpu = jax.devices()[0].platform == "gpu"
+  check_baseline()
+  measure = timer(on_gpu, args.iterations or (30 if on_gpu else 1))
+  names, impl = (args.shapes.split(","), "mosaic") if on_gpu else (["tiny"], "interpret")
+  if not on_gpu:
+    print("no GPU: the tiny shape through the Mosaic GPU interpreter; times are CPU wall "
+          "clock and say nothing about GPU speed.")
+    args.out = args.out or Path(tempfile.gettempdir()) / "coda_block_bench"
+  prov = common.provenance()
+  rows = []
+  for i, name in enumerate(names):
+    rows += run_shape(name, SHAPES[name], impl, measure, prov, jax.random.key(i))
+  md = markdown(rows, prov, on_gpu)
+  if args.out is None:
+    out = common.write_results("block", rows, md)
+  else:  # same files as common.write_results, in the folder asked for
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "block.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out / "block.md").write_text(md)
+  print(f"wrote {out / 'block.json'} and {out / 'block.md'}\n")
+  print(md)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,242 @@
+"""Whole Llama-style blocks as GEMM-epilogue programs, forward and backward
+(``coda_math.md`` §2-§4), each one ``jax.custom_vjp``.
+
+A model of L layers is cut at attention, which stays outside (cuDNN):
+
+    qkv_0 = pre_block(x0, positions, g_attn_0, wqkv_0)              embedding -> QKV
+    for i < L - 1:   y_i = attention(qkv_i)
+                     x, qkv_{i+1} = shifted_block(x, y_i, positions, params_i)
+    loss = post_block(x, y_{L-1}, targets, params_{L-1})            -> cross-entropy
+
+``shifted_block`` params (kernel layouts, ``layout.py``): ``wo`` (Hq*hd, D) and the MLP
+(``g_mlp`` (D,), ``w13`` (D, 2F) pair-blocked, ``w2`` (F, D)) of layer i, then the next
+layer's ``g_attn`` (D,) and ``wqkv`` (D, (Hq + 2 Hkv) hd). ``post_block`` replaces the last
+two with ``g_final`` (D,) and ``wlm`` (D, V).
+
+Only what §2 lists is saved for the backward: y0, x1, x2, z (pre-activation), qkv, r1, r2
+(the post-block also keeps h2 and each row's log-sum-exp); h1, y1 and every n = r x g
+are recomputed by backward epilogues. Cast policy and shapes as ``fused_ops``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from coda_jax import fused_ops as F
+from coda_jax import jnp_reference as ref
+from coda_jax import stages as S
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+  """Static block hyper-parameters (hashable)."""
+  n_q_heads: int
+  n_kv_heads: int
+  head_dim: int
+  rope_theta: float = 500000.0
+  eps: float = 1e-5
+  swiglu_block: int = 32  # pair block of w13's layout (layout.gate_up_to_blocked)
+  activation: str = "silu"
+  ignore_index: int = -100
+  reduction: str = "mean"
+  lm_chunk_rows: int | None = None
+  impl: str = "auto"
+
+  @property
+  def qkv_width(self) -> int:
+    return (self.n_q_heads + 2 * self.n_kv_heads) * self.head_dim
+
+  def freqs(self):
+    return ref.qkv_freqs(self.n_q_heads, self.n_kv_heads, self.head_dim, self.rope_theta)
+
+
+SHIFTED_KEYS = ("wo", "g_mlp", "w13", "w2", "g_attn", "wqkv")
+POST_KEYS = ("wo", "g_mlp", "w13", "w2", "g_final", "wlm")
+
+
+def _check_params(params, keys, d, cfg: BlockConfig):
+  if set(params) != set(keys):
+    raise ValueError(f"params must have exactly the keys {keys}, got {sorted(params)}")
+  f = params["w13"].shape[-1] // 2
+  want = {"wo": (cfg.n_q_heads * cfg.head_dim, d), "g_mlp": (d,), "w13": (d, 2 * f),
+          "w2": (f, d), "g_attn": (d,), "wqkv": (d, cfg.qkv_width), "g_final": (d,),
+          "wlm": (d, params["wlm"].shape[-1] if "wlm" in params else 0)}
+  for k in keys:
+    F._check_weight(k, params[k], want[k])
+  if f % cfg.swiglu_block:
+    raise ValueError(f"w13 width {2 * f} must be a multiple of 2*swiglu_block="
+                     f"{2 * cfg.swiglu_block}")
+
+
+def _check_acts(x0, y0, d_attn):
+  F._check_act("x0", x0)
+  F._check_act("y0", y0, d_attn)
+  if x0.shape[:-1] != y0.shape[:-1] or x0.dtype != y0.dtype:
+    raise ValueError(f"x0 {x0.shape} {x0.dtype} and y0 {y0.shape} {y0.dtype} must share "
+                     "leading shape and dtype")
+
+
+def _cast(params, dt):
+  return {k: (v.astype(jnp.float32) if k.startswith("g_") else v.astype(dt))
+          for k, v in params.items()}
+
+
+def _grads_like(grads, params):
+  return {k: grads[k].astype(params[k].dtype) for k in params}
+
+
+# ---- shared MLP half: out-proj + residual + norm, gate/up + GLU, down + residual + norm ----
+def _mlp_fwd(x0, y0, p, g_next, cfg):
+  x1, h1, r1 = S.residual_norm(y0, p["wo"], x0, p["g_mlp"], cfg.eps, cfg.impl)
+  z, y1 = S.norm_gated(h1, r1, p["w13"], cfg.swiglu_block, cfg.activation, cfg.impl)
+  x2, h2, r2 = S.residual_norm(y1, p["w2"], x1, g_next, cfg.eps, cfg.impl)
+  return (x2, h2, r2), (y0, x1, z, r1)
+
+
+def _mlp_bwd(dxa, saved, p, params, cfg):
+  """dxa: total cotangent of x2. Returns dx0, dy0 and the MLP half's weight grads."""
+  y0, x1, z, r1 = saved
+  d = x1.shape[1]
+  wdt = lambda k: S.grad_dtype(params[k])
+  dz, y1, zdz1 = S.gated_input_grad(dxa, p["w2"], z, cfg.swiglu_block, cfg.activation,
+                                    cfg.impl)
+  dw2 = S.weight_grad(y1, dxa, cfg.impl, wdt("w2"))
+  dx1, n1, dg1 = S.norm_input_grad(dz, p["w13"], x1, r1, zdz1 / d, p["g_mlp"], dxa, cfg.impl)
+  dw13 = S.weight_grad(n1, dz, cfg.impl, wdt("w13"))
+  dy0 = S.input_grad(dx1, p["wo"], cfg.impl)
+  dwo = S.weight_grad(y0, dx1, cfg.impl, wdt("wo"))
+  return dx1, dy0, {"wo": dwo, "g_mlp": dg1, "w13": dw13, "w2": dw2}
+
+
+# ---- pre-block ---------------------------------------------------------------------------
+def pre_block(x0, positions, g_attn, wqkv, cfg: BlockConfig):
+  """x0 (..., D) embeddings, positions (...) int, g_attn (D,), wqkv (D, qkv_width)
+  -> qkv (..., qkv_width): the first layer's normed, projected, RoPE'd q, k, v."""
+  F._check_act("x0", x0)
+  F._check_rows("positions", positions, x0.shape[:-1], "int")
+  d = x0.shape[-1]
+  F._check_weight("g_attn", g_attn, (d,))
+  F._check_weight("wqkv", wqkv, (d, cfg.qkv_width))
+  lead = x0.shape[:-1]
+  qkv = _pre(F._flat(x0), positions.reshape(-1).astype(jnp.int32), g_attn, wqkv, cfg)
+  return qkv.reshape(*lead, -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _pre(x0, positions, g, wqkv, cfg):
+  return _pre_fwd(x0, positions, g, wqkv, cfg)[0]
+
+
+def _pre_fwd(x0, positions, g, wqkv, cfg):
+  r0 = ref.rms_scale(x0, cfg.eps)
+  h0 = (x0.astype(jnp.float32) * g.astype(jnp.float32)).astype(x0.dtype)
+  qkv = S.norm_rope(h0, r0, wqkv.astype(x0.dtype), positions, cfg.freqs(), cfg.head_dim,
+                    cfg.impl)
+  return qkv, (x0, positions, g, wqkv, r0, qkv)
+
+
+def _pre_bwd(cfg, saved, dqkv):
+  x0, positions, g, wqkv, r0, qkv = saved
+  dz, c = S.rope_grad(dqkv, qkv, positions, cfg.freqs(), cfg.head_dim, x0.shape[1])
+  dx0, n0, dg = S.norm_input_grad(dz, wqkv.astype(x0.dtype), x0, r0, c, g, None, cfg.impl)
+  dw = S.weight_grad(n0, dz, cfg.impl, S.grad_dtype(wqkv))
+  return dx0, None, dg.astype(g.dtype), dw.astype(wqkv.dtype)
+
+
+_pre.defvjp(_pre_fwd, _pre_bwd)
+
+
+# ---- shifted block -----------------------------------------------------------------------
+def shifted_block(x0, y0, positions, params, cfg: BlockConfig):
+  """x0 (..., D) residual stream, y0 (..., Hq*hd) attention output, positions (...) int
+  -> (x2 (..., D) residual stream after the MLP, qkv (..., qkv_width) of the next layer)."""
+  _check_params(params, SHIFTED_KEYS, x0.shape[-1], cfg)
+  _check_acts(x0, y0, params["wo"].shape[0])
+  F._check_rows("positions", positions, x0.shape[:-1], "int")
+  lead = x0.shape[:-1]
+  x2, qkv = _shifted(F._flat(x0), F._flat(y0), positions.reshape(-1).astype(jnp.int32),
+                     params, cfg)
+  return x2.reshape(*lead, -1), qkv.reshape(*lead, -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _shifted(x0, y0, positions, params, cfg):
+  return _shifted_fwd(x0, y0, positions, params, cfg)[0]
+
+
+def _shifted_fwd(x0, y0, positions, params, cfg):
+  p = _cast(params, x0.dtype)
+  (x2, h2, r2), mlp_saved = _mlp_fwd(x0, y0, p, p["g_attn"], cfg)
+  qkv = S.norm_rope(h2, r2, p["wqkv"], positions, cfg.freqs(), cfg.head_dim, cfg.impl)
+  return (x2, qkv), (params, positions, x2, r2, qkv, mlp_saved)
+
+
+def _shifted_bwd(cfg, saved, cts):
+  params, positions, x2, r2, qkv, mlp_saved = saved
+  dx2, dqkv = cts
+  p = _cast(params, x2.dtype)
+  dz4, c2 = S.rope_grad(dqkv, qkv, positions, cfg.freqs(), cfg.head_dim, x2.shape[1])
+  dxa, n2, dg2 = S.norm_input_grad(dz4, p["wqkv"], x2, r2, c2, p["g_attn"], dx2, cfg.impl)
+  dwqkv = S.weight_grad(n2, dz4, cfg.impl, S.grad_dtype(params["wqkv"]))
+  dx0, dy0, grads = _mlp_bwd(dxa, mlp_saved, p, params, cfg)
+  grads.update(g_attn=dg2, wqkv=dwqkv)
+  return dx0, dy0, None, _grads_like(grads, params)
+
+
+_shifted.defvjp(_shifted_fwd, _shifted_bwd)
+
+
+# ---- post-block --------------------------------------------------------------------------
+def post_block(x0, y0, targets, params, cfg: BlockConfig):
+  """x0 (..., D), y0 (..., Hq*hd) of the last layer, targets (...) int -> the
+  cross-entropy (``cfg.reduction``: "mean" over non-ignored targets, "sum", or "none")."""
+  _check_params(params, POST_KEYS, x0.shape[-1], cfg)
+  _check_acts(x0, y0, params["wo"].shape[0])
+  F._check_rows("targets", targets, x0.shape[:-1], "int")
+  if cfg.reduction not in F._REDUCTIONS:
+    raise ValueError(f"reduction={cfg.reduction!r}: one of {F._REDUCTIONS}")
+  rows = S.row_chunks(targets.size, params["wlm"].shape[1], cfg.lm_chunk_rows)
+  loss = _post(F._flat(x0), F._flat(y0), targets.reshape(-1).astype(jnp.int32), params,
+               dataclasses.replace(cfg, lm_chunk_rows=rows))
+  return loss.reshape(targets.shape) if cfg.reduction == "none" else loss
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _post(x0, y0, targets, params, cfg):
+  return _post_fwd(x0, y0, targets, params, cfg)[0]
+
+
+def _post_fwd(x0, y0, targets, params, cfg):
+  p = _cast(params, x0.dtype)
+  (x2, h2, r2), mlp_saved = _mlp_fwd(x0, y0, p, p["g_final"], cfg)
+  lse, tgt = F.lm_head_lse(h2, r2, p["wlm"], targets, cfg.lm_chunk_rows, cfg.impl)
+  loss = F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction)
+  return loss, (params, targets, x2, h2, r2, lse, mlp_saved)
+
+
+def _post_bwd(cfg, saved, dloss):
+  params, targets, x2, h2, r2, lse, mlp_saved = saved
+  p = _cast(params, x2.dtype)
+  d, rows = x2.shape[1], cfg.lm_chunk_rows
+  weight = F.loss_row_weights(dloss, targets, cfg.ignore_index, cfg.reduction)
+
+  def chunk(carry, args):
+    dwlm, dg = carry
+    x2c, h2c, r2c, lc, tc, wc = args
+    dlogits, zdz = S.xent_logits_grad(h2c, r2c, p["wlm"], lc, tc, wc, cfg.impl)
+    dxa, n2, dgc = S.norm_input_grad(dlogits, p["wlm"], x2c, r2c, zdz / d, p["g_final"], None,
+                                     cfg.impl)
+    return (S.weight_grad(n2, dlogits, cfg.impl, accumulate=dwlm), dg + dgc), dxa
+
+  init = (jnp.zeros(p["wlm"].shape, jnp.float32), jnp.zeros((d,), jnp.float32))
+  (dwlm, dgf), dxa = jax.lax.scan(chunk, init,
+                                  tuple(F._chunked(rows, x2, h2, r2, lse, targets, weight)))
+  dx0, dy0, grads = _mlp_bwd(dxa.reshape(x2.shape), mlp_saved, p, params, cfg)
+  grads.update(g_final=dgf, wlm=dwlm)
+  return dx0, dy0, None, _grads_like(grads, params)
+
+
+_post.defvjp(_post_fwd, _post_bwd)

@@ -1,0 +1,278 @@
+"""The fused Transformer ops, each a ``jax.custom_vjp`` (math: ``coda_math.md``).
+
+    x, h, r = residual_rmsnorm(y, w, residual, g)        x = y @ w + residual, h = x * g,
+                                                         r = rsqrt(mean(x^2) + eps)
+    y  = rmsnorm_swiglu(h, r, w13)                       act(a) * b of r * (h @ w13)
+    qkv = rmsnorm_qkv_rope(h, r, wqkv, positions, ...)   RoPE(r * (h @ wqkv)) on q and k
+    loss = rmsnorm_lm_head_loss(h, r, wlm, targets)      cross-entropy of r * (h @ wlm)
+
+RMSNorm(x) @ W = r * ((x * g) @ W): the norm is split into its statistics r (emitted by
+the GEMM that produces x) and a row scale in the consumer's epilogue. Compose them
+(``rmsnorm_swiglu(*residual_rmsnorm(...)[1:], w13)``) and ``jax.grad`` yields exactly the
+RMSNorm backward; ``blocks.py`` fuses that backward further across op boundaries.
+
+Shapes: activations (..., D) (e.g. (B, T, D) or (M, D)); leading dims are flattened into
+M. ``positions`` and ``targets`` have the activations' leading shape.
+
+Cast policy: activations must be bfloat16 or float16 (float32 runs the XLA reference
+path). Weights may be any float dtype: they are cast to the activation dtype for the
+GEMM, norm weights to fp32 for the epilogue, and their gradients are accumulated in fp32
+and returned in the weight's own dtype. ``r`` is fp32.
+
+``impl``: as ``gemm_epilogue`` ("auto", "mosaic", "interpret", "xla").
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from coda_jax import jnp_reference as ref
+from coda_jax import stages as S
+
+_ACT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _check_act(name, x, width=None):
+  if x.dtype not in _ACT_DTYPES:
+    raise ValueError(f"{name}.dtype={x.dtype}: activations must be bfloat16, float16 or "
+                     "float32")
+  if x.ndim < 2:
+    raise ValueError(f"{name} must be (..., D) with at least 2 dims, got shape {x.shape}")
+  if width is not None and x.shape[-1] != width:
+    raise ValueError(f"{name} has width {x.shape[-1]}, expected {width}")
+
+
+def _check_weight(name, w, shape):
+  if not jnp.issubdtype(w.dtype, jnp.floating):
+    raise ValueError(f"{name}.dtype={w.dtype}: weights must be floating point")
+  if tuple(w.shape) != tuple(shape):
+    raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {tuple(shape)}")
+
+
+def _check_rows(name, v, lead, dtype_kind):
+  if tuple(v.shape) != tuple(lead):
+    raise ValueError(f"{name} has shape {tuple(v.shape)}, expected the activations' leading "
+                     f"shape {tuple(lead)}")
+  if dtype_kind == "int" and not jnp.issubdtype(v.dtype, jnp.integer):
+    raise ValueError(f"{name}.dtype={v.dtype}: must be an integer type")
+
+
+def _flat(x):
+  return x.reshape(-1, x.shape[-1])
+
+
+# ---- residual add + RMSNorm statistics + norm-weighted output ------------------------------
+def residual_rmsnorm(y, w, residual, g, *, eps: float = 1e-5, impl: str = "auto"):
+  """y (..., K), w (K, D), residual (..., D), g (D,) -> x (..., D), h (..., D), r (...)."""
+  _check_act("y", y)
+  _check_weight("w", w, (y.shape[-1], w.shape[-1]))
+  _check_act("residual", residual, w.shape[-1])
+  _check_weight("g", g, (w.shape[-1],))
+  if residual.shape[:-1] != y.shape[:-1] or residual.dtype != y.dtype:
+    raise ValueError(f"residual {residual.shape} {residual.dtype} must match y's leading "
+                     f"shape and dtype, y is {y.shape} {y.dtype}")
+  lead = y.shape[:-1]
+  x, h, r = _residual_rmsnorm(_flat(y), w, _flat(residual), g, eps, impl)
+  return x.reshape(*lead, -1), h.reshape(*lead, -1), r.reshape(lead)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _residual_rmsnorm(y, w, residual, g, eps, impl):
+  return S.residual_norm(y, w.astype(y.dtype), residual, g, eps, impl)
+
+
+def _residual_rmsnorm_fwd(y, w, residual, g, eps, impl):
+  x, h, r = S.residual_norm(y, w.astype(y.dtype), residual, g, eps, impl)
+  return (x, h, r), (y, w, x, g, r)
+
+
+def _residual_rmsnorm_bwd(eps, impl, saved, cts):
+  y, w, x, g, r = saved
+  dx, dh, dr = cts
+  xf = x.astype(jnp.float32)
+  d = x.shape[1]
+  dxt = (dx.astype(jnp.float32) + dh.astype(jnp.float32) * g.astype(jnp.float32)
+         - (dr * r ** 3 / d)[:, None] * xf).astype(x.dtype)
+  dg = jnp.sum(dh.astype(jnp.float32) * xf, axis=0)
+  dy = S.input_grad(dxt, w.astype(y.dtype), impl)
+  dw = S.weight_grad(y, dxt, impl, S.grad_dtype(w))
+  return dy, dw.astype(w.dtype), dxt, dg.astype(g.dtype)
+
+
+_residual_rmsnorm.defvjp(_residual_rmsnorm_fwd, _residual_rmsnorm_bwd)
+
+
+# ---- RMSNorm row scale + gate/up GEMM + gated activation --------------------------------
+def rmsnorm_swiglu(h, r, w13, *, block: int = 32, activation: str = "silu",
+                   impl: str = "auto"):
+  """h (..., D), r (...), w13 (D, 2F) pair-blocked (``layout.gate_up_to_blocked``)
+  -> y (..., F) = act(gate) * up of RMSNorm'd input. activation: "silu" or "gelu"."""
+  _check_act("h", h)
+  _check_weight("w13", w13, (h.shape[-1], w13.shape[-1]))
+  _check_rows("r", r, h.shape[:-1], "float")
+  if w13.shape[1] % (2 * block):
+    raise ValueError(f"w13 width {w13.shape[1]} must be a multiple of 2*block={2 * block}")
+  if activation not in ("silu", "gelu"):
+    raise ValueError(f"activation={activation!r}: 'silu' or 'gelu'")
+  lead = h.shape[:-1]
+  y = _rmsnorm_swiglu(_flat(h), r.reshape(-1).astype(jnp.float32), w13, block, activation,
+                      impl)
+  return y.reshape(*lead, -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _rmsnorm_swiglu(h, r, w13, block, activation, impl):
+  return S.norm_gated(h, r, w13.astype(h.dtype), block, activation, impl)[1]
+
+
+def _rmsnorm_swiglu_fwd(h, r, w13, block, activation, impl):
+  z, y = S.norm_gated(h, r, w13.astype(h.dtype), block, activation, impl)
+  return y, (h, r, w13, z)
+
+
+def _rmsnorm_swiglu_bwd(block, activation, impl, saved, dy):
+  h, r, w13, z = saved
+  dzf = ref.gated_grad(dy, z, block, activation)
+  dr = jnp.sum(dzf * z.astype(jnp.float32), axis=1) / r  # zdz: <dz, acc> = <dz, z> / r
+  return _norm_gemm_grads(h, r, w13, dzf.astype(h.dtype), dr, impl)
+
+
+def _norm_gemm_grads(h, r, w, dz, dr, impl):
+  """Cotangents of (h, r, w) for z = r * (h @ w), given dz and dr = <dz, z> / r."""
+  dh = S.input_grad(dz, w.astype(h.dtype), impl, r=r)
+  n = (h.astype(jnp.float32) * r[:, None]).astype(h.dtype)
+  dw = S.weight_grad(n, dz, impl, S.grad_dtype(w))
+  return dh, dr, dw.astype(w.dtype)
+
+
+_rmsnorm_swiglu.defvjp(_rmsnorm_swiglu_fwd, _rmsnorm_swiglu_bwd)
+
+
+# ---- RMSNorm row scale + QKV GEMM + RoPE -------------------------------------------------
+def rmsnorm_qkv_rope(h, r, wqkv, positions, *, n_q_heads: int, n_kv_heads: int,
+                     head_dim: int, theta: float = 500000.0, impl: str = "auto"):
+  """h (..., D), r (...), wqkv (D, (Hq + 2 Hkv) * head_dim) as [q | k | v] rotate-half
+  heads, positions (...) int -> qkv (..., (Hq + 2 Hkv) * head_dim), RoPE'd q and k."""
+  _check_act("h", h)
+  n = (n_q_heads + 2 * n_kv_heads) * head_dim
+  _check_weight("wqkv", wqkv, (h.shape[-1], n))
+  _check_rows("r", r, h.shape[:-1], "float")
+  _check_rows("positions", positions, h.shape[:-1], "int")
+  if head_dim % 16 or n_q_heads <= 0 or n_kv_heads <= 0 or n_q_heads % n_kv_heads:
+    raise ValueError(f"head_dim={head_dim} must be a multiple of 16 and n_q_heads="
+                     f"{n_q_heads} a positive multiple of n_kv_heads={n_kv_heads}")
+  lead = h.shape[:-1]
+  qkv = _rmsnorm_qkv_rope(_flat(h), r.reshape(-1).astype(jnp.float32), wqkv,
+                          positions.reshape(-1).astype(jnp.int32),
+                          (n_q_heads, n_kv_heads, head_dim, float(theta)), impl)
+  return qkv.reshape(*lead, -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _rmsnorm_qkv_rope(h, r, wqkv, positions, heads, impl):
+  return _qkv_fwd(h, r, wqkv, positions, heads, impl)[0]
+
+
+def _qkv_fwd(h, r, wqkv, positions, heads, impl):
+  freqs = ref.qkv_freqs(*heads)
+  qkv = S.norm_rope(h, r, wqkv.astype(h.dtype), positions, freqs, heads[2], impl)
+  return qkv, (h, r, wqkv, positions, qkv)
+
+
+def _qkv_bwd(heads, impl, saved, dqkv):
+  h, r, wqkv, positions, qkv = saved
+  dz, c = S.rope_grad(dqkv, qkv, positions, ref.qkv_freqs(*heads), heads[2], 1)
+  dh, dr, dw = _norm_gemm_grads(h, r, wqkv, dz, c / r, impl)
+  return dh, dr, dw, None
+
+
+_rmsnorm_qkv_rope.defvjp(_qkv_fwd, _qkv_bwd)
+
+
+# ---- RMSNorm row scale + LM head + cross-entropy -----------------------------------------
+def rmsnorm_lm_head_loss(h, r, wlm, targets, *, ignore_index: int = -100,
+                         reduction: str = "mean", chunk_rows: int | None = None,
+                         impl: str = "auto"):
+  """h (..., D), r (...), wlm (D, V), targets (...) int -> cross-entropy: a scalar
+  ("mean" over non-ignored targets, or "sum") or per token ("none", shaped like targets).
+
+  Logits exist only tile by tile in the kernel: the forward keeps (V / 64, rows) fp32
+  partials of the log-sum-exp, the backward recomputes logits chunk by chunk (at most
+  ``chunk_rows`` rows, default sized so a chunk's bf16 dlogits fit in 1 GiB). Targets
+  outside [0, V) other than ``ignore_index`` contribute log-sum-exp alone."""
+  _check_act("h", h)
+  _check_weight("wlm", wlm, (h.shape[-1], wlm.shape[-1]))
+  _check_rows("r", r, h.shape[:-1], "float")
+  _check_rows("targets", targets, h.shape[:-1], "int")
+  if reduction not in _REDUCTIONS:
+    raise ValueError(f"reduction={reduction!r}: one of {_REDUCTIONS}")
+  m = targets.size
+  rows = S.row_chunks(m, wlm.shape[1], chunk_rows)
+  out = _lm_head_loss(_flat(h), r.reshape(-1).astype(jnp.float32), wlm,
+                      targets.reshape(-1).astype(jnp.int32),
+                      (int(ignore_index), reduction, rows), impl)
+  return out.reshape(targets.shape) if reduction == "none" else out
+
+
+def _chunked(rows, *arrays):
+  return [a.reshape(-1, rows, *a.shape[1:]) for a in arrays]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _lm_head_loss(h, r, wlm, targets, opts, impl):
+  return _lm_fwd(h, r, wlm, targets, opts, impl)[0]
+
+
+def lm_head_lse(h, r, wlm, targets, rows, impl):
+  """(lse, target logit) per row, ``rows`` rows per kernel call."""
+  w = wlm.astype(h.dtype)
+  step = lambda args: S.lm_head_stats(*args[:2], w, args[2], impl)
+  lse, tgt = jax.lax.map(step, tuple(_chunked(rows, h, r, targets)))
+  return lse.reshape(-1), tgt.reshape(-1)
+
+
+def loss_from_stats(lse, tgt, targets, ignore_index, reduction):
+  valid = targets != ignore_index
+  losses = jnp.where(valid, lse - tgt, 0.0)
+  if reduction == "none":
+    return losses
+  total = jnp.sum(losses)
+  return total if reduction == "sum" else total / jnp.maximum(jnp.sum(valid), 1)
+
+
+def loss_row_weights(dloss, targets, ignore_index, reduction):
+  """d loss / d (lse_m - logit_m) per row, times the incoming cotangent."""
+  valid = (targets != ignore_index).astype(jnp.float32)
+  if reduction == "mean":
+    return valid * dloss / jnp.maximum(jnp.sum(valid), 1)
+  return valid * dloss  # "sum": scalar dloss; "none": per row
+
+
+def _lm_fwd(h, r, wlm, targets, opts, impl):
+  ignore_index, reduction, rows = opts
+  lse, tgt = lm_head_lse(h, r, wlm, targets, rows, impl)
+  return loss_from_stats(lse, tgt, targets, ignore_index, reduction), (h, r, wlm, targets, lse)
+
+
+def _lm_bwd(opts, impl, saved, dloss):
+  ignore_index, reduction, rows = opts
+  h, r, wlm, targets, lse = saved
+  weight = loss_row_weights(dloss, targets, ignore_index, reduction)
+  w = wlm.astype(h.dtype)
+
+  def step(dw, args):
+    hc, rc, lc, tc, wc = args
+    dlogits, zdz = S.xent_logits_grad(hc, rc, w, lc, tc, wc, impl)
+    dh = S.input_grad(dlogits, w, impl, r=rc)
+    n = (hc.astype(jnp.float32) * rc[:, None]).astype(hc.dtype)
+    return S.weight_grad(n, dlogits, impl, accumulate=dw), (dh, zdz / rc)
+
+  dw0 = jnp.zeros(wlm.shape, jnp.float32)
+  dw, (dh, dr) = jax.lax.scan(step, dw0, tuple(_chunked(rows, h, r, lse, targets, weight)))
+  return dh.reshape(h.shape), dr.reshape(-1), dw.astype(wlm.dtype), None
+
+
+_lm_head_loss.defvjp(_lm_fwd, _lm_bwd)

@@ -1,0 +1,160 @@
+"""Epilogue primitives of the backward pass (``../shared/design/coda_math.md`` §3, §4).
+
+Each is one fused step on the fp32 accumulator, written against the same ``Env`` as the
+forward primitives, so the jnp reference and the kernel share one definition:
+
+- ``RmsNormGrad``: acc = dn = dz @ W^T of a GEMM whose input was n = r * x * g. Emits
+  dx = r * (g * dn - xhat * c) (xhat = r * x, c = <dz, z> / D by the zdz identity, passed
+  in), the column partials of dn * xhat (-> dg) and n itself (the A operand of dW).
+- ``GatedGrad``: acc = dy of y = act(a) * b. Reads the saved pre-activation pairs (twice
+  the accumulator's width), emits dz = (da, db) in the same pair-blocked layout, the
+  recomputed y (the A operand of the next dW) and row partials of <dz, z> (zdz -> c).
+- ``SoftmaxXentGrad``: acc = logits. Emits dlogits = (softmax - onehot) * w[m] and row
+  partials of <dlogits, logits> (zdz for the final RMSNorm).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import EpilogueOutput, InputKind, OutputKind
+from coda_jax.primitives import Primitive, _join
+
+_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+
+
+def _silu_and_grad(a):
+  s = jax.nn.sigmoid(a)
+  return a * s, s * (1 + a * (1 - s))
+
+
+def _gelu_tanh_and_grad(a):
+  u = _SQRT_2_OVER_PI * (a + 0.044715 * a * a * a)
+  t = jnp.tanh(u)
+  du = _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * a * a)
+  return 0.5 * a * (1 + t), 0.5 * (1 + t) + 0.5 * a * (1 - t * t) * du
+
+
+ACTIVATION_GRADS = {"silu": _silu_and_grad, "gelu": _gelu_tanh_and_grad}
+
+
+@dataclasses.dataclass(frozen=True)
+class RmsNormGrad(Primitive):
+  """dn -> dx = r * (g * dn - xhat * c); stores dg partials (``dg``) and n (``n``).
+
+  Operands: ``x`` (M, N) tile (the norm's input), ``r`` (M,) reciprocal RMS, ``c`` (M,)
+  the zdz term <dz, z> / D, ``g`` (N,) norm weight."""
+  x: str
+  r: str
+  c: str
+  g: str
+  dg: str
+  n: str
+  n_dtype: Any = jnp.bfloat16
+
+  def inputs(self):
+    return {self.x: InputKind.TILE, self.r: InputKind.ROW, self.c: InputKind.ROW,
+            self.g: InputKind.COL}
+
+  def outputs(self, width):
+    return (EpilogueOutput(self.dg, OutputKind.COL_PARTIAL, jnp.float32),
+            EpilogueOutput(self.n, OutputKind.TILE, jnp.dtype(self.n_dtype)))
+
+  def apply(self, dn, env):
+    r = env.load(self.r).astype(jnp.float32)[:, None]
+    c = env.load(self.c).astype(jnp.float32)[:, None]
+    g = env.load(self.g).astype(jnp.float32)[None, :]
+    xhat = r * env.load(self.x).astype(jnp.float32)
+    env.store(self.dg, jnp.sum(dn * xhat, axis=0))
+    env.store(self.n, xhat * g)
+    return r * (g * dn - xhat * c)
+
+  def finish(self, raw):
+    return {self.dg: jnp.sum(raw[self.dg], axis=0), self.n: raw[self.n]}
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedGrad(Primitive):
+  """dy -> dz = (dy * b * act'(a), dy * act(a)) per pair; doubles the width.
+
+  ``z`` is the (M, 2N) pre-activation in the pair-blocked layout of ``Gated(block)``
+  (accumulator column block i of width ``block`` pairs with z's block i of 2 * block).
+  Stores y = act(a) * b (``y``, width N) and row partials of <dz, z> (``zdz``)."""
+  z: str
+  block: int
+  y: str
+  zdz: str
+  activation: str = "silu"
+  y_dtype: Any = jnp.bfloat16
+
+  def __post_init__(self):
+    if self.activation not in ACTIVATION_GRADS:
+      raise ValueError(f"GatedGrad.activation={self.activation!r}: one of "
+                       f"{sorted(ACTIVATION_GRADS)}")
+    if self.block <= 0 or self.block % 8:
+      raise ValueError(f"GatedGrad.block={self.block} must be a positive multiple of 8")
+
+  def inputs(self):
+    return {self.z: InputKind.WIDE_TILE}
+
+  def outputs(self, width):
+    return (EpilogueOutput(self.y, OutputKind.TILE, jnp.dtype(self.y_dtype), width),
+            EpilogueOutput(self.zdz, OutputKind.ROW_PARTIAL, jnp.float32))
+
+  def width_factor(self):
+    return 2
+
+  def pair_block(self):
+    return self.block // 2  # the accumulator needs sub-tiles a multiple of `block` wide
+
+  def apply(self, dy, env):
+    z = env.load(self.z).astype(jnp.float32)
+    p, act = self.block, ACTIVATION_GRADS[self.activation]
+    ys, dzs, zdz = [], [], 0.0
+    for i in range(dy.shape[1] // p):
+      a, b = z[:, 2 * p * i:2 * p * i + p], z[:, 2 * p * i + p:2 * p * (i + 1)]
+      g = dy[:, p * i:p * (i + 1)]
+      f, df = act(a)
+      da, db = g * b * df, g * f
+      ys.append(f * b)
+      dzs += [da, db]
+      zdz = zdz + jnp.sum(a * da + b * db, axis=1)
+    env.store(self.y, _join(ys))
+    env.store(self.zdz, zdz)
+    return _join(dzs)
+
+  def finish(self, raw):
+    return {self.y: raw[self.y], self.zdz: jnp.sum(raw[self.zdz], axis=0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftmaxXentGrad(Primitive):
+  """logits -> (exp(logits - lse[m]) - onehot(targets[m])) * weight[m].
+
+  ``lse`` (M,) fp32 log-sum-exp of the row, ``targets`` (M,) int32 (outside [0, N) never
+  matches, e.g. an ignored target with weight 0), ``weight`` (M,) fp32 the per-row loss
+  cotangent. Stores row partials of <dlogits, logits> as ``zdz``."""
+  lse: str
+  targets: str
+  weight: str
+  zdz: str
+
+  def inputs(self):
+    return {self.lse: InputKind.ROW, self.targets: InputKind.ROW, self.weight: InputKind.ROW}
+
+  def outputs(self, width):
+    return (EpilogueOutput(self.zdz, OutputKind.ROW_PARTIAL, jnp.float32),)
+
+  def apply(self, x, env):
+    p = jnp.exp(x - env.load(self.lse)[:, None])
+    hit = env.column_ids() == env.load(self.targets)[:, None]
+    d = (p - jnp.where(hit, 1.0, 0.0)) * env.load(self.weight)[:, None]
+    env.store(self.zdz, jnp.sum(d * x, axis=1))
+    return d
+
+  def finish(self, raw):
+    return {self.zdz: jnp.sum(raw[self.zdz], axis=0)}

@@ -1,0 +1,143 @@
+"""Pure-jnp references of the fused Transformer ops and blocks, in the kernel layouts.
+
+Written the way a user writes the math: every op follows its inputs' dtype, so with fp32
+inputs (and ``jax.default_matmul_precision("highest")``) these are the truth the tests
+compare against, and with bf16 inputs they are the unfused XLA baseline whose error sets
+the tolerance. Norm statistics are taken in fp32, as every Llama implementation does.
+
+Layouts (see ``layout.py``): ``w13`` is [gate | up] pair-blocked in blocks of
+``swiglu_block``; ``wqkv`` is [q heads | k heads | v heads] with rotate-half heads.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from coda_jax import layout
+from coda_jax.grad_primitives import ACTIVATION_GRADS
+
+
+def rms_scale(x: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm's reciprocal RMS per row, fp32 (M,)."""
+  xf = x.astype(jnp.float32)
+  return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
+
+
+def _pairs(x, block):
+  """(M, N) pair-blocked -> (a, b), each (M, N / (2 block), block)."""
+  blocks = x.reshape(*x.shape[:-1], -1, 2, block)
+  return blocks[..., 0, :], blocks[..., 1, :]
+
+
+def _unpairs(a, b):
+  return jnp.stack([a, b], axis=-2).reshape(*a.shape[:-2], -1)
+
+
+def gated(z: jax.Array, block: int, activation: str = "silu") -> jax.Array:
+  """act(a) * b over the pair-blocked columns of z: (M, 2F) -> (M, F)."""
+  a, b = _pairs(z, block)
+  f, _ = ACTIVATION_GRADS[activation](a)
+  return (f * b).reshape(*z.shape[:-1], -1)
+
+
+def gated_grad(dy: jax.Array, z: jax.Array, block: int, activation: str = "silu"):
+  """dz of ``gated`` in z's layout, computed in fp32 (returns fp32)."""
+  a, b = _pairs(z.astype(jnp.float32), block)
+  g = dy.astype(jnp.float32).reshape(a.shape)
+  f, df = ACTIVATION_GRADS[activation](a)
+  return _unpairs(g * b * df, g * f)
+
+
+def rotate(x: jax.Array, positions: jax.Array, freqs: jax.Array, block: int) -> jax.Array:
+  """Rotate-half RoPE over heads of 2 * block columns (fp32 math, x's dtype out):
+  (a, b) -> (a cos t - b sin t, b cos t + a sin t), t = positions[m] * freqs[n].
+  Written elementwise (each output computes its own angle) so XLA emits one fusion."""
+  x4 = x.astype(jnp.float32).reshape(x.shape[0], -1, 2, block)
+  partner = x4[:, :, ::-1, :]  # b for a's columns, a for b's
+  sign = jnp.array([-1.0, 1.0], jnp.float32)[:, None]
+  t = positions.astype(jnp.float32)[:, None, None, None] * freqs.reshape(1, -1, 2, block)
+  return (x4 * jnp.cos(t) + sign * partner * jnp.sin(t)).reshape(x.shape).astype(x.dtype)
+
+
+def qkv_freqs(n_q_heads: int, n_kv_heads: int, head_dim: int, theta: float) -> jax.Array:
+  """Per-column RoPE frequencies of a fused [q | k | v] projection (v columns get 0)."""
+  heads = n_q_heads + 2 * n_kv_heads
+  v_heads = range(n_q_heads + n_kv_heads, heads)
+  return layout.rope_freqs(heads * head_dim, head_dim, theta, passthrough_heads=tuple(v_heads))
+
+
+def residual_rmsnorm(y, w, residual, g, eps=1e-5):
+  """x = y @ w + residual; h = x * g; r = rsqrt(mean(x^2) + eps). Returns (x, h, r)."""
+  x = y @ w.astype(y.dtype) + residual
+  return x, x * g.astype(x.dtype), rms_scale(x, eps)
+
+
+def _row_scale(acc, r):
+  return (acc.astype(jnp.float32) * r[:, None]).astype(acc.dtype)
+
+
+def rmsnorm_swiglu(h, r, w13, block=32, activation="silu"):
+  """y = act(a) * b of z = r * (h @ w13) (pair-blocked): (M, D) -> (M, F)."""
+  z = _row_scale(h @ w13.astype(h.dtype), r)
+  return gated(z, block, activation).astype(h.dtype)
+
+
+def rmsnorm_qkv_rope(h, r, wqkv, positions, *, n_q_heads, n_kv_heads, head_dim,
+                     theta=500000.0):
+  """RoPE(r * (h @ wqkv)) on q and k heads; v unrotated."""
+  z = _row_scale(h @ wqkv.astype(h.dtype), r)
+  return rotate(z, positions, qkv_freqs(n_q_heads, n_kv_heads, head_dim, theta), head_dim // 2)
+
+
+def cross_entropy(logits, targets, ignore_index=-100, reduction="mean"):
+  """Token cross-entropy in fp32; ``ignore_index`` targets count neither in the sum
+  nor in the mean's denominator."""
+  logits = logits.astype(jnp.float32)
+  valid = targets != ignore_index
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, jnp.where(valid, targets, 0)[:, None], axis=-1)[:, 0]
+  losses = jnp.where(valid, lse - picked, 0.0)
+  if reduction == "none":
+    return losses
+  total = jnp.sum(losses)
+  return total if reduction == "sum" else total / jnp.maximum(jnp.sum(valid), 1)
+
+
+def rmsnorm_lm_head_loss(h, r, wlm, targets, ignore_index=-100, reduction="mean"):
+  """Cross-entropy of logits = r * (h @ wlm)."""
+  logits = _row_scale(h @ wlm.astype(h.dtype), r)
+  return cross_entropy(logits, targets, ignore_index, reduction)
+
+
+def pre_block(x0, g_attn, wqkv, positions, *, n_q_heads, n_kv_heads, head_dim,
+              theta=500000.0, eps=1e-5):
+  """Embedding output -> the first layer's RoPE'd QKV."""
+  r = rms_scale(x0, eps)
+  return rmsnorm_qkv_rope(x0 * g_attn.astype(x0.dtype), r, wqkv, positions,
+                          n_q_heads=n_q_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                          theta=theta)
+
+
+def mlp_half(x0, y0, wo, g_mlp, w13, w2, g_next, *, block=32, activation="silu", eps=1e-5):
+  """Out-proj + residual, RMSNorm, SwiGLU MLP, down-proj + residual: -> (x2, h2, r2)."""
+  x1, h1, r1 = residual_rmsnorm(y0, wo, x0, g_mlp, eps)
+  y1 = rmsnorm_swiglu(h1, r1, w13, block, activation)
+  return residual_rmsnorm(y1, w2, x1, g_next, eps)
+
+
+def shifted_block(x0, y0, positions, params, *, n_q_heads, n_kv_heads, head_dim,
+                  theta=500000.0, eps=1e-5, block=32, activation="silu"):
+  """Attention output -> the next layer's RoPE'd QKV: returns (x2, qkv)."""
+  x2, h2, r2 = mlp_half(x0, y0, params["wo"], params["g_mlp"], params["w13"], params["w2"],
+                        params["g_attn"], block=block, activation=activation, eps=eps)
+  qkv = rmsnorm_qkv_rope(h2, r2, params["wqkv"], positions, n_q_heads=n_q_heads,
+                         n_kv_heads=n_kv_heads, head_dim=head_dim, theta=theta)
+  return x2, qkv
+
+
+def post_block(x0, y0, targets, params, *, eps=1e-5, block=32, activation="silu",
+               ignore_index=-100, reduction="mean"):
+  """Last layer's attention output -> loss (MLP, final RMSNorm, LM head, cross-entropy)."""
+  _, h2, r2 = mlp_half(x0, y0, params["wo"], params["g_mlp"], params["w13"], params["w2"],
+                       params["g_final"], block=block, activation=activation, eps=eps)
+  return rmsnorm_lm_head_loss(h2, r2, params["wlm"], targets, ignore_index, reduction)

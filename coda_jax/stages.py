@@ -1,0 +1,127 @@
+"""The fused GEMMs of a block, forward and backward (``coda_math.md`` §2-§4), on (M, ·)
+matrices. Each function is one ``gemm_epilogue`` call (or a short XLA step where the
+math has no GEMM to ride on); ``fused_ops`` and ``blocks`` compose them under
+``jax.custom_vjp``. Activations are bf16/fp16 (``dt``); weights arrive cast to ``dt``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from coda_jax import primitives as P
+from coda_jax import jnp_reference as ref
+from coda_jax.grad_primitives import GatedGrad, RmsNormGrad, SoftmaxXentGrad
+from coda_jax.ops import gemm_epilogue
+
+
+def residual_norm(y, w, residual, g, eps, impl):
+  """K1/K3: x = y @ w + residual, h = x * g, r = rsqrt(mean(x^2) + eps)."""
+  dt = y.dtype
+  out = gemm_epilogue(y, w, [P.AddTile("res"), P.RowSum("ss", square=True), P.Store("x", dt),
+                             P.ScaleCol("g"), P.Store("h", dt)],
+                      {"res": residual, "g": g.astype(jnp.float32)}, impl=impl)
+  r = jax.lax.rsqrt(out["ss"] / w.shape[1] + eps)
+  return out["x"], out["h"], r
+
+
+def norm_gated(h, r, w13, block, activation, impl):
+  """K2: z = r * (h @ w13), y = act(a) * b. Returns (z, y)."""
+  dt = h.dtype
+  out = gemm_epilogue(h, w13, [P.ScaleRow("r"), P.Store("z", dt), P.Gated(block, activation),
+                               P.Store("y", dt)], {"r": r}, impl=impl)
+  return out["z"], out["y"]
+
+
+def norm_rope(h, r, w, positions, freqs, head_dim, impl):
+  """K4: RoPE(r * (h @ w)) per rotate-half head (columns with frequency 0 pass)."""
+  out = gemm_epilogue(h, w, [P.ScaleRow("r"), P.Rotate("pos", "freqs", head_dim // 2),
+                             P.Store("out", h.dtype)],
+                      {"r": r, "pos": positions, "freqs": freqs}, impl=impl)
+  return out["out"]
+
+
+def lm_head_stats(h, r, wlm, targets, impl):
+  """Per row: log-sum-exp of logits = r * (h @ wlm) and the target's logit (0 when the
+  target is outside [0, V)). Only (V / epi_tile_n, M) partials ever exist."""
+  out = gemm_epilogue(h, wlm, [P.ScaleRow("r"), P.RowLogSumExp("lse"), P.PickColumn("t", "tgt")],
+                      {"r": r, "t": targets.astype(jnp.int32)}, impl=impl)
+  return out["lse"], out["tgt"]
+
+
+def rope_grad(dqkv, qkv, positions, freqs, head_dim, d_model):
+  """B1 (XLA, elementwise): dz = RoPE^T(dqkv) and c = <dqkv, qkv> / D (a rotation
+  keeps inner products, so this is the zdz term of the norm before the GEMM)."""
+  dz = ref.rotate(dqkv, positions, -freqs, head_dim // 2)
+  c = jnp.sum(dqkv.astype(jnp.float32) * qkv.astype(jnp.float32), axis=1) / d_model
+  return dz, c
+
+
+def norm_input_grad(dz, w, x, r, c, g, d_residual, impl):
+  """B2/B4: dn = dz @ w^T; dx = r * (g * dn - r x c) (+ d_residual). Returns
+  (dx, n = r x g, dg)."""
+  dt = dz.dtype
+  program = [RmsNormGrad("x", "r", "c", "g", "dg", "n", dt)]
+  operands = {"x": x, "r": r, "c": c, "g": g.astype(jnp.float32)}
+  if d_residual is not None:
+    program.append(P.AddTile("dres"))
+    operands["dres"] = d_residual
+  out = gemm_epilogue(dz, w, program + [P.Store("dx", dt)], operands, trans_b=True, impl=impl)
+  return out["dx"], out["n"], out["dg"]
+
+
+def gated_input_grad(dx, w2, z, block, activation, impl):
+  """B3: dy = dx @ w2^T; dz = GLU backward (pair-blocked, 2F wide). Returns (dz, y, c*D)."""
+  dt = dx.dtype
+  out = gemm_epilogue(dx, w2, [GatedGrad("z", block, "y", "zdz", activation, dt),
+                               P.Store("dz", dt)], {"z": z}, trans_b=True, impl=impl)
+  return out["dz"], out["y"], out["zdz"]
+
+
+def xent_logits_grad(h, r, wlm, lse, targets, weight, impl):
+  """CE backward: dlogits = (softmax - onehot) * weight[m] from recomputed logits, and
+  <dlogits, logits> per row (zdz of the final norm)."""
+  out = gemm_epilogue(h, wlm, [P.ScaleRow("r"), SoftmaxXentGrad("lse", "t", "w", "zdz"),
+                               P.Store("dlogits", h.dtype)],
+                      {"r": r, "lse": lse, "t": targets.astype(jnp.int32), "w": weight},
+                      impl=impl)
+  return out["dlogits"], out["zdz"]
+
+
+def input_grad(dout, w, impl, r=None):
+  """dA = dout @ w^T (times r[m] when given)."""
+  program, operands = [P.Store("da", dout.dtype)], {}
+  if r is not None:
+    program, operands = [P.ScaleRow("r")] + program, {"r": r}
+  return gemm_epilogue(dout, w, program, operands, trans_b=True, impl=impl)["da"]
+
+
+def grad_dtype(w):
+  """Weight gradients are accumulated in fp32 and stored in the weight's dtype (fp32 for
+  anything wider than 16 bits), so no separate conversion pass runs."""
+  return w.dtype if jnp.dtype(w.dtype).itemsize == 2 else jnp.float32
+
+
+def weight_grad(a, dout, impl, dtype=jnp.float32, accumulate=None):
+  """dW = a^T @ dout (fp32 accumulation, stored in ``dtype``); added in place to the
+  fp32 ``accumulate`` when given."""
+  if accumulate is None:
+    return gemm_epilogue(a, dout, [P.Store("dw", dtype)], trans_a=True, impl=impl)["dw"]
+  return gemm_epilogue(a, dout, [P.AddTile("acc"), P.Store("dw", jnp.float32)],
+                       {"acc": accumulate}, trans_a=True, impl=impl,
+                       in_place={"dw": "acc"})["dw"]
+
+
+def row_chunks(m: int, v: int, chunk_rows: int | None, budget_bytes: int = 1 << 30) -> int:
+  """Rows per LM-head chunk: the largest divisor of M (a multiple of 256 unless it is
+  M) whose bf16 (rows, V) dlogits fit in ``budget_bytes``."""
+  if chunk_rows is not None:
+    if chunk_rows <= 0 or m % chunk_rows:
+      raise ValueError(f"chunk_rows={chunk_rows} must be a positive divisor of M={m}")
+    return chunk_rows
+  if m * v * 2 <= budget_bytes:
+    return m
+  best = m
+  for rows in range(256, m, 256):
+    if m % rows == 0 and rows * v * 2 <= budget_bytes:
+      best = rows
+  return best
