@@ -25,6 +25,10 @@ def device_slug() -> str:
 
 
 def commit() -> str:
+  """The commit benchmarked: $CODA_COMMIT when set (copies of the tree whose .git is
+  stale or absent, e.g. on the GPU host), else git's HEAD (+dirty)."""
+  if os.environ.get("CODA_COMMIT"):
+    return os.environ["CODA_COMMIT"]
   try:
     sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
                          text=True, check=True, cwd=RESULTS.parent.parent).stdout.strip()
@@ -33,7 +37,7 @@ def commit() -> str:
                            cwd=RESULTS.parent.parent).stdout.strip()
     return sha + ("+dirty" if dirty else "")
   except (OSError, subprocess.CalledProcessError):
-    return os.environ.get("CODA_COMMIT", "unknown")
+    return "unknown"
 
 
 def command_line() -> str:

@@ -72,8 +72,11 @@ def norm_input_grad(dz, w, x, r, c, g, d_residual, impl):
 def gated_input_grad(dx, w2, z, block, activation, impl):
   """B3: dy = dx @ w2^T; dz = GLU backward (pair-blocked, 2F wide). Returns (dz, y, c*D)."""
   dt = dx.dtype
+  # dz overwrites z (each element is read before it is written, by the same CTA): the
+  # block's largest saved activation is dead after this GEMM.
   out = gemm_epilogue(dx, w2, [GatedGrad("z", block, "y", "zdz", activation, dt),
-                               P.Store("dz", dt)], {"z": z}, trans_b=True, impl=impl)
+                               P.Store("dz", dt)], {"z": z}, trans_b=True, impl=impl,
+                      in_place={"dz": "z"})
   return out["dz"], out["y"], out["zdz"]
 
 

@@ -457,10 +457,10 @@ def gemm(a: jax.Array, b: jax.Array, *,
       raise ValueError(f"in_place={in_place}: {out_name!r} must be a declared output and "
                        f"{in_name!r} a passed operand")
     o, (kind, v) = specs[out_name], inputs[in_name]
-    if (kind != epi.InputKind.TILE or o.kind != epi.OutputKind.TILE or o.width != 1
-        or jnp.dtype(o.dtype) != v.dtype):
-      raise ValueError(f"in_place {out_name!r} <- {in_name!r}: both must be full-width (M, N) "
-                       f"tiles of one dtype, got {o} and a {kind.value} operand of {v.dtype}")
+    if (kind not in _TILE_KINDS or o.kind != epi.OutputKind.TILE
+        or o.width != _TILE_KINDS[kind] or jnp.dtype(o.dtype) != v.dtype):
+      raise ValueError(f"in_place {out_name!r} <- {in_name!r}: both must be tiles of one "
+                       f"shape and dtype, got {o} and a {kind.value} operand of {v.dtype}")
   if len(set(in_place.values())) != len(in_place):
     raise ValueError(f"in_place={in_place}: an operand can back one output only")
   if config is None:

@@ -93,7 +93,7 @@ def test_operand_read_as_two_kinds(key, ab):
 
 
 def test_column_operand_after_narrowing(key, ab):
-  with pytest.raises(ValueError, match="after a narrowing step"):
+  with pytest.raises(ValueError, match="after a step that changed the width"):
     run(*ab, [cj.Gated(32), cj.ScaleCol("g"), cj.Store("y")], {"g": normal(key, (N,))})
 
 
@@ -170,7 +170,7 @@ def test_gemm_input_wrong_shape(key, ab, interpret):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(width_divisor=3), "width_divisor must be 1 or 2"),
+    (dict(width=3), "width must be 0.5, 1 or 2"),
     (dict(kind=OutputKind.ROW_PARTIAL, dtype=jnp.bfloat16), "partial reductions are fp32"),
 ])
 def test_bad_output_spec(kwargs, match):

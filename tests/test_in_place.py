@@ -36,7 +36,7 @@ def test_accumulate_in_place(key, kernel_impl, trans_a, trans_b):
 def test_in_place_needs_matching_tile(key, interpret):
   a, b = gemm_inputs(key, 128, 256, 64, jnp.bfloat16)
   g16 = normal(key, (128, 256)).astype(jnp.bfloat16)
-  with pytest.raises(ValueError, match="one dtype"):
+  with pytest.raises(ValueError, match="one shape and dtype"):
     pk.gemm(a, b, inputs={"g": (pk.InputKind.TILE, g16)},
             epilogue=lambda t, acc: t.store("o", acc + t.load("g")),
             outputs=(pk.EpilogueOutput("o", dtype=jnp.float32),), in_place={"o": "g"},
