@@ -131,7 +131,7 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
   for tm, tn, wg, cl in candidates:
     for tk, stages in depths:
       probe = GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, wg_dim=wg, cluster_dim=cl)
-      if k % tk or m % probe.cluster_tile[0] or n % probe.cluster_tile[1]:
+      if _split_b_too_narrow(probe, trans_b) or k % tk or m % probe.cluster_tile[0] or n % probe.cluster_tile[1]:
         continue
       # Pipeline depth matters more than epilogue sub-tile width: try narrower sub-tiles
       # (smaller epilogue buffers) before fewer stages.
@@ -169,8 +169,17 @@ def check_operands(a, b, trans_a=False, trans_b=False,
   return m, n, k
 
 
+def _split_b_too_narrow(config: GemmConfig, trans_b: bool) -> bool:
+  # B stored (K, N) is swizzled in 64-column tiles: the warpgroups can only split it
+  # along N at multiples of 64.
+  return config.wg_dim == MatDim.N and not trans_b and config.tile_n % 64 != 0
+
+
 def _check_tiling(m, n, k, config: GemmConfig, trans_a: bool, trans_b: bool):
   config.check()
+  if _split_b_too_narrow(config, trans_b):
+    raise ValueError(f"tile_n={config.tile_n} with wg_dim=N and B stored (K, N): the "
+                     "warpgroups' halves of B must be multiples of 64 columns")
   if (trans_a or not trans_b) and config.tile_k % 64:
     raise ValueError(f"tile_k={config.tile_k}: an operand stored MN-major (A as (K, M) or "
                      "B as (K, N)) needs tile_k to be a multiple of 64 for wgmma")
