@@ -65,15 +65,15 @@ def _check_params(params, keys, d, cfg: BlockConfig):
           "w2": (f, d), "g_attn": (d,), "wqkv": (d, cfg.qkv_width), "g_final": (d,),
           "wlm": (d, params["wlm"].shape[-1] if "wlm" in params else 0)}
   for k in keys:
-    F._check_weight(k, params[k], want[k])
+    F.check_weight(k, params[k], want[k])
   if f % cfg.swiglu_block:
     raise ValueError(f"w13 width {2 * f} must be a multiple of 2*swiglu_block="
                      f"{2 * cfg.swiglu_block}")
 
 
 def _check_acts(x0, y0, d_attn):
-  F._check_act("x0", x0)
-  F._check_act("y0", y0, d_attn)
+  F.check_act("x0", x0)
+  F.check_act("y0", y0, d_attn)
   if x0.shape[:-1] != y0.shape[:-1] or x0.dtype != y0.dtype:
     raise ValueError(f"x0 {x0.shape} {x0.dtype} and y0 {y0.shape} {y0.dtype} must share "
                      "leading shape and dtype")
@@ -89,9 +89,9 @@ def _grads_like(grads, params):
 
 
 # ---- shared MLP half: out-proj + residual + norm, gate/up + GLU, down + residual + norm ----
-def _mlp_fwd(x0, y0, p, g_next, cfg):
+def _mlp_fwd(x0, y0, p, g_next, cfg, keep_z):
   x1, h1, r1 = S.residual_norm(y0, p["wo"], x0, p["g_mlp"], cfg.eps, cfg.impl)
-  z, y1 = S.norm_gated(h1, r1, p["w13"], cfg.swiglu_block, cfg.activation, cfg.impl)
+  z, y1 = S.norm_gated(h1, r1, p["w13"], cfg.swiglu_block, cfg.activation, cfg.impl, keep_z)
   x2, h2, r2 = S.residual_norm(y1, p["w2"], x1, g_next, cfg.eps, cfg.impl)
   return (x2, h2, r2), (y0, x1, z, r1)
 
@@ -115,13 +115,13 @@ def _mlp_bwd(dxa, saved, p, params, cfg):
 def pre_block(x0, positions, g_attn, wqkv, cfg: BlockConfig):
   """x0 (..., D) embeddings, positions (...) int, g_attn (D,), wqkv (D, qkv_width)
   -> qkv (..., qkv_width): the first layer's normed, projected, RoPE'd q, k, v."""
-  F._check_act("x0", x0)
-  F._check_rows("positions", positions, x0.shape[:-1], "int")
+  F.check_act("x0", x0)
+  F.check_rows("positions", positions, x0.shape[:-1], "int")
   d = x0.shape[-1]
-  F._check_weight("g_attn", g_attn, (d,))
-  F._check_weight("wqkv", wqkv, (d, cfg.qkv_width))
+  F.check_weight("g_attn", g_attn, (d,))
+  F.check_weight("wqkv", wqkv, (d, cfg.qkv_width))
   lead = x0.shape[:-1]
-  qkv = _pre(F._flat(x0), positions.reshape(-1).astype(jnp.int32), g_attn, wqkv, cfg)
+  qkv = _pre(F.flat_rows(x0), positions.reshape(-1).astype(jnp.int32), g_attn, wqkv, cfg)
   return qkv.reshape(*lead, -1)
 
 
@@ -155,21 +155,21 @@ def shifted_block(x0, y0, positions, params, cfg: BlockConfig):
   -> (x2 (..., D) residual stream after the MLP, qkv (..., qkv_width) of the next layer)."""
   _check_params(params, SHIFTED_KEYS, x0.shape[-1], cfg)
   _check_acts(x0, y0, params["wo"].shape[0])
-  F._check_rows("positions", positions, x0.shape[:-1], "int")
+  F.check_rows("positions", positions, x0.shape[:-1], "int")
   lead = x0.shape[:-1]
-  x2, qkv = _shifted(F._flat(x0), F._flat(y0), positions.reshape(-1).astype(jnp.int32),
-                     params, cfg)
+  x2, qkv = _shifted(F.flat_rows(x0), F.flat_rows(y0),
+                     positions.reshape(-1).astype(jnp.int32), params, cfg)
   return x2.reshape(*lead, -1), qkv.reshape(*lead, -1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _shifted(x0, y0, positions, params, cfg):
-  return _shifted_fwd(x0, y0, positions, params, cfg)[0]
+  return _shifted_fwd(x0, y0, positions, params, cfg, keep_z=False)[0]
 
 
-def _shifted_fwd(x0, y0, positions, params, cfg):
+def _shifted_fwd(x0, y0, positions, params, cfg, keep_z=True):
   p = _cast(params, x0.dtype)
-  (x2, h2, r2), mlp_saved = _mlp_fwd(x0, y0, p, p["g_attn"], cfg)
+  (x2, h2, r2), mlp_saved = _mlp_fwd(x0, y0, p, p["g_attn"], cfg, keep_z)
   qkv = S.norm_rope(h2, r2, p["wqkv"], positions, cfg.freqs(), cfg.head_dim, cfg.impl)
   return (x2, qkv), (params, positions, x2, r2, qkv, mlp_saved)
 
@@ -195,23 +195,23 @@ def post_block(x0, y0, targets, params, cfg: BlockConfig):
   cross-entropy (``cfg.reduction``: "mean" over non-ignored targets, "sum", or "none")."""
   _check_params(params, POST_KEYS, x0.shape[-1], cfg)
   _check_acts(x0, y0, params["wo"].shape[0])
-  F._check_rows("targets", targets, x0.shape[:-1], "int")
-  if cfg.reduction not in F._REDUCTIONS:
-    raise ValueError(f"reduction={cfg.reduction!r}: one of {F._REDUCTIONS}")
+  F.check_rows("targets", targets, x0.shape[:-1], "int")
+  if cfg.reduction not in F.REDUCTIONS:
+    raise ValueError(f"reduction={cfg.reduction!r}: one of {F.REDUCTIONS}")
   rows = S.row_chunks(targets.size, params["wlm"].shape[1], cfg.lm_chunk_rows)
-  loss = _post(F._flat(x0), F._flat(y0), targets.reshape(-1).astype(jnp.int32), params,
-               dataclasses.replace(cfg, lm_chunk_rows=rows))
+  loss = _post(F.flat_rows(x0), F.flat_rows(y0), targets.reshape(-1).astype(jnp.int32),
+               params, dataclasses.replace(cfg, lm_chunk_rows=rows))
   return loss.reshape(targets.shape) if cfg.reduction == "none" else loss
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _post(x0, y0, targets, params, cfg):
-  return _post_fwd(x0, y0, targets, params, cfg)[0]
+  return _post_fwd(x0, y0, targets, params, cfg, keep_z=False)[0]
 
 
-def _post_fwd(x0, y0, targets, params, cfg):
+def _post_fwd(x0, y0, targets, params, cfg, keep_z=True):
   p = _cast(params, x0.dtype)
-  (x2, h2, r2), mlp_saved = _mlp_fwd(x0, y0, p, p["g_final"], cfg)
+  (x2, h2, r2), mlp_saved = _mlp_fwd(x0, y0, p, p["g_final"], cfg, keep_z)
   lse, tgt = F.lm_head_lse(h2, r2, p["wlm"], targets, cfg.lm_chunk_rows, cfg.impl)
   loss = F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction)
   return loss, (params, targets, x2, h2, r2, lse, mlp_saved)
@@ -233,7 +233,7 @@ def _post_bwd(cfg, saved, dloss):
 
   init = (jnp.zeros(p["wlm"].shape, jnp.float32), jnp.zeros((d,), jnp.float32))
   (dwlm, dgf), dxa = jax.lax.scan(chunk, init,
-                                  tuple(F._chunked(rows, x2, h2, r2, lse, targets, weight)))
+                                  tuple(F.chunked(rows, x2, h2, r2, lse, targets, weight)))
   dx0, dy0, grads = _mlp_bwd(dxa.reshape(x2.shape), mlp_saved, p, params, cfg)
   grads.update(g_final=dgf, wlm=dwlm)
   return dx0, dy0, None, _grads_like(grads, params)

@@ -32,10 +32,10 @@ from coda_jax import jnp_reference as ref
 from coda_jax import stages as S
 
 _ACT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-_REDUCTIONS = ("mean", "sum", "none")
+REDUCTIONS = ("mean", "sum", "none")
 
 
-def _check_act(name, x, width=None):
+def check_act(name, x, width=None):
   if x.dtype not in _ACT_DTYPES:
     raise ValueError(f"{name}.dtype={x.dtype}: activations must be bfloat16, float16 or "
                      "float32")
@@ -45,14 +45,14 @@ def _check_act(name, x, width=None):
     raise ValueError(f"{name} has width {x.shape[-1]}, expected {width}")
 
 
-def _check_weight(name, w, shape):
+def check_weight(name, w, shape):
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise ValueError(f"{name}.dtype={w.dtype}: weights must be floating point")
   if tuple(w.shape) != tuple(shape):
     raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {tuple(shape)}")
 
 
-def _check_rows(name, v, lead, dtype_kind):
+def check_rows(name, v, lead, dtype_kind):
   if tuple(v.shape) != tuple(lead):
     raise ValueError(f"{name} has shape {tuple(v.shape)}, expected the activations' leading "
                      f"shape {tuple(lead)}")
@@ -60,22 +60,22 @@ def _check_rows(name, v, lead, dtype_kind):
     raise ValueError(f"{name}.dtype={v.dtype}: must be an integer type")
 
 
-def _flat(x):
+def flat_rows(x):
   return x.reshape(-1, x.shape[-1])
 
 
 # ---- residual add + RMSNorm statistics + norm-weighted output ------------------------------
 def residual_rmsnorm(y, w, residual, g, *, eps: float = 1e-5, impl: str = "auto"):
   """y (..., K), w (K, D), residual (..., D), g (D,) -> x (..., D), h (..., D), r (...)."""
-  _check_act("y", y)
-  _check_weight("w", w, (y.shape[-1], w.shape[-1]))
-  _check_act("residual", residual, w.shape[-1])
-  _check_weight("g", g, (w.shape[-1],))
+  check_act("y", y)
+  check_weight("w", w, (y.shape[-1], w.shape[-1]))
+  check_act("residual", residual, w.shape[-1])
+  check_weight("g", g, (w.shape[-1],))
   if residual.shape[:-1] != y.shape[:-1] or residual.dtype != y.dtype:
     raise ValueError(f"residual {residual.shape} {residual.dtype} must match y's leading "
                      f"shape and dtype, y is {y.shape} {y.dtype}")
   lead = y.shape[:-1]
-  x, h, r = _residual_rmsnorm(_flat(y), w, _flat(residual), g, eps, impl)
+  x, h, r = _residual_rmsnorm(flat_rows(y), w, flat_rows(residual), g, eps, impl)
   return x.reshape(*lead, -1), h.reshape(*lead, -1), r.reshape(lead)
 
 
@@ -110,22 +110,22 @@ def rmsnorm_swiglu(h, r, w13, *, block: int = 32, activation: str = "silu",
                    impl: str = "auto"):
   """h (..., D), r (...), w13 (D, 2F) pair-blocked (``layout.gate_up_to_blocked``)
   -> y (..., F) = act(gate) * up of RMSNorm'd input. activation: "silu" or "gelu"."""
-  _check_act("h", h)
-  _check_weight("w13", w13, (h.shape[-1], w13.shape[-1]))
-  _check_rows("r", r, h.shape[:-1], "float")
+  check_act("h", h)
+  check_weight("w13", w13, (h.shape[-1], w13.shape[-1]))
+  check_rows("r", r, h.shape[:-1], "float")
   if w13.shape[1] % (2 * block):
     raise ValueError(f"w13 width {w13.shape[1]} must be a multiple of 2*block={2 * block}")
   if activation not in ("silu", "gelu"):
     raise ValueError(f"activation={activation!r}: 'silu' or 'gelu'")
   lead = h.shape[:-1]
-  y = _rmsnorm_swiglu(_flat(h), r.reshape(-1).astype(jnp.float32), w13, block, activation,
+  y = _rmsnorm_swiglu(flat_rows(h), r.reshape(-1).astype(jnp.float32), w13, block, activation,
                       impl)
   return y.reshape(*lead, -1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _rmsnorm_swiglu(h, r, w13, block, activation, impl):
-  return S.norm_gated(h, r, w13.astype(h.dtype), block, activation, impl)[1]
+  return S.norm_gated(h, r, w13.astype(h.dtype), block, activation, impl, keep_z=False)[1]
 
 
 def _rmsnorm_swiglu_fwd(h, r, w13, block, activation, impl):
@@ -156,16 +156,16 @@ def rmsnorm_qkv_rope(h, r, wqkv, positions, *, n_q_heads: int, n_kv_heads: int,
                      head_dim: int, theta: float = 500000.0, impl: str = "auto"):
   """h (..., D), r (...), wqkv (D, (Hq + 2 Hkv) * head_dim) as [q | k | v] rotate-half
   heads, positions (...) int -> qkv (..., (Hq + 2 Hkv) * head_dim), RoPE'd q and k."""
-  _check_act("h", h)
+  check_act("h", h)
   n = (n_q_heads + 2 * n_kv_heads) * head_dim
-  _check_weight("wqkv", wqkv, (h.shape[-1], n))
-  _check_rows("r", r, h.shape[:-1], "float")
-  _check_rows("positions", positions, h.shape[:-1], "int")
+  check_weight("wqkv", wqkv, (h.shape[-1], n))
+  check_rows("r", r, h.shape[:-1], "float")
+  check_rows("positions", positions, h.shape[:-1], "int")
   if head_dim % 16 or n_q_heads <= 0 or n_kv_heads <= 0 or n_q_heads % n_kv_heads:
     raise ValueError(f"head_dim={head_dim} must be a multiple of 16 and n_q_heads="
                      f"{n_q_heads} a positive multiple of n_kv_heads={n_kv_heads}")
   lead = h.shape[:-1]
-  qkv = _rmsnorm_qkv_rope(_flat(h), r.reshape(-1).astype(jnp.float32), wqkv,
+  qkv = _rmsnorm_qkv_rope(flat_rows(h), r.reshape(-1).astype(jnp.float32), wqkv,
                           positions.reshape(-1).astype(jnp.int32),
                           (n_q_heads, n_kv_heads, head_dim, float(theta)), impl)
   return qkv.reshape(*lead, -1)
@@ -203,21 +203,21 @@ def rmsnorm_lm_head_loss(h, r, wlm, targets, *, ignore_index: int = -100,
   partials of the log-sum-exp, the backward recomputes logits chunk by chunk (at most
   ``chunk_rows`` rows, default sized so a chunk's bf16 dlogits fit in 1 GiB). Targets
   outside [0, V) other than ``ignore_index`` contribute log-sum-exp alone."""
-  _check_act("h", h)
-  _check_weight("wlm", wlm, (h.shape[-1], wlm.shape[-1]))
-  _check_rows("r", r, h.shape[:-1], "float")
-  _check_rows("targets", targets, h.shape[:-1], "int")
-  if reduction not in _REDUCTIONS:
-    raise ValueError(f"reduction={reduction!r}: one of {_REDUCTIONS}")
+  check_act("h", h)
+  check_weight("wlm", wlm, (h.shape[-1], wlm.shape[-1]))
+  check_rows("r", r, h.shape[:-1], "float")
+  check_rows("targets", targets, h.shape[:-1], "int")
+  if reduction not in REDUCTIONS:
+    raise ValueError(f"reduction={reduction!r}: one of {REDUCTIONS}")
   m = targets.size
   rows = S.row_chunks(m, wlm.shape[1], chunk_rows)
-  out = _lm_head_loss(_flat(h), r.reshape(-1).astype(jnp.float32), wlm,
+  out = _lm_head_loss(flat_rows(h), r.reshape(-1).astype(jnp.float32), wlm,
                       targets.reshape(-1).astype(jnp.int32),
                       (int(ignore_index), reduction, rows), impl)
   return out.reshape(targets.shape) if reduction == "none" else out
 
 
-def _chunked(rows, *arrays):
+def chunked(rows, *arrays):
   return [a.reshape(-1, rows, *a.shape[1:]) for a in arrays]
 
 
@@ -230,7 +230,7 @@ def lm_head_lse(h, r, wlm, targets, rows, impl):
   """(lse, target logit) per row, ``rows`` rows per kernel call."""
   w = wlm.astype(h.dtype)
   step = lambda args: S.lm_head_stats(*args[:2], w, args[2], impl)
-  lse, tgt = jax.lax.map(step, tuple(_chunked(rows, h, r, targets)))
+  lse, tgt = jax.lax.map(step, tuple(chunked(rows, h, r, targets)))
   return lse.reshape(-1), tgt.reshape(-1)
 
 
@@ -271,7 +271,7 @@ def _lm_bwd(opts, impl, saved, dloss):
     return S.weight_grad(n, dlogits, impl, accumulate=dw), (dh, zdz / rc)
 
   dw0 = jnp.zeros(wlm.shape, jnp.float32)
-  dw, (dh, dr) = jax.lax.scan(step, dw0, tuple(_chunked(rows, h, r, lse, targets, weight)))
+  dw, (dh, dr) = jax.lax.scan(step, dw0, tuple(chunked(rows, h, r, lse, targets, weight)))
   return dh.reshape(h.shape), dr.reshape(-1), dw.astype(wlm.dtype), None
 
 

@@ -108,8 +108,8 @@ class GatedGrad(Primitive):
   def width_factor(self):
     return 2
 
-  def pair_block(self):
-    return self.block // 2  # the accumulator needs sub-tiles a multiple of `block` wide
+  def column_group(self):
+    return self.block  # accumulator block i pairs with z's 2*block-wide block i
 
   def apply(self, dy, env):
     z = env.load(self.z).astype(jnp.float32)

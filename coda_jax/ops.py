@@ -16,6 +16,7 @@ Outputs are returned finished: ``Store`` outputs as stored, ``RowSum`` as (M,),
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Sequence
 
@@ -52,7 +53,7 @@ def scalar_operand(value, n: int) -> jax.Array:
 def _declared(program, m, n):
   inputs: dict[str, pk.InputKind] = {}
   outputs: list[pk.EpilogueOutput] = []
-  width, pair = 1, 1
+  width, group = 1, 1
   for prim in program:
     if not isinstance(prim, P.Primitive):
       raise ValueError(f"program step {prim!r} is not a coda_jax primitive")
@@ -63,22 +64,22 @@ def _declared(program, m, n):
         raise ValueError(f"{type(prim).__name__} reads {kind.value} operand {name!r} after a "
                          "step that changed the width; column and tile operands must come "
                          "before it")
-    if width != 1 and (prim.pair_block() is not None or prim.width_factor() != 1):
+    if width != 1 and (prim.column_group() is not None or prim.width_factor() != 1):
       raise ValueError(f"{type(prim).__name__}: a pairwise step after a step that changed the "
                        "width is not supported")
     outputs += prim.outputs(width)
-    if prim.pair_block() is not None:
-      pair = max(pair, 2 * prim.pair_block())
-      if n % (2 * prim.pair_block()):
-        raise ValueError(f"{type(prim).__name__}: N={n} must be a multiple of the pair block "
-                         f"2*{prim.pair_block()}")
+    if prim.column_group() is not None:
+      group = math.lcm(group, prim.column_group())
+      if n % prim.column_group():
+        raise ValueError(f"{type(prim).__name__}: N={n} must be a multiple of its column "
+                         f"group (pair block) {prim.column_group()}")
     width *= prim.width_factor()
   names = [o.name for o in outputs]
   if len(set(names)) != len(names):
     raise ValueError(f"program declares duplicate outputs: {names}")
   if not outputs:
     raise ValueError("program stores nothing: add a Store or a reduction")
-  return inputs, tuple(outputs), pair
+  return inputs, tuple(outputs), group
 
 
 def _check_epilogue_operands(inputs, operands, m, n):
@@ -141,10 +142,10 @@ def _finish(program, raw):
 def kernel_config(a, b, program, operands, *, trans_a=False, trans_b=False) -> pk.GemmConfig:
   """The default kernel tuning for this problem and program (raises if it cannot tile)."""
   m, n, k = _problem(a, b, trans_a, trans_b)
-  inputs, outputs, pair = _declared(tuple(program), m, n)
+  inputs, outputs, group = _declared(tuple(program), m, n)
   return pk.default_config(m, n, k, a.dtype, input_kinds=dict(inputs),
                            input_dtypes={nm: operands[nm].dtype for nm in inputs},
-                           outputs=outputs, min_epi_tile_n=pair, trans_a=trans_a,
+                           outputs=outputs, min_epi_tile_n=group, trans_a=trans_a,
                            trans_b=trans_b)
 
 
@@ -169,7 +170,7 @@ def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
     if impl not in IMPLS:
       raise ValueError(f"CODA_JAX_IMPL={impl!r}: one of {IMPLS}")
   m, n, k = _problem(a, b, trans_a, trans_b)
-  inputs, outputs, pair = _declared(program, m, n)
+  inputs, outputs, group = _declared(program, m, n)
   _check_epilogue_operands(inputs, operands, m, n)
   if impl == "auto":
     if not _is_hopper():
@@ -189,9 +190,9 @@ def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
   if impl == "xla":
     return reference(a, b, program, operands, trans_a=trans_a, trans_b=trans_b)
   config = config or kernel_config(a, b, program, operands, trans_a=trans_a, trans_b=trans_b)
-  if config.epi_tile_n % pair:
+  if config.epi_tile_n % group:
     raise ValueError(f"config.epi_tile_n={config.epi_tile_n} must be a multiple of the "
-                     f"program's pair block {pair}")
+                     f"program's column group (pair block) {group}")
 
   def epilogue(tile, acc):
     P.run_program(program, acc, tile)

@@ -41,7 +41,8 @@ class Primitive:
   def width_factor(self) -> float:  # how this primitive scales the value's width
     return 1
 
-  def pair_block(self) -> int | None:  # P, for pairwise primitives
+  def column_group(self) -> int | None:
+    """Columns that must stay in one sub-tile (a pairwise step's 2P-wide block)."""
     return None
 
   def apply(self, x: jax.Array, env: Env) -> jax.Array:
@@ -134,8 +135,8 @@ class Gated(Primitive):
   def width_factor(self):
     return 0.5
 
-  def pair_block(self):
-    return self.block
+  def column_group(self):
+    return 2 * self.block
 
   def apply(self, x, env):
     act = _ACTIVATIONS[self.activation]
@@ -165,8 +166,8 @@ class Rotate(Primitive):
   def inputs(self):
     return {self.positions: InputKind.ROW, self.freqs: InputKind.COL}
 
-  def pair_block(self):
-    return self.block
+  def column_group(self):
+    return 2 * self.block
 
   def apply(self, x, env):
     pos = env.load(self.positions).astype(jnp.float32)

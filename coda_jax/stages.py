@@ -24,12 +24,14 @@ def residual_norm(y, w, residual, g, eps, impl):
   return out["x"], out["h"], r
 
 
-def norm_gated(h, r, w13, block, activation, impl):
-  """K2: z = r * (h @ w13), y = act(a) * b. Returns (z, y)."""
+def norm_gated(h, r, w13, block, activation, impl, keep_z=True):
+  """K2: z = r * (h @ w13), y = act(a) * b. Returns (z or None, y); z (the backward's
+  input) is written only with ``keep_z``."""
   dt = h.dtype
-  out = gemm_epilogue(h, w13, [P.ScaleRow("r"), P.Store("z", dt), P.Gated(block, activation),
+  store_z = [P.Store("z", dt)] if keep_z else []
+  out = gemm_epilogue(h, w13, [P.ScaleRow("r"), *store_z, P.Gated(block, activation),
                                P.Store("y", dt)], {"r": r}, impl=impl)
-  return out["z"], out["y"]
+  return out.get("z"), out["y"]
 
 
 def norm_rope(h, r, w, positions, freqs, head_dim, impl):

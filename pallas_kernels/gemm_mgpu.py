@@ -131,7 +131,8 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
   for tm, tn, wg, cl in candidates:
     for tk, stages in depths:
       probe = GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, wg_dim=wg, cluster_dim=cl)
-      if _split_b_too_narrow(probe, trans_b) or k % tk or m % probe.cluster_tile[0] or n % probe.cluster_tile[1]:
+      cm, cn = probe.cluster_tile
+      if _split_b_too_narrow(probe, trans_b) or k % tk or m % cm or n % cn:
         continue
       # Pipeline depth matters more than epilogue sub-tile width: try narrower sub-tiles
       # (smaller epilogue buffers) before fewer stages.

@@ -84,7 +84,7 @@ def alt_config(program):
   """Warpgroups split along M, clusters of two along M: 4 cluster tiles at (M, N).
   Epilogue sub-tiles as wide as the program's pair block (64 or 128): two or one per
   warpgroup."""
-  pair = max([2 * p.pair_block() for p in program if p.pair_block()] + [64])
+  pair = max([p.column_group() for p in program if p.column_group()] + [64])
   return GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=3, wg_dim=MatDim.M,
                     epi_tile_n=pair, cluster_dim=MatDim.M)
 
