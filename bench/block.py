@@ -15,7 +15,6 @@ baseline, with wall-clock times that say nothing about GPU speed.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -327,13 +326,7 @@ def main():
   for i, name in enumerate(names):
     rows += run_shape(name, SHAPES[name], impl, measure, prov, jax.random.key(i))
   md = markdown(rows, prov, on_gpu)
-  if args.out is None:
-    out = common.write_results("block", rows, md)
-  else:  # same files as common.write_results, in the folder asked for
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "block.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (out / "block.md").write_text(md)
+  out = common.write_results("block", rows, md, out=args.out)
   print(f"wrote {out / 'block.json'} and {out / 'block.md'}\n")
   print(md)
 

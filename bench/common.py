@@ -71,8 +71,10 @@ def time_kernels(fn, *args, iterations: int = 30) -> tuple[float, list[tuple[str
   return statistics.median(totals), per_kernel
 
 
-def write_results(benchmark: str, rows: list[dict], markdown: str) -> Path:
-  out = RESULTS / device_slug()
+def write_results(benchmark: str, rows: list[dict], markdown: str,
+                  out: Path | None = None) -> Path:
+  """Writes <benchmark>.json and .md into ``out`` (default results/<device>/)."""
+  out = Path(out) if out is not None else RESULTS / device_slug()
   out.mkdir(parents=True, exist_ok=True)
   (out / f"{benchmark}.json").write_text(json.dumps(rows, indent=1) + "\n")
   (out / f"{benchmark}.md").write_text(markdown)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from coda_jax import jnp_reference as ref
 from coda_jax import stages as S
+from coda_jax.primitives import ACTIVATIONS
 
 _ACT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 REDUCTIONS = ("mean", "sum", "none")
@@ -81,7 +82,7 @@ def residual_rmsnorm(y, w, residual, g, *, eps: float = 1e-5, impl: str = "auto"
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _residual_rmsnorm(y, w, residual, g, eps, impl):
-  return S.residual_norm(y, w.astype(y.dtype), residual, g, eps, impl)
+  return _residual_rmsnorm_fwd(y, w, residual, g, eps, impl)[0]
 
 
 def _residual_rmsnorm_fwd(y, w, residual, g, eps, impl):
@@ -115,8 +116,8 @@ def rmsnorm_swiglu(h, r, w13, *, block: int = 32, activation: str = "silu",
   check_rows("r", r, h.shape[:-1], "float")
   if w13.shape[1] % (2 * block):
     raise ValueError(f"w13 width {w13.shape[1]} must be a multiple of 2*block={2 * block}")
-  if activation not in ("silu", "gelu"):
-    raise ValueError(f"activation={activation!r}: 'silu' or 'gelu'")
+  if activation not in ACTIVATIONS:
+    raise ValueError(f"activation={activation!r}: one of {sorted(ACTIVATIONS)}")
   lead = h.shape[:-1]
   y = _rmsnorm_swiglu(flat_rows(h), r.reshape(-1).astype(jnp.float32), w13, block, activation,
                       impl)

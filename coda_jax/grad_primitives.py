@@ -15,31 +15,14 @@ forward primitives, so the jnp reference and the kernel share one definition:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import EpilogueOutput, InputKind, OutputKind
-from coda_jax.primitives import Primitive, _join
+from coda_jax.primitives import ACTIVATIONS, Primitive, _join
 
-_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
-
-
-def _silu_and_grad(a):
-  s = jax.nn.sigmoid(a)
-  return a * s, s * (1 + a * (1 - s))
-
-
-def _gelu_tanh_and_grad(a):
-  u = _SQRT_2_OVER_PI * (a + 0.044715 * a * a * a)
-  t = jnp.tanh(u)
-  du = _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * a * a)
-  return 0.5 * a * (1 + t), 0.5 * (1 + t) + 0.5 * a * (1 - t * t) * du
-
-
-ACTIVATION_GRADS = {"silu": _silu_and_grad, "gelu": _gelu_tanh_and_grad}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +75,9 @@ class GatedGrad(Primitive):
   y_dtype: Any = jnp.bfloat16
 
   def __post_init__(self):
-    if self.activation not in ACTIVATION_GRADS:
+    if self.activation not in ACTIVATIONS:
       raise ValueError(f"GatedGrad.activation={self.activation!r}: one of "
-                       f"{sorted(ACTIVATION_GRADS)}")
+                       f"{sorted(ACTIVATIONS)}")
     if self.block <= 0 or self.block % 8:
       raise ValueError(f"GatedGrad.block={self.block} must be a positive multiple of 8")
 
@@ -113,7 +96,7 @@ class GatedGrad(Primitive):
 
   def apply(self, dy, env):
     z = env.load(self.z).astype(jnp.float32)
-    p, act = self.block, ACTIVATION_GRADS[self.activation]
+    p, act = self.block, ACTIVATIONS[self.activation][1]
     ys, dzs, zdz = [], [], 0.0
     for i in range(dy.shape[1] // p):
       a, b = z[:, 2 * p * i:2 * p * i + p], z[:, 2 * p * i + p:2 * p * (i + 1)]

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax import layout
-from coda_jax.grad_primitives import ACTIVATION_GRADS
+from coda_jax.primitives import ACTIVATIONS
 
 
 def rms_scale(x: jax.Array, eps: float) -> jax.Array:
@@ -36,15 +36,14 @@ def _unpairs(a, b):
 def gated(z: jax.Array, block: int, activation: str = "silu") -> jax.Array:
   """act(a) * b over the pair-blocked columns of z: (M, 2F) -> (M, F)."""
   a, b = _pairs(z, block)
-  f, _ = ACTIVATION_GRADS[activation](a)
-  return (f * b).reshape(*z.shape[:-1], -1)
+  return (ACTIVATIONS[activation][0](a) * b).reshape(*z.shape[:-1], -1)
 
 
 def gated_grad(dy: jax.Array, z: jax.Array, block: int, activation: str = "silu"):
   """dz of ``gated`` in z's layout, computed in fp32 (returns fp32)."""
   a, b = _pairs(z.astype(jnp.float32), block)
   g = dy.astype(jnp.float32).reshape(a.shape)
-  f, df = ACTIVATION_GRADS[activation](a)
+  f, df = ACTIVATIONS[activation][1](a)
   return _unpairs(g * b * df, g * f)
 
 
