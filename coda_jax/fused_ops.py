@@ -2,6 +2,7 @@
 
     x, h, r = residual_rmsnorm(y, w, residual, g)        x = y @ w + residual, h = x * g,
                                                          r = rsqrt(mean(x^2) + eps)
+    x = residual_matmul(y, w, residual)                  x = y @ w + residual
     y  = rmsnorm_swiglu(h, r, w13)                       act(a) * b of r * (h @ w13)
     qkv = rmsnorm_qkv_rope(h, r, wqkv, positions, ...)   RoPE(r * (h @ wqkv)) on q and k
     loss = rmsnorm_lm_head_loss(h, r, wlm, targets)      cross-entropy of r * (h @ wlm)
@@ -104,6 +105,40 @@ def _residual_rmsnorm_bwd(eps, impl, saved, cts):
 
 
 _residual_rmsnorm.defvjp(_residual_rmsnorm_fwd, _residual_rmsnorm_bwd)
+
+
+# ---- residual add (no norm) -------------------------------------------------------------
+def residual_matmul(y, w, residual, *, impl: str = "auto"):
+  """y (..., K), w (K, D), residual (..., D) -> x = y @ w + residual (..., D): the
+  residual add in the GEMM's epilogue, where no norm follows (a standalone MLP's down
+  projection)."""
+  check_act("y", y)
+  check_weight("w", w, (y.shape[-1], w.shape[-1]))
+  check_act("residual", residual, w.shape[-1])
+  if residual.shape[:-1] != y.shape[:-1] or residual.dtype != y.dtype:
+    raise ValueError(f"residual {residual.shape} {residual.dtype} must match y's leading "
+                     f"shape and dtype, y is {y.shape} {y.dtype}")
+  x = _residual_matmul(flat_rows(y), w, flat_rows(residual), impl)
+  return x.reshape(residual.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _residual_matmul(y, w, residual, impl):
+  return S.residual_add(y, w.astype(y.dtype), residual, impl)
+
+
+def _residual_matmul_fwd(y, w, residual, impl):
+  return _residual_matmul(y, w, residual, impl), (y, w)
+
+
+def _residual_matmul_bwd(impl, saved, dx):
+  y, w = saved
+  dy = S.input_grad(dx, w.astype(y.dtype), impl)
+  dw = S.weight_grad(y, dx, impl, S.grad_dtype(w))
+  return dy, dw.astype(w.dtype), dx
+
+
+_residual_matmul.defvjp(_residual_matmul_fwd, _residual_matmul_bwd)
 
 
 # ---- RMSNorm row scale + gate/up GEMM + gated activation --------------------------------

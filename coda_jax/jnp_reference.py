@@ -71,6 +71,10 @@ def residual_rmsnorm(y, w, residual, g, eps=1e-5):
   return x, x * g.astype(x.dtype), rms_scale(x, eps)
 
 
+def residual_matmul(y, w, residual):
+  return y @ w.astype(y.dtype) + residual
+
+
 def _row_scale(acc, r):
   return (acc.astype(jnp.float32) * r[:, None]).astype(acc.dtype)
 

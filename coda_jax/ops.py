@@ -37,7 +37,8 @@ def _announce(msg: str) -> None:
     log.warning("coda_jax: %s", msg)
 
 
-def _is_hopper() -> bool:
+def kernels_available() -> bool:
+  """True when the default device is an sm90 (Hopper) GPU, where "auto" runs the kernels."""
   try:
     dev = jax.devices()[0]
   except RuntimeError:
@@ -173,7 +174,7 @@ def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
   inputs, outputs, group = _declared(program, m, n)
   _check_epilogue_operands(inputs, operands, m, n)
   if impl == "auto":
-    if not _is_hopper():
+    if not kernels_available():
       _announce("no sm90 GPU: running the XLA reference path")
       impl = "xla"
     elif a.dtype == jnp.float32:

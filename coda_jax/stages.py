@@ -24,6 +24,12 @@ def residual_norm(y, w, residual, g, eps, impl):
   return out["x"], out["h"], r
 
 
+def residual_add(y, w, residual, impl):
+  """x = y @ w + residual."""
+  return gemm_epilogue(y, w, [P.AddTile("res"), P.Store("x", y.dtype)], {"res": residual},
+                       impl=impl)["x"]
+
+
 def norm_gated(h, r, w13, block, activation, impl, keep_z=True):
   """K2: z = r * (h @ w13), y = act(a) * b. Returns (z or None, y); z (the backward's
   input) is written only with ``keep_z``."""
@@ -74,11 +80,10 @@ def norm_input_grad(dz, w, x, r, c, g, d_residual, impl):
 def gated_input_grad(dx, w2, z, block, activation, impl):
   """B3: dy = dx @ w2^T; dz = GLU backward (pair-blocked, 2F wide). Returns (dz, y, c*D)."""
   dt = dx.dtype
-  # dz overwrites z (each element is read before it is written, by the same CTA): the
-  # block's largest saved activation is dead after this GEMM.
+  # dz is not written over z (in_place): inside a jax.lax.scan over layers on the GPU
+  # (jax 0.11.2) that aliasing returned NaN gradients (bench/NOTES.md, issue 4).
   out = gemm_epilogue(dx, w2, [GatedGrad("z", block, "y", "zdz", activation, dt),
-                               P.Store("dz", dt)], {"z": z}, trans_b=True, impl=impl,
-                      in_place={"dz": "z"})
+                               P.Store("dz", dt)], {"z": z}, trans_b=True, impl=impl)
   return out["dz"], out["y"], out["zdz"]
 
 

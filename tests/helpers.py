@@ -24,7 +24,7 @@ def worst_row_err(x, ref) -> float:
   here even when the whole-matrix error is diluted."""
   x, ref = f64(x), f64(ref)
   assert x.shape == ref.shape, (x.shape, ref.shape)
-  if ref.ndim == 1:  # a vector (a norm weight's gradient, a per-row statistic): relative
+  if ref.ndim <= 1:  # a scalar or vector (a norm weight's gradient, a per-row statistic): relative
     # error per element is ill-posed near zero, so measure the worst element against
     # the largest one.
     return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))

@@ -1,0 +1,206 @@
+"""Flax NNX layers over the fused ops, each with a pure-XLA twin behind one switch.
+
+Every layer holds its parameters in the kernel layout (``coda_jax.layout``) and a static
+``fused`` flag: True runs ``coda_jax.fused_ops`` (GEMM-epilogue kernels on Hopper, their
+XLA programs elsewhere), False runs ``coda_jax.jnp_reference``, the same math as plain
+jnp under ordinary autodiff. ``module.set_attributes(fused=False)`` flips a whole model.
+
+Inputs are (..., D) activations, usually (B, T, D); ``positions`` and ``targets`` have
+their leading shape. Parameters are stored in ``param_dtype`` and cast to the
+activations' dtype for the GEMMs (norm weights: fp32).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from coda_jax import fused_ops as F
+from coda_jax import jnp_reference as ref
+
+
+def _normal(rngs, shape, std, dtype):
+  return nnx.Param(nnx.initializers.normal(std)(rngs.params(), shape, dtype))
+
+
+def _ones(shape, dtype):
+  return nnx.Param(jnp.ones(shape, dtype))
+
+
+def norm_stats(x, g, eps):
+  """The split RMSNorm of ``fused_ops``: h = x * g (x's dtype), r = rsqrt(mean(x^2) + eps)
+  (fp32), so that RMSNorm(x) @ W = r * (h @ W)."""
+  return (x.astype(jnp.float32) * g.astype(jnp.float32)).astype(x.dtype), ref.rms_scale(x, eps)
+
+
+def _flat(x):
+  return x.reshape(-1, x.shape[-1])
+
+
+def residual_rmsnorm(y, w, residual, g, eps, fused, impl="auto"):
+  """x = y @ w + residual and the split norm (h, r) of x: (..., K) -> 3 x (..., ·)."""
+  if fused:
+    return F.residual_rmsnorm(y, w, residual, g, eps=eps, impl=impl)
+  x, h, r = ref.residual_rmsnorm(_flat(y), w, _flat(residual), g, eps)
+  lead = residual.shape[:-1]
+  return x.reshape(residual.shape), h.reshape(residual.shape), r.reshape(lead)
+
+
+def residual_matmul(y, w, residual, fused, impl="auto"):
+  if fused:
+    return F.residual_matmul(y, w, residual, impl=impl)
+  return ref.residual_matmul(y, w, residual)
+
+
+def swiglu(h, r, w13, block, activation, fused, impl="auto"):
+  if fused:
+    return F.rmsnorm_swiglu(h, r, w13, block=block, activation=activation, impl=impl)
+  y = ref.rmsnorm_swiglu(_flat(h), r.reshape(-1), w13, block, activation)
+  return y.reshape(*h.shape[:-1], -1)
+
+
+def qkv_rope(h, r, wqkv, positions, heads, theta, fused, impl="auto"):
+  n_q, n_kv, hd = heads
+  if fused:
+    return F.rmsnorm_qkv_rope(h, r, wqkv, positions, n_q_heads=n_q, n_kv_heads=n_kv,
+                              head_dim=hd, theta=theta, impl=impl)
+  qkv = ref.rmsnorm_qkv_rope(_flat(h), r.reshape(-1), wqkv, positions.reshape(-1),
+                             n_q_heads=n_q, n_kv_heads=n_kv, head_dim=hd, theta=theta)
+  return qkv.reshape(*h.shape[:-1], -1)
+
+
+def lm_head_loss(h, r, wlm, targets, ignore_index, reduction, fused, impl="auto"):
+  if fused:
+    return F.rmsnorm_lm_head_loss(h, r, wlm, targets, ignore_index=ignore_index,
+                                  reduction=reduction, impl=impl)
+  loss = ref.rmsnorm_lm_head_loss(_flat(h), r.reshape(-1), wlm, targets.reshape(-1),
+                                  ignore_index, reduction)
+  return loss.reshape(targets.shape) if reduction == "none" else loss
+
+
+def attention_impl(dtype, requested=None):
+  """``jax.nn.dot_product_attention``'s implementation: cuDNN on a GPU for 16-bit
+  activations, XLA elsewhere, unless ``requested``."""
+  if requested is not None:
+    return requested
+  on_gpu = jax.devices()[0].platform == "gpu"
+  return "cudnn" if on_gpu and jnp.dtype(dtype).itemsize == 2 else "xla"
+
+
+def causal_attention(qkv, heads, implementation=None):
+  """qkv (B, T, (Hq + 2 Hkv) hd) = [q | k | v] heads -> (B, T, Hq hd): causal
+  grouped-query attention (each group of Hq / Hkv query heads shares a k/v head)."""
+  n_q, n_kv, hd = heads
+  if qkv.ndim != 3 or qkv.shape[-1] != (n_q + 2 * n_kv) * hd:
+    raise ValueError(f"qkv must be (B, T, {(n_q + 2 * n_kv) * hd}), got {qkv.shape}")
+  b, t, _ = qkv.shape
+  q, k, v = jnp.split(qkv, [n_q * hd, (n_q + n_kv) * hd], axis=-1)
+  out = jax.nn.dot_product_attention(
+      q.reshape(b, t, n_q, hd), k.reshape(b, t, n_kv, hd), v.reshape(b, t, n_kv, hd),
+      is_causal=True, implementation=attention_impl(qkv.dtype, implementation))
+  return out.reshape(b, t, n_q * hd)
+
+
+class FusedMLP(nnx.Module):
+  """Pre-norm SwiGLU MLP with its residual: x + W2 (act(RMSNorm(x) W1) * RMSNorm(x) W3).
+
+  Parameters: ``norm`` (D,), ``w13`` (D, 2F) = [gate | up] pair-blocked in blocks of
+  ``block`` (``coda_jax.layout.gate_up_to_blocked``), ``w2`` (F, D).
+  Call: x (..., D) -> (..., D). Fused: the norm's row scale, gate/up and the activation
+  run in one GEMM's epilogue, the residual add in the down projection's.
+  """
+
+  def __init__(self, d_model: int, ffn_dim: int, *, block: int = 32,
+               activation: str = "silu", eps: float = 1e-5, param_dtype=jnp.float32,
+               init_std: float = 0.02, fused: bool = True, impl: str = "auto",
+               rngs: nnx.Rngs):
+    if ffn_dim % block:
+      raise ValueError(f"ffn_dim={ffn_dim} must be a multiple of block={block}")
+    self.norm = _ones((d_model,), param_dtype)
+    self.w13 = _normal(rngs, (d_model, 2 * ffn_dim), init_std, param_dtype)
+    self.w2 = _normal(rngs, (ffn_dim, d_model), init_std, param_dtype)
+    self.block, self.activation, self.eps = block, activation, eps
+    self.fused, self.impl = fused, impl
+
+  def __call__(self, x):
+    h, r = norm_stats(x, self.norm[...], self.eps)
+    y = swiglu(h, r, self.w13[...], self.block, self.activation, self.fused, self.impl)
+    return residual_matmul(y, self.w2[...], x, self.fused, self.impl)
+
+
+class QKVProjection(nnx.Module):
+  """Pre-norm fused q/k/v projection with rotate-half RoPE on q and k.
+
+  Parameters: ``norm`` (D,), ``wqkv`` (D, (Hq + 2 Hkv) hd) = [q heads | k heads | v heads].
+  Call: x (B, T, D), positions (B, T) int -> qkv (B, T, (Hq + 2 Hkv) hd), ready for
+  ``causal_attention``. Fused: norm scale and RoPE in the GEMM's epilogue.
+  """
+
+  def __init__(self, d_model: int, n_q_heads: int, n_kv_heads: int, head_dim: int, *,
+               rope_theta: float = 500000.0, eps: float = 1e-5, param_dtype=jnp.float32,
+               init_std: float = 0.02, fused: bool = True, impl: str = "auto",
+               rngs: nnx.Rngs):
+    width = (n_q_heads + 2 * n_kv_heads) * head_dim
+    self.norm = _ones((d_model,), param_dtype)
+    self.wqkv = _normal(rngs, (d_model, width), init_std, param_dtype)
+    self.heads, self.rope_theta, self.eps = (n_q_heads, n_kv_heads, head_dim), rope_theta, eps
+    self.fused, self.impl = fused, impl
+
+  def __call__(self, x, positions):
+    h, r = norm_stats(x, self.norm[...], self.eps)
+    return qkv_rope(h, r, self.wqkv[...], positions, self.heads, self.rope_theta, self.fused,
+                    self.impl)
+
+
+class OutProjection(nnx.Module):
+  """Attention output projection with its residual: residual + y Wo.
+
+  Parameter: ``wo`` (Hq hd, D). Call: y (..., Hq hd), residual (..., D) -> (..., D).
+  ``LlamaBlock`` instead fuses the MLP's norm statistics into this GEMM's epilogue.
+  """
+
+  def __init__(self, q_width: int, d_model: int, *, param_dtype=jnp.float32,
+               init_std: float = 0.02, fused: bool = True, impl: str = "auto",
+               rngs: nnx.Rngs):
+    self.wo = _normal(rngs, (q_width, d_model), init_std, param_dtype)
+    self.fused, self.impl = fused, impl
+
+  def __call__(self, y, residual):
+    return residual_matmul(y, self.wo[...], residual, self.fused, self.impl)
+
+
+class LMHeadLoss(nnx.Module):
+  """Final RMSNorm, LM head and token cross-entropy; fused, the (tokens, V) logits are
+  never stored (log-sum-exp and the target logit come from the GEMM's epilogue).
+
+  Parameters: ``norm`` (D,) and, unless ``tied``, ``wlm`` (D, V).
+  Call: x (..., D), targets (...) int (``ignore_index`` entries are skipped) -> the
+  loss (``reduction``: "mean", "sum", or "none" giving (...)). Tied heads take ``wlm``
+  (D, V) as an argument (the transposed embedding).
+  """
+
+  def __init__(self, d_model: int, vocab_size: int, *, tied: bool = False,
+               eps: float = 1e-5, ignore_index: int = -100, param_dtype=jnp.float32,
+               init_std: float = 0.02, fused: bool = True, impl: str = "auto",
+               rngs: nnx.Rngs):
+    self.norm = _ones((d_model,), param_dtype)
+    self.wlm = None if tied else _normal(rngs, (d_model, vocab_size), init_std, param_dtype)
+    self.eps, self.ignore_index = eps, ignore_index
+    self.fused, self.impl = fused, impl
+
+  def head_weight(self, wlm=None):
+    if (wlm is None) == (self.wlm is None):
+      raise ValueError("pass wlm exactly when the head is tied" if self.wlm is None
+                       else "this head has its own wlm; do not pass one")
+    return self.wlm[...] if wlm is None else wlm
+
+  def __call__(self, x, targets, *, wlm=None, reduction: str = "mean"):
+    h, r = norm_stats(x, self.norm[...], self.eps)
+    return lm_head_loss(h, r, self.head_weight(wlm), targets, self.ignore_index, reduction,
+                        self.fused, self.impl)
+
+  def logits(self, x, *, wlm=None):
+    """x (..., D) -> fp32 logits (..., V) (plain XLA: inference and checks)."""
+    h, r = norm_stats(x, self.norm[...], self.eps)
+    w = self.head_weight(wlm)
+    return (h @ w.astype(h.dtype)).astype(jnp.float32) * r[..., None]

@@ -1,0 +1,196 @@
+"""A Llama-style decoder built from the fused layers.
+
+``LlamaBlock`` is one pre-norm layer (QKV + RoPE, causal GQA attention, out-proj +
+residual, SwiGLU MLP + residual). ``Llama`` stacks ``n_layers`` of them (parameters with a
+leading layer axis, run under ``jax.lax.scan`` so compile time does not grow with depth)
+between a token embedding and the LM head.
+
+``Llama.loss`` is the training path. Fused, it cuts the model at attention instead of at
+layer boundaries (``coda_jax.blocks``): each GEMM-epilogue block runs one layer's
+out-proj, MLP and the *next* layer's norm + QKV + RoPE, so every RMSNorm's statistics come
+out of the epilogue of the GEMM that produced its input, and the backward is fused the
+same way. With ``fused=False`` the same parameters run the plain-jnp reference of that
+math under ordinary autodiff.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from coda_jax import blocks
+from coda_jax import jnp_reference as ref
+from flax_layers import layers as Lyr
+from flax_layers.config import LlamaConfig
+
+_MLP_KEYS = ("wo", "g_mlp", "w13", "w2")
+
+
+class LlamaBlock(nnx.Module):
+  """One Llama layer: x + Attn(RMSNorm(x)), then + MLP(RMSNorm(·)).
+
+  Submodules: ``attn`` (``QKVProjection``: ``norm`` (D,), ``wqkv`` (D, (Hq + 2 Hkv) hd)),
+  ``out`` (``OutProjection``: ``wo`` (Hq hd, D)), ``mlp`` (``FusedMLP``: ``norm`` (D,),
+  ``w13`` (D, 2F), ``w2`` (F, D)). Call: x (B, T, D), positions (B, T) int -> (B, T, D).
+  Fused, the out-projection's epilogue adds the residual and emits the MLP norm's
+  statistics.
+  """
+
+  def __init__(self, config: LlamaConfig, *, fused: bool = True, rngs: nnx.Rngs):
+    c = config
+    common = dict(param_dtype=c.param_dtype, init_std=c.init_std, fused=fused, impl=c.impl,
+                  rngs=rngs)
+    self.attn = Lyr.QKVProjection(c.d_model, c.n_q_heads, c.n_kv_heads, c.head_dim,
+                                  rope_theta=c.rope_theta, eps=c.eps, **common)
+    self.out = Lyr.OutProjection(c.q_width, c.d_model, **common)
+    self.mlp = Lyr.FusedMLP(c.d_model, c.ffn_dim, block=c.swiglu_block,
+                            activation=c.activation, eps=c.eps, **common)
+    self.config, self.fused = config, fused
+
+  def __call__(self, x, positions):
+    return block_forward(self.params(), x, positions, self.config, self.fused)
+
+  def params(self) -> dict:
+    """This layer's parameters under ``coda_jax.blocks`` names (kernel layout); with a
+    leading layer axis when the block is stacked."""
+    return {"g_attn": self.attn.norm[...], "wqkv": self.attn.wqkv[...],
+            "wo": self.out.wo[...], "g_mlp": self.mlp.norm[...], "w13": self.mlp.w13[...],
+            "w2": self.mlp.w2[...]}
+
+
+def heads(c: LlamaConfig):
+  return c.n_q_heads, c.n_kv_heads, c.head_dim
+
+
+def block_forward(p, x, positions, c: LlamaConfig, fused: bool):
+  """One layer, op by op (the fused ops where ``fused``): (B, T, D) -> (B, T, D)."""
+  h, r = Lyr.norm_stats(x, p["g_attn"], c.eps)
+  qkv = Lyr.qkv_rope(h, r, p["wqkv"], positions, heads(c), c.rope_theta, fused, c.impl)
+  y = Lyr.causal_attention(qkv, heads(c), c.attention_impl)
+  x1, h1, r1 = Lyr.residual_rmsnorm(y, p["wo"], x, p["g_mlp"], c.eps, fused, c.impl)
+  y1 = Lyr.swiglu(h1, r1, p["w13"], c.swiglu_block, c.activation, fused, c.impl)
+  return Lyr.residual_matmul(y1, p["w2"], x1, fused, c.impl)
+
+
+class _ReferenceBlocks:
+  """``coda_jax.blocks``' three entry points as plain jnp (``jnp_reference``) on (B, T, ·)."""
+
+  def __init__(self, c: LlamaConfig):
+    self.kw = dict(n_q_heads=c.n_q_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                   theta=c.rope_theta, eps=c.eps)
+    self.mlp = dict(eps=c.eps, block=c.swiglu_block, activation=c.activation)
+
+  @staticmethod
+  def _rows(x):
+    return x.reshape(-1, x.shape[-1])
+
+  def pre_block(self, x0, positions, g_attn, wqkv):
+    qkv = ref.pre_block(self._rows(x0), g_attn, wqkv, positions.reshape(-1), **self.kw)
+    return qkv.reshape(*x0.shape[:-1], -1)
+
+  def shifted_block(self, x0, y0, positions, params):
+    x2, qkv = ref.shifted_block(self._rows(x0), self._rows(y0), positions.reshape(-1),
+                                params, **self.kw, block=self.mlp["block"],
+                                activation=self.mlp["activation"])
+    return x2.reshape(x0.shape), qkv.reshape(*x0.shape[:-1], -1)
+
+  def post_block(self, x0, y0, targets, params):
+    return ref.post_block(self._rows(x0), self._rows(y0), targets.reshape(-1), params,
+                          **self.mlp)
+
+
+class _FusedBlocks:
+  def __init__(self, c: LlamaConfig):
+    self.cfg = c.block_config()
+
+  def pre_block(self, x0, positions, g_attn, wqkv):
+    return blocks.pre_block(x0, positions, g_attn, wqkv, self.cfg)
+
+  def shifted_block(self, x0, y0, positions, params):
+    return blocks.shifted_block(x0, y0, positions, params, self.cfg)
+
+  def post_block(self, x0, y0, targets, params):
+    return blocks.post_block(x0, y0, targets, params, self.cfg)
+
+
+class Llama(nnx.Module):
+  """Llama-style decoder: embedding, ``n_layers`` stacked ``LlamaBlock``s, final RMSNorm
+  and LM head (tied to the embedding when ``config.tie_embeddings``).
+
+  Parameters (kernel layout; ``flax_layers.checkpoint`` converts from and to the standard
+  Llama / Hugging Face layout): ``embed`` (V, D); ``layers``: a ``LlamaBlock`` whose
+  parameters have a leading (n_layers,) axis; ``head``: ``LMHeadLoss`` (``norm`` (D,),
+  ``wlm`` (D, V) unless tied).
+
+  ``fused`` selects the fused kernels (True) or the plain-XLA reference (False) for every
+  layer; ``model.set_attributes(fused=...)`` switches an existing model.
+  """
+
+  def __init__(self, config: LlamaConfig, *, fused: bool = True, rngs: nnx.Rngs):
+    c = config
+    self.embed = nnx.Param(nnx.initializers.normal(c.init_std)(
+        rngs.params(), (c.vocab_size, c.d_model), c.param_dtype))
+
+    @nnx.split_rngs(splits=c.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stacked(rngs):
+      return LlamaBlock(c, fused=fused, rngs=rngs)
+
+    self.layers = stacked(rngs)
+    self.head = Lyr.LMHeadLoss(c.d_model, c.vocab_size, tied=c.tie_embeddings, eps=c.eps,
+                               param_dtype=c.param_dtype, init_std=c.init_std, fused=fused,
+                               impl=c.impl, rngs=rngs)
+    self.config, self.fused = config, fused
+
+  def _inputs(self, tokens, positions):
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"tokens must be (B, T) integers, got {tokens.shape} {tokens.dtype}")
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
+                                   tokens.shape)
+    elif positions.shape != tokens.shape:
+      raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.dtype)
+    return x, positions
+
+  def _head_weight(self, dtype):
+    """wlm (D, V) for the fused ops, or None when the head owns it."""
+    return self.embed[...].astype(dtype).T if self.config.tie_embeddings else None
+
+  def loss(self, tokens, targets, positions=None):
+    """tokens, targets (B, T) int (targets ``ignore_index`` (-100) are skipped)
+    -> mean next-token cross-entropy (fp32 scalar)."""
+    c = self.config
+    if targets.shape != tokens.shape:
+      raise ValueError(f"targets {targets.shape} must match tokens {tokens.shape}")
+    x, positions = self._inputs(tokens, positions)
+    impl = _FusedBlocks(c) if self.fused else _ReferenceBlocks(c)
+    p = self.layers.params()
+    # Matrices go to the compute dtype before they are sliced per layer below, so the
+    # slices cost nothing beyond the cast every step pays anyway.
+    p = {k: (v if k.startswith("g_") else v.astype(c.dtype)) for k, v in p.items()}
+    attend = lambda qkv: Lyr.causal_attention(qkv, heads(c), c.attention_impl)
+    qkv = impl.pre_block(x, positions, p["g_attn"][0], p["wqkv"][0])
+
+    def layer(carry, lp):
+      x, qkv = carry
+      return impl.shifted_block(x, attend(qkv), positions, lp), None
+
+    # Block i: layer i's out-proj and MLP, then layer i + 1's norm and QKV.
+    shifted = {**{k: p[k][:-1] for k in _MLP_KEYS}, "g_attn": p["g_attn"][1:],
+               "wqkv": p["wqkv"][1:]}
+    (x, qkv), _ = jax.lax.scan(layer, (x, qkv), shifted)
+    wlm = self._head_weight(c.dtype)
+    last = {**{k: p[k][-1] for k in _MLP_KEYS}, "g_final": self.head.norm[...],
+            "wlm": self.head.head_weight(wlm)}
+    return impl.post_block(x, attend(qkv), targets, last)
+
+  def __call__(self, tokens, positions=None):
+    """tokens (B, T) int -> fp32 logits (B, T, V), layer by layer (inference, checks)."""
+    x, positions = self._inputs(tokens, positions)
+
+    def layer(x, p):
+      return block_forward(p, x, positions, self.config, self.fused), None
+
+    x, _ = jax.lax.scan(layer, x, self.layers.params())
+    return self.head.logits(x, wlm=self._head_weight(x.dtype))

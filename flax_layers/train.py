@@ -1,0 +1,114 @@
+"""A jitted optax training step for ``Llama`` (or any module with ``loss(tokens, targets)``).
+
+    tx = make_optimizer(3e-4, total_steps=1000)
+    graphdef, state = init_state(model, tx)
+    step = make_train_step(graphdef)
+    state, loss = step(state, tokens, targets)       # donates and returns the state
+
+The model and its ``nnx.Optimizer`` travel as one ``nnx.State`` through ``jax.jit``, so a
+step is a single XLA program with no Python graph traversal per call.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import coda_jax.ops
+
+
+def _decay_mask(params):
+  """Weight decay on matrices only: not on norm weights (whose paths say "norm")."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: not any("norm" in str(getattr(k, "key", k)) for k in path), params)
+
+
+def make_optimizer(learning_rate: float = 3e-4, *, total_steps: int,
+                   warmup_steps: int | None = None, weight_decay: float = 0.1,
+                   b1: float = 0.9, b2: float = 0.95, clip_norm: float = 1.0,
+                   final_fraction: float = 0.1) -> optax.GradientTransformation:
+  """AdamW with global-norm clipping, linear warm-up and cosine decay to
+  ``final_fraction`` of the peak rate."""
+  if total_steps <= 0:
+    raise ValueError(f"total_steps={total_steps} must be positive")
+  warmup = min(total_steps, max(1, total_steps // 20) if warmup_steps is None
+               else warmup_steps)
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, learning_rate, warmup, max(total_steps, warmup + 1),
+      end_value=learning_rate * final_fraction)
+  return optax.chain(optax.clip_by_global_norm(clip_norm),
+                     optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay,
+                                 mask=_decay_mask))
+
+
+def init_state(model: nnx.Module, tx: optax.GradientTransformation):
+  """(graphdef, state) of the pair (model, ``nnx.Optimizer`` over its ``nnx.Param``s)."""
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  return nnx.split((model, optimizer))
+
+
+def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True):
+  """jit(step)(state, tokens, targets) -> (state, loss): one optimizer step on the mean
+  loss. ``micro_batches`` > 1 splits the batch and accumulates gradients (fp32, in the
+  parameters' dtype) over the pieces in a ``jax.lax.scan``, so activations of only one
+  piece are live; the step's gradient is the mean of the pieces' (the full batch's when
+  each piece has as many counted targets). ``donate`` updates the state in place."""
+  if micro_batches < 1:
+    raise ValueError(f"micro_batches={micro_batches} must be >= 1")
+
+  def grads_of(model, tokens, targets):
+    if micro_batches == 1:
+      return nnx.value_and_grad(lambda m: m.loss(tokens, targets))(model)
+    if tokens.shape[0] % micro_batches:
+      raise ValueError(f"batch {tokens.shape[0]} is not divisible by micro_batches="
+                       f"{micro_batches}")
+    gdef, params, rest = nnx.split(model, nnx.Param, ...)
+    grad_fn = jax.value_and_grad(lambda p, t, y: nnx.merge(gdef, p, rest).loss(t, y))
+    split = lambda x: x.reshape(micro_batches, -1, *x.shape[1:])
+
+    def piece(acc, batch):
+      loss, g = grad_fn(params, *batch)
+      return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, (loss, g)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(piece, zeros, (split(tokens), split(targets)))
+    return jax.tree.map(lambda x: x / micro_batches, (loss, grads))
+
+  @functools.partial(jax.jit, donate_argnums=(0,) if donate else ())
+  def step(state, tokens, targets):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, grads = grads_of(model, tokens, targets)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
+  return step
+
+
+def make_eval_step(graphdef):
+  """jit(fn)(state, tokens, targets) -> loss, no gradients."""
+
+  @jax.jit
+  def evaluate(state, tokens, targets):
+    model, _ = nnx.merge(graphdef, state)
+    return model.loss(tokens, targets)
+
+  return evaluate
+
+
+def describe_path(model) -> str:
+  """Which implementation the model's layers run, in words."""
+  if not getattr(model, "fused", True):
+    return "reference: plain jnp under XLA (jax autodiff)"
+  impl = getattr(getattr(model, "config", None), "impl", "auto")
+  if impl == "auto":
+    import os
+    impl = os.environ.get("CODA_JAX_IMPL", "auto")
+  if impl == "auto":
+    return ("fused: Mosaic GPU GEMM-epilogue kernels (sm90)" if coda_jax.ops.kernels_available()
+            else "fused: the fused programs' XLA fallback (no Hopper GPU: no kernels run)")
+  return {"mosaic": "fused: Mosaic GPU GEMM-epilogue kernels (forced)",
+          "interpret": "fused: Mosaic GPU kernels through the CPU interpreter (slow)",
+          "xla": "fused: the fused programs' XLA fallback (forced)"}[impl]
