@@ -11,6 +11,7 @@ step is a single XLA program with no Python graph traversal per call.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -104,7 +105,6 @@ def describe_path(model) -> str:
     return "reference: plain jnp under XLA (jax autodiff)"
   impl = getattr(getattr(model, "config", None), "impl", "auto")
   if impl == "auto":
-    import os
     impl = os.environ.get("CODA_JAX_IMPL", "auto")
   if impl == "auto":
     return ("fused: Mosaic GPU GEMM-epilogue kernels (sm90)" if coda_jax.ops.kernels_available()
