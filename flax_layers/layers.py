@@ -33,15 +33,11 @@ def norm_stats(x, g, eps):
   return (x.astype(jnp.float32) * g.astype(jnp.float32)).astype(x.dtype), ref.rms_scale(x, eps)
 
 
-def _flat(x):
-  return x.reshape(-1, x.shape[-1])
-
-
 def residual_rmsnorm(y, w, residual, g, eps, fused, impl="auto"):
   """x = y @ w + residual and the split norm (h, r) of x: (..., K) -> 3 x (..., ·)."""
   if fused:
     return F.residual_rmsnorm(y, w, residual, g, eps=eps, impl=impl)
-  x, h, r = ref.residual_rmsnorm(_flat(y), w, _flat(residual), g, eps)
+  x, h, r = ref.residual_rmsnorm(F.flat_rows(y), w, F.flat_rows(residual), g, eps)
   lead = residual.shape[:-1]
   return x.reshape(residual.shape), h.reshape(residual.shape), r.reshape(lead)
 
@@ -55,7 +51,7 @@ def residual_matmul(y, w, residual, fused, impl="auto"):
 def swiglu(h, r, w13, block, activation, fused, impl="auto"):
   if fused:
     return F.rmsnorm_swiglu(h, r, w13, block=block, activation=activation, impl=impl)
-  y = ref.rmsnorm_swiglu(_flat(h), r.reshape(-1), w13, block, activation)
+  y = ref.rmsnorm_swiglu(F.flat_rows(h), r.reshape(-1), w13, block, activation)
   return y.reshape(*h.shape[:-1], -1)
 
 
@@ -64,7 +60,7 @@ def qkv_rope(h, r, wqkv, positions, heads, theta, fused, impl="auto"):
   if fused:
     return F.rmsnorm_qkv_rope(h, r, wqkv, positions, n_q_heads=n_q, n_kv_heads=n_kv,
                               head_dim=hd, theta=theta, impl=impl)
-  qkv = ref.rmsnorm_qkv_rope(_flat(h), r.reshape(-1), wqkv, positions.reshape(-1),
+  qkv = ref.rmsnorm_qkv_rope(F.flat_rows(h), r.reshape(-1), wqkv, positions.reshape(-1),
                              n_q_heads=n_q, n_kv_heads=n_kv, head_dim=hd, theta=theta)
   return qkv.reshape(*h.shape[:-1], -1)
 
@@ -73,7 +69,7 @@ def lm_head_loss(h, r, wlm, targets, ignore_index, reduction, fused, impl="auto"
   if fused:
     return F.rmsnorm_lm_head_loss(h, r, wlm, targets, ignore_index=ignore_index,
                                   reduction=reduction, impl=impl)
-  loss = ref.rmsnorm_lm_head_loss(_flat(h), r.reshape(-1), wlm, targets.reshape(-1),
+  loss = ref.rmsnorm_lm_head_loss(F.flat_rows(h), r.reshape(-1), wlm, targets.reshape(-1),
                                   ignore_index, reduction)
   return loss.reshape(targets.shape) if reduction == "none" else loss
 

@@ -20,6 +20,7 @@ from flax import nnx
 
 from coda_jax import blocks
 from coda_jax import jnp_reference as ref
+from coda_jax.fused_ops import flat_rows
 from flax_layers import layers as Lyr
 from flax_layers.config import LlamaConfig
 
@@ -80,22 +81,18 @@ class _ReferenceBlocks:
                    theta=c.rope_theta, eps=c.eps)
     self.mlp = dict(eps=c.eps, block=c.swiglu_block, activation=c.activation)
 
-  @staticmethod
-  def _rows(x):
-    return x.reshape(-1, x.shape[-1])
-
   def pre_block(self, x0, positions, g_attn, wqkv):
-    qkv = ref.pre_block(self._rows(x0), g_attn, wqkv, positions.reshape(-1), **self.kw)
+    qkv = ref.pre_block(flat_rows(x0), g_attn, wqkv, positions.reshape(-1), **self.kw)
     return qkv.reshape(*x0.shape[:-1], -1)
 
   def shifted_block(self, x0, y0, positions, params):
-    x2, qkv = ref.shifted_block(self._rows(x0), self._rows(y0), positions.reshape(-1),
+    x2, qkv = ref.shifted_block(flat_rows(x0), flat_rows(y0), positions.reshape(-1),
                                 params, **self.kw, block=self.mlp["block"],
                                 activation=self.mlp["activation"])
     return x2.reshape(x0.shape), qkv.reshape(*x0.shape[:-1], -1)
 
   def post_block(self, x0, y0, targets, params):
-    return ref.post_block(self._rows(x0), self._rows(y0), targets.reshape(-1), params,
+    return ref.post_block(flat_rows(x0), flat_rows(y0), targets.reshape(-1), params,
                           **self.mlp)
 
 

@@ -18,6 +18,10 @@ from helpers import assert_within_baseline, normal
 CFG = get_config("tiny", d_model=128, n_layers=3, n_q_heads=4, n_kv_heads=2, head_dim=32,
                  ffn_dim=128, init_std=0.05)
 B, T = 2, 64
+# Ours: fused kernels in bf16; truth: the reference in fp32 (highest precision); the
+# baseline: the reference in bf16, whose error sets the tolerance.
+RUNS = (("ours", True, jnp.bfloat16), ("truth", False, jnp.float32),
+        ("base", False, jnp.bfloat16))
 
 
 def _perturb_norms(module, key):
@@ -41,8 +45,7 @@ def _check_three_ways(make, fn, args_f32, key, kernel_impl, what):
   scalar. Ours: fused kernels in bf16; truth: reference in fp32; baseline: reference in
   bf16. Compares the value, every parameter gradient and every input gradient."""
   runs = {}
-  for name, fused, dt in (("ours", True, jnp.bfloat16), ("truth", False, jnp.float32),
-                          ("base", False, jnp.bfloat16)):
+  for name, fused, dt in RUNS:
     m = make(fused, kernel_impl if fused else "auto")
     _perturb_norms(m, key)
     args = [a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args_f32]
@@ -113,8 +116,7 @@ def test_llama_loss_and_grads(tied, key, kernel_impl):
   casts embeddings to ``config.dtype``, so build each run with its own."""
   toks, tgt = _tokens(key)
   runs = {}
-  for name, fused, dt in (("ours", True, jnp.bfloat16), ("truth", False, jnp.float32),
-                          ("base", False, jnp.bfloat16)):
+  for name, fused, dt in RUNS:
     cfg = CFG.replace(tie_embeddings=tied, dtype=dt, impl=kernel_impl if fused else "auto")
     m = Llama(cfg, fused=fused, rngs=nnx.Rngs(7))
     _perturb_norms(m, key)
@@ -132,8 +134,7 @@ def _three_runs(make, fn, kernel_impl):
   """fn(module built by make(dtype, fused, impl)) for ours (fused kernels, bf16), the
   truth (reference, fp32, highest precision) and the baseline (reference, bf16)."""
   runs = {}
-  for name, fused, dt in (("ours", True, jnp.bfloat16), ("truth", False, jnp.float32),
-                          ("base", False, jnp.bfloat16)):
+  for name, fused, dt in RUNS:
     with jax.default_matmul_precision("highest"):
       runs[name] = fn(make(dt, fused, kernel_impl if fused else "auto"), dt)
   return runs
@@ -263,8 +264,7 @@ def test_training_steps_match_reference(key, kernel_impl):
   steps = 3
   batches = [_tokens(key)] * steps  # one batch, so that the loss must fall
   curves = {}
-  for name, fused, dt in (("ours", True, jnp.bfloat16), ("truth", False, jnp.float32),
-                          ("base", False, jnp.bfloat16)):
+  for name, fused, dt in RUNS:
     cfg = CFG.replace(dtype=dt, impl=kernel_impl if fused else "auto")
     model = Llama(cfg, fused=fused, rngs=nnx.Rngs(11))
     graphdef, state = train.init_state(model, train.make_optimizer(1e-2, total_steps=steps,
