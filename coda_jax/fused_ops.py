@@ -62,6 +62,25 @@ def check_rows(name, v, lead, dtype_kind):
     raise ValueError(f"{name}.dtype={v.dtype}: must be an integer type")
 
 
+def check_residual(residual, y):
+  if residual.shape[:-1] != y.shape[:-1]:
+    raise ValueError(f"residual has leading shape {tuple(residual.shape[:-1])}, expected y's "
+                     f"leading shape {tuple(y.shape[:-1])}")
+  if residual.dtype != y.dtype:
+    raise ValueError(f"residual.dtype={residual.dtype} must equal y.dtype={y.dtype}")
+
+
+def check_heads(n_q_heads, n_kv_heads, head_dim):
+  if head_dim <= 0 or head_dim % 16:
+    raise ValueError(f"head_dim={head_dim} must be a positive multiple of 16")
+  for name, n in (("n_q_heads", n_q_heads), ("n_kv_heads", n_kv_heads)):
+    if n <= 0:
+      raise ValueError(f"{name}={n} must be positive")
+  if n_q_heads % n_kv_heads:
+    raise ValueError(f"n_q_heads={n_q_heads} must be a multiple of n_kv_heads={n_kv_heads} "
+                     "(each KV head serves a whole group of query heads)")
+
+
 def flat_rows(x):
   return x.reshape(-1, x.shape[-1])
 
@@ -73,9 +92,7 @@ def residual_rmsnorm(y, w, residual, g, *, eps: float = 1e-5, impl: str = "auto"
   check_weight("w", w, (y.shape[-1], w.shape[-1]))
   check_act("residual", residual, w.shape[-1])
   check_weight("g", g, (w.shape[-1],))
-  if residual.shape[:-1] != y.shape[:-1] or residual.dtype != y.dtype:
-    raise ValueError(f"residual {residual.shape} {residual.dtype} must match y's leading "
-                     f"shape and dtype, y is {y.shape} {y.dtype}")
+  check_residual(residual, y)
   lead = y.shape[:-1]
   x, h, r = _residual_rmsnorm(flat_rows(y), w, flat_rows(residual), g, eps, impl)
   return x.reshape(*lead, -1), h.reshape(*lead, -1), r.reshape(lead)
@@ -115,9 +132,7 @@ def residual_matmul(y, w, residual, *, impl: str = "auto"):
   check_act("y", y)
   check_weight("w", w, (y.shape[-1], w.shape[-1]))
   check_act("residual", residual, w.shape[-1])
-  if residual.shape[:-1] != y.shape[:-1] or residual.dtype != y.dtype:
-    raise ValueError(f"residual {residual.shape} {residual.dtype} must match y's leading "
-                     f"shape and dtype, y is {y.shape} {y.dtype}")
+  check_residual(residual, y)
   x = _residual_matmul(flat_rows(y), w, flat_rows(residual), impl)
   return x.reshape(residual.shape)
 
@@ -193,13 +208,11 @@ def rmsnorm_qkv_rope(h, r, wqkv, positions, *, n_q_heads: int, n_kv_heads: int,
   """h (..., D), r (...), wqkv (D, (Hq + 2 Hkv) * head_dim) as [q | k | v] rotate-half
   heads, positions (...) int -> qkv (..., (Hq + 2 Hkv) * head_dim), RoPE'd q and k."""
   check_act("h", h)
+  check_heads(n_q_heads, n_kv_heads, head_dim)  # before wqkv, whose shape they define
   n = (n_q_heads + 2 * n_kv_heads) * head_dim
   check_weight("wqkv", wqkv, (h.shape[-1], n))
   check_rows("r", r, h.shape[:-1], "float")
   check_rows("positions", positions, h.shape[:-1], "int")
-  if head_dim % 16 or n_q_heads <= 0 or n_kv_heads <= 0 or n_q_heads % n_kv_heads:
-    raise ValueError(f"head_dim={head_dim} must be a multiple of 16 and n_q_heads="
-                     f"{n_q_heads} a positive multiple of n_kv_heads={n_kv_heads}")
   lead = h.shape[:-1]
   qkv = _rmsnorm_qkv_rope(flat_rows(h), r.reshape(-1).astype(jnp.float32), wqkv,
                           positions.reshape(-1).astype(jnp.int32),

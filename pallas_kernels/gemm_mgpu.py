@@ -516,7 +516,14 @@ def gemm(a: jax.Array, b: jax.Array, *,
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
       interpret=interpret,
   )
-  backing = {nm: jax.new_ref(inputs[nm][1]) for nm in in_place.values()}
+  # Optimization barriers on both sides of the aliased buffer: without them XLA's GPU
+  # dynamic-slice fusion folds a slice feeding that operand (a scan's xs, its saved
+  # residuals, z[i]) and a dynamic-update-slice taking the result (a scan's stacked ys)
+  # into the kernel's custom call, ignoring its operand-output aliasing: the kernel then
+  # writes into the caller's sliced array and the result is never written (wrong values
+  # or NaN; bench/NOTES.md, issue 4). The barriers copy nothing.
+  backing = {nm: jax.new_ref(lax.optimization_barrier(inputs[nm][1]))
+             for nm in in_place.values()}
   results = iter(kernel(a, b, *(backing.get(nm, inputs[nm][1]) for nm in names_in)))
-  return {nm: jax.freeze(backing[in_place[nm]]) if nm in in_place else next(results)
-          for nm in names}
+  return {nm: lax.optimization_barrier(jax.freeze(backing[in_place[nm]])) if nm in in_place
+          else next(results) for nm in names}

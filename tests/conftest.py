@@ -1,6 +1,6 @@
 """Shared fixtures: backend selection (compiled Mosaic GPU kernel on Hopper, the Mosaic GPU
-interpreter elsewhere), the interpreter's race detector, per-test random keys, and
-interpreter-state cleanup."""
+interpreter elsewhere), the interpreter's race detector, per-test random keys,
+jax.checkpoint over interpreted kernels, and interpreter-state cleanup."""
 import os
 import sys
 
@@ -101,3 +101,25 @@ def _reset_interpreter_state():
   except ImportError:
     return
   reset_gpu_interpret_mode_state()
+
+
+@pytest.fixture
+def remat_kernels(kernel_impl, monkeypatch):
+  """Lets the kernel path run under jax.checkpoint. Compiled kernels need nothing. The
+  interpreter orders its kernels with ordered io_callbacks, and jax 0.11.2 refuses AD of
+  checkpoint over any effect outside ``effects.remat_allowed_effects`` ("Effects not
+  supported in AD of `checkpoint`/`remat`: [OrderedIOEffect]") before it looks at the
+  policy: every policy, prevent_cse=False and jax.remat fail alike. Re-running an
+  interpreted kernel in the backward is harmless, so for the test the interpreter's
+  effect is registered as remat-safe (private jax API, restored afterwards)."""
+  if kernel_impl != "interpret":
+    return
+  try:
+    from jax._src import callback, effects
+    types = effects.remat_allowed_effects._effect_types
+    io_effect = callback.OrderedIOEffect
+  except (ImportError, AttributeError) as e:
+    pytest.skip(f"cannot register the interpreter's OrderedIOEffect as remat-safe in this "
+                f"jax ({e}); jax.checkpoint rejects it: 'Effects not supported in AD of "
+                "`checkpoint`/`remat`'")
+  monkeypatch.setattr(effects.remat_allowed_effects, "_effect_types", {*types, io_effect})

@@ -72,3 +72,12 @@ def rope_freqs(n, p, theta=10000.0, zero_blocks=()):
   heads = [np.zeros(2 * p) if h in zero_blocks else np.concatenate([inv, inv])
            for h in range(n // (2 * p))]
   return jnp.asarray(np.concatenate(heads), jnp.float32)
+
+
+def spread_rows(key, shape, dtype=jnp.float32, lo=5.0, hi=50.0):
+  """Normal values whose per-row standard deviation spreads log-uniformly over [lo, hi]
+  (a residual stream at realistic scale): RMSNorm's r = 1/rms is then far from 1, so a
+  backward that drops or mis-scales the gradient through r shows."""
+  kx, ks = jax.random.split(key)
+  std = jnp.exp(jax.random.uniform(ks, shape[:-1] + (1,), jnp.float32, np.log(lo), np.log(hi)))
+  return (jax.random.normal(kx, shape, jnp.float32) * std).astype(dtype)

@@ -1,6 +1,13 @@
 """Whole blocks (coda_jax.blocks): pre-block, shifted block and post-block forward and
 backward against jax.grad of the pure-jnp reference blocks, under the tolerance rule
-(tests/helpers.assert_within_baseline): fp32 truth, 2x the unfused bf16 error."""
+(tests/helpers.assert_within_baseline): fp32 truth, 2x the unfused bf16 error.
+
+Every width differs, so a backward that takes one width for another shows: D = 192,
+Hq*hd = 128 (4 q heads of 32, 2 kv heads; the fused QKV is 256 wide), F = 256 (w13 is
+2F = 512), V = 384. (D = 192 is an odd multiple of 64: the weight-gradient GEMMs (D, N)
+tile only when N is a multiple of 128, hence V = 384.) The residual stream has
+realistic per-row scales (std 5..50, tests/helpers.spread_rows), so RMSNorm's r is far
+from 1."""
 import dataclasses
 
 import jax
@@ -10,29 +17,66 @@ import pytest
 
 from coda_jax import blocks as B
 from coda_jax import jnp_reference as R
-from helpers import assert_within_baseline, normal, rel_err
+from helpers import assert_within_baseline, normal, rel_err, spread_rows
 
-M, D, F, V = 256, 128, 128, 256
-CFG = B.BlockConfig(n_q_heads=4, n_kv_heads=2, head_dim=32, lm_chunk_rows=128)
+M, D, F, V = 128, 192, 256, 384
+CFG = B.BlockConfig(n_q_heads=4, n_kv_heads=2, head_dim=32, lm_chunk_rows=64)
 HEADS = dict(n_q_heads=4, n_kv_heads=2, head_dim=32)
+Q = CFG.n_q_heads * CFG.head_dim  # attention output width, 128
+assert len({D, Q, F, 2 * F, V}) == 5 and CFG.qkv_width == 256
 
 
 def _params(key, keys, dt):
-  shapes = {"wo": (CFG.n_q_heads * CFG.head_dim, D), "g_mlp": (D,), "w13": (D, 2 * F),
-            "w2": (F, D), "g_attn": (D,), "wqkv": (D, CFG.qkv_width), "g_final": (D,),
-            "wlm": (D, V)}
+  shapes = {"wo": (Q, D), "g_mlp": (D,), "w13": (D, 2 * F), "w2": (F, D), "g_attn": (D,),
+            "wqkv": (D, CFG.qkv_width), "g_final": (D,), "wlm": (D, V)}
   ks = jax.random.split(key, len(keys))
   return {k: (1 + 0.1 * normal(kk, shapes[k])) if k.startswith("g_")
           else normal(kk, shapes[k], dt) * shapes[k][0] ** -0.5 for k, kk in zip(keys, ks)}
 
 
-def _model(blocks, pos, tgt, cts):
-  """pre_block -> shifted_block -> post_block, as a scalar: the loss plus the
-  intermediate outputs projected on fixed cotangents (so every path is checked)."""
+def _args(key, dt, m=M):
+  """(x0, y0, g_attn0, wqkv0, shifted params, post params); x0 at realistic scale."""
+  ks = jax.random.split(key, 6)
+  return (spread_rows(ks[0], (m, D), dt), normal(ks[1], (m, Q), dt),
+          1 + 0.1 * normal(ks[2], (D,)), normal(ks[3], (D, CFG.qkv_width), dt) * D ** -0.5,
+          _params(ks[4], B.SHIFTED_KEYS, dt), _params(ks[5], B.POST_KEYS, dt))
+
+
+def _f32(tree):
+  return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+
+def _unit_rows(a):
+  return a / jnp.sqrt(jnp.mean(a * a, axis=-1, keepdims=True))
+
+
+def _qkv_cotangent(key, qkv):
+  """A fixed cotangent of a normed, projected output, from its fp32 truth: noise plus
+  the output itself (unit rms per row), so the gradient through r (c = <dq, qkv> / D,
+  coda_math.md §3) weighs as much as the projected gradient g * dn."""
+  return normal(key, qkv.shape) + _unit_rows(qkv)
+
+
+def _residual_cotangent(key, x2, x0):
+  """A fixed cotangent of the residual stream x2, from the fp32 truth: (noise plus the
+  block's update x2 - x0, unit rms per row) times each row's r = 1/rms(x2). The factor r
+  keeps the residual pass-through from swamping the norm paths (which carry a factor r)
+  in dx0; the update term makes the MLP's own gradient through r (c1 = <dz, z> / D)
+  weigh as much as its projected gradient."""
+  r = R.rms_scale(x2, CFG.eps)[..., None]
+  return (normal(key, x2.shape) + _unit_rows(x2 - x0)) * r
+
+
+def _project(outs, cts):
+  return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outs, cts))
+
+
+def _model(blocks, cts):
+  """pre_block -> shifted_block -> post_block, as a scalar: every output (the per-token
+  losses included) projected on a fixed cotangent, so every path is checked."""
   def loss(x0, y0, g0, wqkv0, p_shift, p_post):
     qkv0, (x2, qkv), ce = blocks(x0, y0, g0, wqkv0, p_shift, p_post)
-    proj = sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip((qkv0, x2, qkv), cts))
-    return ce + proj
+    return _project((qkv0, x2, qkv, ce), cts)
   return loss
 
 
@@ -44,103 +88,182 @@ def _fused(cfg, pos, tgt):
   return blocks
 
 
-def _reference(pos, tgt):
+def _reference(pos, tgt, activation="silu"):
   def blocks(x0, y0, g0, wqkv0, p_shift, p_post):
     qkv0 = R.pre_block(x0, g0, wqkv0, pos, **HEADS)
-    x2, qkv = R.shifted_block(x0, y0, pos, p_shift, **HEADS)
-    return qkv0, (x2, qkv), R.post_block(x2, y0, tgt, p_post)
+    x2, qkv = R.shifted_block(x0, y0, pos, p_shift, **HEADS, activation=activation)
+    return qkv0, (x2, qkv), R.post_block(x2, y0, tgt, p_post, activation=activation,
+                                         reduction="none")
   return blocks
 
 
-def _args(key, dt):
-  ks = jax.random.split(key, 6)
-  return (normal(ks[0], (M, D), dt), normal(ks[1], (M, CFG.n_q_heads * CFG.head_dim), dt),
-          1 + 0.1 * normal(ks[2], (D,)), normal(ks[3], (D, CFG.qkv_width), dt) * D ** -0.5,
-          _params(ks[4], B.SHIFTED_KEYS, dt), _params(ks[5], B.POST_KEYS, dt))
+def _check_leaves(got, truth, base, names):
+  """Tolerance rule leaf by leaf; the three trees must have the same leaves."""
+  leaves = [jax.tree.leaves(t) for t in (got, truth, base)]
+  assert len(names) == len(leaves[0]) == len(leaves[1]) == len(leaves[2]) > 0, names
+  for name, g, t, b in zip(names, *leaves):
+    assert g.shape == t.shape and g.dtype == b.dtype, (name, g.shape, g.dtype, b.dtype)
+    assert_within_baseline(g if g.ndim else g[None], t if t.ndim else t[None],
+                           b if b.ndim else b[None], name)
 
 
-@pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
-def test_blocks_forward_and_grads(dt, key, kernel_impl):
+# id -> (activation dtype, gated activation of the MLP)
+BLOCK_CASES = {"bf16-silu": (jnp.bfloat16, "silu"), "bf16-gelu": (jnp.bfloat16, "gelu"),
+               "fp16-gelu": (jnp.float16, "gelu")}
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_blocks_forward_and_grads(case, key, kernel_impl):
+  """The three blocks chained (pre -> shifted -> post), each output and the gradient of
+  every input and parameter, under the tolerance rule; with both gated activations
+  (GeGLU's forward and backward run in the kernels' epilogues)."""
+  dt, act = BLOCK_CASES[case]
   args = _args(key, dt)
   pos = jnp.arange(M, dtype=jnp.int32) % 100 + 3000  # packed sequences, late positions
   tgt = jax.random.randint(jax.random.fold_in(key, 1), (M,), 0, V).at[::5].set(-100)
-  cts = [normal(jax.random.fold_in(key, i), s) for i, s in
-         enumerate([(M, CFG.qkv_width), (M, D), (M, CFG.qkv_width)])]
-  ref = _model(_reference(pos, tgt), pos, tgt, cts)
-  fused = _model(_fused(dataclasses.replace(CFG, impl=kernel_impl), pos, tgt), pos, tgt, cts)
+  # Per-token losses ("none"): a mean of M terms can be exact in the baseline by luck,
+  # which would make 2x its error an arbitrary bar; "mean" runs in test_flax_layers.
+  cfg = dataclasses.replace(CFG, impl=kernel_impl, activation=act, reduction="none")
+  reference, fused = _reference(pos, tgt, act), _fused(cfg, pos, tgt)
+  up = _f32(args)
+  with jax.default_matmul_precision("highest"):
+    outs_truth = reference(*up)
+  qkv0, (x2, qkv), _ = outs_truth
+  ks = jax.random.split(jax.random.fold_in(key, 2), 4)
+  cts = [_qkv_cotangent(ks[0], qkv0), _residual_cotangent(ks[1], x2, up[0]),
+         _qkv_cotangent(ks[2], qkv), jax.random.uniform(ks[3], (M,), minval=0.5, maxval=1.5)]
   argnums = tuple(range(6))
-  up = jax.tree.map(lambda a: a.astype(jnp.float32), args)
   with jax.default_matmul_precision("highest"):
-    g_truth = jax.grad(ref, argnums)(*up)
-  g_base = jax.grad(ref, argnums)(*args)
-  g_got = jax.jit(jax.grad(fused, argnums))(*args)
-  fused_blocks = _fused(dataclasses.replace(CFG, impl=kernel_impl), pos, tgt)
-  with jax.default_matmul_precision("highest"):
-    outs_truth = _reference(pos, tgt)(*up)
-  outs_base = _reference(pos, tgt)(*args)
-  outs = jax.jit(fused_blocks)(*args)
-  names = ("qkv0", "x2", "qkv", "loss")
-  for name, o, t, b in zip(names, *(jax.tree.leaves(v) for v in (outs, outs_truth, outs_base))):
-    assert o.dtype == b.dtype, (name, o.dtype, b.dtype)
-    assert_within_baseline(o if o.ndim else o[None], t if t.ndim else t[None],
-                           b if b.ndim else b[None], name)
-  for (path, g), t, b in zip(jax.tree_util.tree_leaves_with_path(g_got),
-                             jax.tree.leaves(g_truth), jax.tree.leaves(g_base)):
-    what = "d" + jax.tree_util.keystr(path)
-    assert g.dtype == b.dtype, (what, g.dtype, b.dtype)  # cotangents keep primal dtypes
-    assert_within_baseline(g if g.ndim else g[None], t if t.ndim else t[None],
-                           b if b.ndim else b[None], what)
+    g_truth = jax.grad(_model(reference, cts), argnums)(*up)
+  g_base = jax.grad(_model(reference, cts), argnums)(*args)
+  outs_base = reference(*args)
+  outs, g_got = jax.jit(lambda *a: (fused(*a), jax.grad(_model(fused, cts), argnums)(*a)))(
+      *args)
+  _check_leaves(outs, outs_truth, outs_base, ["qkv0", "x2", "qkv", "loss"])
+  names = ["d" + jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(g_truth)[0]]
+  # Cotangents keep the primal dtypes (checked in _check_leaves against the baseline's).
+  _check_leaves(g_got, g_truth, g_base, names)
 
 
-def test_shifted_block_batched_and_checkpointed(key, kernel_impl):
-  """(B, T, D) inputs, vmap over B and jax.checkpoint give the (M, D) results."""
-  x0, y0, _, _, p, _ = _args(key, jnp.bfloat16)
-  pos = jnp.arange(M, dtype=jnp.int32) % 128
-  # jax.checkpoint rejects the interpreter's io_callback effects: on CPU the remat check
-  # runs the custom_vjp over the XLA path, on a GPU the compiled kernels.
-  cfg = dataclasses.replace(CFG, impl=kernel_impl if kernel_impl == "mosaic" else "xla")
-  loss = lambda x0, p: sum(jnp.sum(o.astype(jnp.float32) ** 2)
-                           for o in B.shifted_block(x0, y0, pos, p, cfg))
-  plain = jax.jit(jax.value_and_grad(loss, (0, 1)))(x0, p)
-  remat = jax.jit(jax.value_and_grad(jax.checkpoint(loss), (0, 1)))(x0, p)
-  for a, c in zip(jax.tree.leaves(plain), jax.tree.leaves(remat)):
+def _shifted_runs(args, pos, cts, cfg):
+  """(value, (dx0, dy0, dparams)) of <shifted_block, cts>: truth, baseline."""
+  x0, y0, _, _, p, _ = args
+
+  def loss(fn):
+    return lambda x0, y0, p: _project(fn(x0, y0, p), cts)
+
+  ref = loss(lambda x0, y0, p: R.shifted_block(x0, y0, pos, p, **HEADS))
+  with jax.default_matmul_precision("highest"):
+    truth = jax.value_and_grad(ref, (0, 1, 2))(*_f32((x0, y0, p)))
+  base = jax.value_and_grad(ref, (0, 1, 2))(x0, y0, p)
+  fused = loss(lambda x0, y0, p: B.shifted_block(x0, y0, pos, p, cfg))
+  return fused, truth, base
+
+
+GRAD_NAMES = ["value", "dx0", "dy0"] + [f"d{k}" for k in sorted(B.SHIFTED_KEYS)]
+
+
+@pytest.mark.parametrize("path", ["xla", "kernels"])
+def test_shifted_block_checkpointed(path, key, kernel_impl, remat_kernels):
+  """jax.checkpoint (remat: the forward is recomputed inside the backward) gives the
+  value and gradients of the plain run, and both are within the tolerance rule of the
+  fp32 reference. The kernel path runs through the interpreter on CPU too
+  (``remat_kernels``)."""
+  args = _args(key, jnp.bfloat16)
+  pos = jnp.arange(M, dtype=jnp.int32) % 64
+  with jax.default_matmul_precision("highest"):
+    x2, qkv = R.shifted_block(*_f32(args[:2]), pos, _f32(args[4]), **HEADS)
+  k1, k2 = jax.random.split(jax.random.fold_in(key, 2))
+  cts = [_residual_cotangent(k1, x2, args[0].astype(jnp.float32)), _qkv_cotangent(k2, qkv)]
+  cfg = dataclasses.replace(CFG, impl="xla" if path == "xla" else kernel_impl)
+  fused, truth, base = _shifted_runs(args, pos, cts, cfg)
+  x0, y0, _, _, p, _ = args
+  plain = jax.jit(jax.value_and_grad(fused, (0, 1, 2)))(x0, y0, p)
+  remat = jax.jit(jax.value_and_grad(jax.checkpoint(fused), (0, 1, 2)))(x0, y0, p)
+  for name, a, c in zip(GRAD_NAMES, jax.tree.leaves(plain), jax.tree.leaves(remat)):
     # Same math; XLA may fuse (and so round) the recomputed forward differently.
-    assert rel_err(a, c) < 1e-2, rel_err(a, c)
+    assert rel_err(a, c) < 1e-2, (name, rel_err(a, c))
+  _check_leaves(plain, truth, base, GRAD_NAMES)
+  _check_leaves(remat, truth, base, GRAD_NAMES)
+
+
+def test_shifted_block_batched_and_vmapped(key, kernel_impl):
+  """(B, T, D) inputs and vmap over B give the (M, D) results, and all three are within
+  the tolerance rule of the fp32 reference. 2 x 128 rows: each vmapped problem must
+  tile by itself, and a (rows, D = 192) GEMM with B stored (K, N) needs rows a multiple
+  of 128."""
+  m = 2 * M
+  x0, y0, _, _, p, _ = _args(key, jnp.bfloat16, m)
+  pos = jnp.arange(m, dtype=jnp.int32) % M
   cfg = dataclasses.replace(CFG, impl=kernel_impl)
   flat = jax.jit(lambda: B.shifted_block(x0, y0, pos, p, cfg))()
-  b = lambda a: a.reshape(2, M // 2, *a.shape[1:])
+  b = lambda a: a.reshape(2, m // 2, *a.shape[1:])
   batched = jax.jit(lambda: B.shifted_block(b(x0), b(y0), b(pos), p, cfg))()
   mapped = jax.jit(jax.vmap(lambda x, y, q: B.shifted_block(x, y, q, p, cfg)))(
       b(x0), b(y0), b(pos))
-  for a, v, c in zip(batched, mapped, flat):
+  with jax.default_matmul_precision("highest"):
+    truth = R.shifted_block(*_f32((x0, y0)), pos, _f32(p), **HEADS)
+  base = R.shifted_block(x0, y0, pos, p, **HEADS)
+  for name, a, v, c, t, r in zip(("x2", "qkv"), batched, mapped, flat, truth, base):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b(c)))
     # vmap runs M/2-row problems, whose kernel config (and so the fp32 order of the
     # norm statistics) may differ: a few last-bit rounding flips, no more.
-    assert rel_err(v, b(c)) < 1e-3, rel_err(v, b(c))
+    assert rel_err(v, b(c)) < 1e-3, (name, rel_err(v, b(c)))
+    for what, o in (("flat", c), ("vmap", v.reshape(c.shape))):
+      assert_within_baseline(o, t, r, f"{name} ({what})")
 
 
-def _bad(key):
+def _bad_args(key):
   x0, y0, g0, wqkv0, ps, pp = _args(key, jnp.bfloat16)
-  pos = jnp.arange(M, dtype=jnp.int32)
-  tgt = jnp.zeros((M,), jnp.int32)
-  return [
-      (lambda: B.shifted_block(x0, y0, pos, {**ps, "extra": g0}, CFG), "exactly the keys"),
-      (lambda: B.shifted_block(x0, y0, pos, {**ps, "wqkv": wqkv0[:, :-32]}, CFG),
-       "wqkv has shape"),
-      (lambda: B.shifted_block(x0, y0[:, :-1], pos, ps, CFG), "y0 has width"),
-      (lambda: B.shifted_block(x0, y0.astype(jnp.float16), pos, ps, CFG), "share"),
-      (lambda: B.shifted_block(x0, y0, pos[:-1], ps, CFG), "positions has shape"),
-      (lambda: B.pre_block(x0, pos.astype(jnp.float32), g0, wqkv0, CFG), "positions.dtype"),
-      (lambda: B.post_block(x0, y0, tgt, ps, CFG), "exactly the keys"),
-      (lambda: B.post_block(x0, y0, tgt, pp, dataclasses.replace(CFG, reduction="avg")),
-       "reduction"),
-      (lambda: B.post_block(x0, y0, tgt, pp, dataclasses.replace(CFG, lm_chunk_rows=100)),
-       "chunk_rows"),
-  ]
+  return dict(x0=x0, y0=y0, g0=g0, wqkv0=wqkv0, ps=ps, pp=pp,
+              pos=jnp.arange(M, dtype=jnp.int32), tgt=jnp.zeros((M,), jnp.int32))
 
 
-@pytest.mark.parametrize("case", range(9))
+# id -> (call on the _bad_args dict, the one message it must raise)
+BAD = {
+    "shifted-extra-key": (
+        lambda a: B.shifted_block(a["x0"], a["y0"], a["pos"], {**a["ps"], "extra": a["g0"]},
+                                  CFG),
+        r"params must have exactly the keys \('wo', 'g_mlp', 'w13', 'w2', 'g_attn', 'wqkv'\)"),
+    "wqkv-width": (
+        lambda a: B.shifted_block(a["x0"], a["y0"], a["pos"],
+                                  {**a["ps"], "wqkv": a["wqkv0"][:, :-32]}, CFG),
+        r"wqkv has shape \(192, 224\), expected \(192, 256\)"),
+    "w13-not-pair-blocks": (
+        lambda a: B.shifted_block(a["x0"], a["y0"], a["pos"],
+                                  {**a["ps"], "w13": a["ps"]["w13"][:, :2 * (F - 16)],
+                                   "w2": a["ps"]["w2"][:F - 16]}, CFG),
+        r"w13 width 480 must be a multiple of 2\*swiglu_block=64"),
+    "y0-width": (lambda a: B.shifted_block(a["x0"], a["y0"][:, :-1], a["pos"], a["ps"], CFG),
+                 r"y0 has width 127, expected 128"),
+    "y0-dtype": (
+        lambda a: B.shifted_block(a["x0"], a["y0"].astype(jnp.float16), a["pos"], a["ps"], CFG),
+        r"must share leading shape and dtype"),
+    "positions-rows": (
+        lambda a: B.shifted_block(a["x0"], a["y0"], a["pos"][:-1], a["ps"], CFG),
+        r"positions has shape \(127,\), expected the activations' leading shape \(128,\)"),
+    "positions-float": (
+        lambda a: B.pre_block(a["x0"], a["pos"].astype(jnp.float32), a["g0"], a["wqkv0"], CFG),
+        r"positions\.dtype=float32: must be an integer type"),
+    "post-with-shifted-keys": (
+        lambda a: B.post_block(a["x0"], a["y0"], a["tgt"], a["ps"], CFG),
+        r"params must have exactly the keys \('wo', 'g_mlp', 'w13', 'w2', 'g_final', 'wlm'\)"),
+    "post-reduction": (
+        lambda a: B.post_block(a["x0"], a["y0"], a["tgt"], a["pp"],
+                               dataclasses.replace(CFG, reduction="avg")),
+        r"reduction='avg': one of \('mean', 'sum', 'none'\)"),
+    "post-chunk-rows": (
+        lambda a: B.post_block(a["x0"], a["y0"], a["tgt"], a["pp"],
+                               dataclasses.replace(CFG, lm_chunk_rows=100)),
+        r"chunk_rows=100 must be a positive divisor of M=128"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
 def test_bad_block_inputs(case, key):
-  fn, match = _bad(key)[case]
+  """Each bad input raises ValueError with its own message (checked at trace time)."""
+  fn, match = BAD[case]
+  args = _bad_args(key)
   with pytest.raises(ValueError, match=match):
-    jax.eval_shape(fn)
+    jax.eval_shape(lambda: fn(args))

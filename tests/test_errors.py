@@ -5,6 +5,7 @@ import pytest
 
 import coda_jax as cj
 import pallas_kernels as pk
+from coda_jax.grad_primitives import GatedGrad
 from pallas_kernels import EpilogueOutput, GemmConfig, InputKind, MatDim, OutputKind
 from helpers import gemm_inputs, normal
 
@@ -60,10 +61,12 @@ def test_extra_operand(key, ab):
     run(*ab, STORE, {"zz": normal(key, (M,))})
 
 
-@pytest.mark.parametrize("prim", [cj.Gated(96), cj.Rotate("pos", "fr", 96)], ids=["gated", "rotate"])
+@pytest.mark.parametrize("prim", [cj.Gated(96), cj.Rotate("pos", "fr", 96)],
+                         ids=["gated", "rotate"])
 def test_n_not_multiple_of_pair_block(key, ab, prim):
   ops = {"pos": jnp.arange(M), "fr": normal(key, (N,))} if isinstance(prim, cj.Rotate) else {}
-  with pytest.raises(ValueError, match=r"N=256 must be a multiple of its column group \(pair block\) 192"):
+  with pytest.raises(ValueError,
+                     match=r"N=256 must be a multiple of its column group \(pair block\) 192"):
     run(*ab, [prim, cj.Store("y")], ops)
 
 
@@ -93,8 +96,16 @@ def test_operand_read_as_two_kinds(key, ab):
 
 
 def test_column_operand_after_narrowing(key, ab):
-  with pytest.raises(ValueError, match="after a step that changed the width"):
+  with pytest.raises(ValueError, match="ScaleCol reads col operand 'g' after a step that changed "
+                                       "the width; column and tile operands must come before it"):
     run(*ab, [cj.Gated(32), cj.ScaleCol("g"), cj.Store("y")], {"g": normal(key, (N,))})
+
+
+def test_pairwise_after_narrowing(ab):
+  """A second pair step would pair columns of the halved value: not supported."""
+  with pytest.raises(ValueError, match="Gated: a pairwise step after a step that changed the "
+                                       "width is not supported"):
+    run(*ab, [cj.Gated(32), cj.Gated(16), cj.Store("y")])
 
 
 def test_unknown_impl(ab):
@@ -110,14 +121,21 @@ def test_unknown_impl_from_env(ab, monkeypatch):
 
 def test_config_epilogue_width_vs_pair_block(ab):
   cfg = GemmConfig(tile_m=64, tile_n=64, tile_k=32, stages=3, epi_tile_n=32)
-  with pytest.raises(ValueError, match=r"epi_tile_n=32 must be a multiple of the program's column group \(pair block\) 64"):
+  with pytest.raises(ValueError, match=r"epi_tile_n=32 must be a multiple of the program's "
+                                       r"column group \(pair block\) 64"):
     run(*ab, [cj.Gated(32), cj.Store("y")], impl="interpret", config=cfg)
 
 
-@pytest.mark.parametrize("make", [lambda: cj.Gated(32, "relu"), lambda: cj.Gated(12),
-                                  lambda: cj.Rotate("p", "f", 0)], ids=["act", "gblock", "rblock"])
-def test_bad_primitive(make):
-  with pytest.raises(ValueError, match="activation|multiple of 8"):
+@pytest.mark.parametrize("make,match", [
+    (lambda: cj.Gated(32, "relu"), r"Gated.activation='relu': one of \['gelu', 'silu'\]"),
+    (lambda: cj.Gated(12), "Gated.block=12 must be a positive multiple of 8"),
+    (lambda: cj.Rotate("p", "f", 0), "Rotate.block=0 must be a positive multiple of 8"),
+    (lambda: GatedGrad("z", 32, "y", "zdz", "relu"),
+     r"GatedGrad.activation='relu': one of \['gelu', 'silu'\]"),
+    (lambda: GatedGrad("z", 20, "y", "zdz"), "GatedGrad.block=20 must be a positive multiple of 8"),
+], ids=["act", "gblock", "rblock", "grad_act", "grad_block"])
+def test_bad_primitive(make, match):
+  with pytest.raises(ValueError, match=match):
     make()
 
 
@@ -145,10 +163,45 @@ def test_gemm_config_does_not_divide(ab, interpret):
     (GemmConfig(tile_n=100), "tile_n=100 must be a positive multiple of 8"),
     (GemmConfig(epi_tile_n=48), "must divide the warpgroup tile"),
     (GemmConfig(stages=1), "stages=1"),
+    (GemmConfig(tile_m=128, epi_tile_m=32), "GemmConfig.epi_tile_m=32 must be a multiple of 64"),
 ])
 def test_gemm_bad_config(ab, interpret, cfg, match):
   with pytest.raises(ValueError, match=match):
     pk.gemm(*ab, config=cfg, interpret=interpret)
+
+
+def test_gemm_no_default_tiling(key, ab, interpret):
+  """No config given and none of the default tilings divides M = 120."""
+  with pytest.raises(ValueError, match=r"no GEMM tiling divides \(M, N, K\)=\(120, 256, 64\)"):
+    pk.gemm(ab[0][:120], ab[1], interpret=interpret)
+
+
+def test_gemm_split_b_too_narrow(ab, interpret):
+  """Warpgroups splitting N take halves of B's 64-column swizzle tiles when B is stored
+  (K, N): tile_n = 32 cannot be split so (with B stored (N, K) it can)."""
+  cfg = GemmConfig(tile_m=64, tile_n=32, tile_k=64, epi_tile_n=32, wg_dim=MatDim.N,
+                   cluster_dim=None)
+  with pytest.raises(ValueError, match=r"tile_n=32 with wg_dim=N and B stored \(K, N\): the "
+                                       "warpgroups' halves of B must be multiples of 64 columns"):
+    pk.gemm(*ab, config=cfg, interpret=interpret)
+
+
+def test_gemm_output_width_not_multiple_of_8(ab, interpret):
+  """A half-width output (after a gated pair) of an 8-column epilogue sub-tile would be 4
+  columns wide: too narrow for a TMA store."""
+  cfg = GemmConfig(tile_m=64, tile_n=64, tile_k=64, epi_tile_n=8, wg_dim=MatDim.N,
+                   cluster_dim=None)
+  with pytest.raises(ValueError, match=r"output 'o': epi_tile_n=8 \* 0.5 must be a multiple of 8"):
+    pk.gemm(*ab, outputs=(EpilogueOutput("o", width=0.5),), epilogue=lambda t, acc: None,
+            config=cfg, interpret=interpret)
+
+
+def test_gemm_in_place_operand_backs_two_outputs(key, ab, interpret):
+  g = normal(key, (M, N))
+  outs = (EpilogueOutput("o1", dtype=jnp.float32), EpilogueOutput("o2", dtype=jnp.float32))
+  with pytest.raises(ValueError, match="an operand can back one output only"):
+    pk.gemm(*ab, inputs={"g": (InputKind.TILE, g)}, outputs=outs, epilogue=lambda t, acc: None,
+            in_place={"o1": "g", "o2": "g"}, interpret=interpret)
 
 
 def test_gemm_too_much_shared_memory(key, interpret):
@@ -172,6 +225,8 @@ def test_gemm_input_wrong_shape(key, ab, interpret):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(width=3), "width must be 0.5, 1 or 2"),
     (dict(kind=OutputKind.ROW_PARTIAL, dtype=jnp.bfloat16), "partial reductions are fp32"),
+    (dict(kind=OutputKind.ROW_PARTIAL, dtype=jnp.float32, width=2),
+     "row partials have one value per row; width does not apply"),
 ])
 def test_bad_output_spec(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -195,6 +250,18 @@ def test_epilogue_stores_twice(ab, interpret):
     t.store("out", acc)
   with pytest.raises(ValueError, match="stores 'out' twice"):
     pk.gemm(*ab, epilogue=twice, config=SMALL, interpret=interpret)
+
+
+@pytest.mark.parametrize("epilogue,match", [
+    (lambda t, acc: t.store("out", acc + t.load("zz")),
+     r"epilogue reads operand 'zz', but only \[\] were passed"),
+    (lambda t, acc: t.store("zz", acc), r"epilogue stores 'zz', but only \['out'\] were declared"),
+], ids=["load", "store"])
+def test_epilogue_unknown_name(ab, interpret, epilogue, match):
+  """Checked while the kernel is traced: a closure that reads an operand that was not
+  passed, or stores an output that was not declared."""
+  with pytest.raises(KeyError, match=match):
+    pk.gemm(*ab, epilogue=epilogue, config=SMALL, interpret=interpret)
 
 
 def test_epilogue_store_wrong_shape(ab, interpret):

@@ -1,7 +1,15 @@
 """flax_layers: every layer and the Llama model, fused (kernels) against the same
 parameters on the plain-jnp reference path, outputs and gradients, under the tolerance
 rule (fp32 reference = truth; bf16 reference = the unfused baseline); checkpoint
-conversion against an independent standard-layout Llama; training steps."""
+conversion against an independent standard-layout Llama; training steps, the eval step
+and the optimizer.
+
+Every width differs, so a layer that takes one for another shows: D = 192, Hq*hd = 128
+(4 q heads of 32, 2 kv heads; fused QKV 256), F = 256, V = 384 (with D an odd multiple
+of 64, the (D, N) weight-gradient GEMMs tile only for N a multiple of 128). Residual-
+stream inputs have realistic per-row scales (std 5..50), so RMSNorm's r is far from 1."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,14 +17,18 @@ import optax
 import pytest
 from flax import nnx
 
-from coda_jax.jnp_reference import cross_entropy
+from coda_jax import layout
+from coda_jax.jnp_reference import cross_entropy, rms_scale
 from flax_layers import (FusedMLP, LMHeadLoss, Llama, LlamaBlock, OutProjection,
                          QKVProjection, get_config, train)
 from flax_layers import checkpoint as ck
-from helpers import assert_within_baseline, normal
+from helpers import assert_within_baseline, normal, rel_err, spread_rows
 
-CFG = get_config("tiny", d_model=128, n_layers=3, n_q_heads=4, n_kv_heads=2, head_dim=32,
-                 ffn_dim=128, init_std=0.05)
+D, F, V = 192, 256, 384
+CFG = get_config("tiny", d_model=D, n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=32,
+                 ffn_dim=F, vocab_size=V, init_std=0.05)
+Q = CFG.q_width  # 128
+assert len({D, Q, F, 2 * F, V}) == 5
 B, T = 2, 64
 # Ours: fused kernels in bf16; truth: the reference in fp32 (highest precision); the
 # baseline: the reference in bf16, whose error sets the tolerance.
@@ -64,60 +76,66 @@ def _sum_proj(out, key):
 
 
 def test_fused_mlp(key, kernel_impl):
+  """FusedMLP (norm, gate/up + SwiGLU, down + residual) on a realistic-scale stream."""
   kx, kc = jax.random.split(key)
-  make = lambda fused, impl: FusedMLP(128, 128, fused=fused, impl=impl, init_std=0.1,
+  make = lambda fused, impl: FusedMLP(D, F, fused=fused, impl=impl, init_std=0.1,
                                       rngs=nnx.Rngs(1))
-  _check_three_ways(make, lambda m, x: _sum_proj(m(x), kc), [normal(kx, (B, T, 128))], key,
-                    kernel_impl, "FusedMLP")
+  _check_three_ways(make, lambda m, x: _sum_proj(m(x), kc), [spread_rows(kx, (B, T, D))],
+                    key, kernel_impl, "FusedMLP")
 
 
 def test_qkv_projection(key, kernel_impl):
+  """QKVProjection (norm, fused QKV, RoPE at random positions up to 4096)."""
   kx, kc = jax.random.split(key)
   pos = jax.random.randint(kc, (B, T), 0, 4096)
-  make = lambda fused, impl: QKVProjection(128, 4, 2, 32, fused=fused, impl=impl,
+  make = lambda fused, impl: QKVProjection(D, 4, 2, 32, fused=fused, impl=impl,
                                            init_std=0.1, rngs=nnx.Rngs(2))
-  _check_three_ways(make, lambda m, x: _sum_proj(m(x, pos), kc), [normal(kx, (B, T, 128))],
+  _check_three_ways(make, lambda m, x: _sum_proj(m(x, pos), kc), [spread_rows(kx, (B, T, D))],
                     key, kernel_impl, "QKVProjection")
 
 
 def test_out_projection(key, kernel_impl):
+  """OutProjection (residual + y Wo), Hq*hd -> D."""
   ky, kr, kc = jax.random.split(key, 3)
-  make = lambda fused, impl: OutProjection(128, 128, fused=fused, impl=impl, init_std=0.1,
+  make = lambda fused, impl: OutProjection(Q, D, fused=fused, impl=impl, init_std=0.1,
                                            rngs=nnx.Rngs(3))
   _check_three_ways(make, lambda m, y, r: _sum_proj(m(y, r), kc),
-                    [normal(ky, (B, T, 128)), normal(kr, (B, T, 128))], key, kernel_impl,
+                    [normal(ky, (B, T, Q)), spread_rows(kr, (B, T, D))], key, kernel_impl,
                     "OutProjection")
 
 
 def test_lm_head_loss(key, kernel_impl):
+  """LMHeadLoss (final norm, LM head, mean cross-entropy with ignored targets)."""
   kx, kt = jax.random.split(key)
-  tgt = jax.random.randint(kt, (B, T), 0, 256).at[0, :5].set(-100)
-  make = lambda fused, impl: LMHeadLoss(128, 256, fused=fused, impl=impl, init_std=0.2,
+  tgt = jax.random.randint(kt, (B, T), 0, V).at[0, :5].set(-100)
+  make = lambda fused, impl: LMHeadLoss(D, V, fused=fused, impl=impl, init_std=0.2,
                                         rngs=nnx.Rngs(4))
-  _check_three_ways(make, lambda m, x: m(x, tgt), [normal(kx, (B, T, 128))], key,
+  _check_three_ways(make, lambda m, x: m(x, tgt), [spread_rows(kx, (B, T, D))], key,
                     kernel_impl, "LMHeadLoss")
 
 
-def _tokens(key, vocab=256):
+def _tokens(key, vocab=V):
   toks = jax.random.randint(key, (B, T + 1), 0, vocab)
   return toks[:, :-1], toks[:, 1:]
 
 
-def _model_maker(cfg, kernel_impl):
-  def make(fused, impl):
-    return Llama(cfg.replace(impl=impl), fused=fused, rngs=nnx.Rngs(7))
-  return make
+# id -> (tie_embeddings, the MLP's gated activation)
+MODEL_CASES = {"untied-silu": (False, "silu"), "tied-gelu": (True, "gelu")}
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_llama_loss_and_grads(tied, key, kernel_impl):
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_llama_loss_and_grads(case, key, kernel_impl):
   """The whole model's training loss (fused blocks across layer boundaries) and the
-  gradient of every parameter. The config's dtype follows the inputs' run: the model
-  casts embeddings to ``config.dtype``, so build each run with its own."""
+  gradient of every parameter, with SwiGLU and GeGLU MLPs. The config's dtype follows
+  the inputs' run: the model casts embeddings to ``config.dtype``, so build each run
+  with its own."""
+  tied, act = MODEL_CASES[case]
   toks, tgt = _tokens(key)
+  tgt = tgt.at[0, :3].set(-100)
   runs = {}
   for name, fused, dt in RUNS:
-    cfg = CFG.replace(tie_embeddings=tied, dtype=dt, impl=kernel_impl if fused else "auto")
+    cfg = CFG.replace(tie_embeddings=tied, activation=act, dtype=dt,
+                      impl=kernel_impl if fused else "auto")
     m = Llama(cfg, fused=fused, rngs=nnx.Rngs(7))
     _perturb_norms(m, key)
     with jax.default_matmul_precision("highest"):
@@ -125,8 +143,9 @@ def test_llama_loss_and_grads(tied, key, kernel_impl):
   assert_within_baseline(runs["ours"][0], runs["truth"][0], runs["base"][0], "loss")
   paths = [jax.tree_util.keystr(p) for p, _ in
            jax.tree_util.tree_flatten_with_path(runs["truth"][1])[0]]
-  for p, g, t, b in zip(paths, *(jax.tree.leaves(runs[n][1]) for n in ("ours", "truth",
-                                                                       "base"))):
+  grads = [jax.tree.leaves(runs[n][1]) for n in ("ours", "truth", "base")]
+  assert len(paths) == len(grads[0]) == len(grads[2]) == (8 if tied else 9), paths
+  for p, g, t, b in zip(paths, *grads):
     assert_within_baseline(g, t, b, f"grad {p}")
 
 
@@ -155,51 +174,124 @@ def test_llama_logits(key, kernel_impl):
   np.testing.assert_allclose(float(loss), float(again), rtol=1e-5)
 
 
-def test_llama_block_is_one_layer(key, kernel_impl):
-  """A standalone LlamaBlock (fused ops composed op by op) under the tolerance rule."""
-  x = normal(key, (B, T, 128))
-  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-  make = lambda dt, fused, impl: LlamaBlock(CFG.replace(impl=impl, init_std=0.1),
-                                            fused=fused, rngs=nnx.Rngs(0))
-  runs = _three_runs(make, lambda m, dt: m(x.astype(dt), pos), kernel_impl)
-  assert runs["ours"].shape == x.shape and runs["ours"].dtype == jnp.bfloat16
-  assert_within_baseline(runs["ours"], runs["truth"], runs["base"], "LlamaBlock")
+def _rms(x, w, eps):
+  return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * w
 
 
-def _standard_llama_logits(sd, cfg, toks):
-  """An independent Llama in the Hugging Face layout (separate q/k/v and gate/up,
-  (out, in) matrices, rotate-half RoPE, repeated kv heads), fp32."""
+def _standard_layer(w, x, cfg):
+  """An independent Llama layer in the standard layout (``w`` as
+  ``coda_jax.layout``'s standard layer: (in, out) matrices, separate q/k/v and gate/up,
+  rotate-half RoPE at positions 0..T-1, repeated kv heads), fp32: x (B, T, D) -> same."""
   hd, nq, nkv = cfg.head_dim, cfg.n_q_heads, cfg.n_kv_heads
-
-  def rms(x, w):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + cfg.eps) * w
-
+  b, t, _ = x.shape
   inv = cfg.rope_theta ** (-jnp.arange(0, hd, 2) / hd)
-  ang = jnp.arange(toks.shape[1])[:, None] * inv[None]
+  ang = jnp.arange(t)[:, None] * inv[None]
   cos, sin = jnp.cos(jnp.concatenate([ang, ang], -1)), jnp.sin(jnp.concatenate([ang, ang], -1))
 
   def rope(x):  # (B, T, H, hd)
     rot = jnp.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1)
     return x * cos[:, None] + rot * sin[:, None]
 
+  h = _rms(x, w["attn_norm"], cfg.eps)
+  q = rope((h @ w["wq"]).reshape(b, t, nq, hd))
+  k = rope((h @ w["wk"]).reshape(b, t, nkv, hd))
+  v = (h @ w["wv"]).reshape(b, t, nkv, hd)
+  k, v = jnp.repeat(k, nq // nkv, axis=2), jnp.repeat(v, nq // nkv, axis=2)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
+  s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+  o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v).reshape(b, t, -1)
+  x = x + o @ w["wo"]
+  h = _rms(x, w["mlp_norm"], cfg.eps)
+  act = {"silu": jax.nn.silu, "gelu": lambda a: jax.nn.gelu(a, approximate=True)}
+  return x + (act[cfg.activation](h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+
+
+_HF_LAYER = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
+             "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
+             "w_down": "mlp.down_proj"}
+
+
+def _standard_llama_logits(sd, cfg, toks):
+  """An independent Llama in the Hugging Face layout ((out, in) matrices under HF names;
+  see _standard_layer), fp32."""
   x = sd["model.embed_tokens.weight"][toks]
-  b, t, _ = x.shape
   for i in range(cfg.n_layers):
     w = lambda n: sd[f"model.layers.{i}.{n}.weight"]
-    h = rms(x, w("input_layernorm"))
-    q = rope((h @ w("self_attn.q_proj").T).reshape(b, t, nq, hd))
-    k = rope((h @ w("self_attn.k_proj").T).reshape(b, t, nkv, hd))
-    v = (h @ w("self_attn.v_proj").T).reshape(b, t, nkv, hd)
-    k, v = jnp.repeat(k, nq // nkv, axis=2), jnp.repeat(v, nq // nkv, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
-    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
-    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v).reshape(b, t, -1)
-    x = x + o @ w("self_attn.o_proj").T
-    h = rms(x, w("post_attention_layernorm"))
-    x = x + (jax.nn.silu(h @ w("mlp.gate_proj").T) * (h @ w("mlp.up_proj").T)) @ w(
-        "mlp.down_proj").T
+    layer = {k: w(n).T for k, n in _HF_LAYER.items()}
+    layer.update(attn_norm=w("input_layernorm"), mlp_norm=w("post_attention_layernorm"))
+    x = _standard_layer(layer, x, cfg)
   head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-  return rms(x, sd["model.norm.weight"]) @ head.T
+  return _rms(x, sd["model.norm.weight"], cfg.eps) @ head.T
+
+
+def _block_truth(params, x, cfg):
+  """LlamaBlock's math on its parameters (``nnx.to_pure_dict`` of its state, the
+  submodules its docstring names), through the standard layout, fp32."""
+  kernel = {"g_attn": params["attn"]["norm"], "wqkv": params["attn"]["wqkv"],
+            "wo": params["out"]["wo"], "g_mlp": params["mlp"]["norm"],
+            "w13": params["mlp"]["w13"], "w2": params["mlp"]["w2"]}
+  std = layout.kernel_layer_to_llama(kernel, n_q_heads=cfg.n_q_heads,
+                                     n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                                     block=cfg.swiglu_block)
+  return _standard_layer(std, x, cfg)
+
+
+def _residual_cotangent(key, out, x):
+  """A fixed cotangent of a residual-stream output (from the fp32 truth): (noise plus
+  the block's update out - x, unit rms per row) times each row's r = 1/rms(out), so the
+  pass-through does not swamp the norm paths (which carry a factor r) in dx."""
+  upd = out - x
+  upd = upd / jnp.sqrt(jnp.mean(upd * upd, -1, keepdims=True))
+  return (normal(key, out.shape) + upd) * rms_scale(out, CFG.eps)[..., None]
+
+
+def test_llama_block_value_and_grads(key, kernel_impl):
+  """A standalone LlamaBlock (fused ops composed op by op; x at realistic scale): its
+  output and the gradients of every parameter and of x. Truth: an independent
+  standard-layout layer (_standard_layer) in fp32 on the block's own parameters. The
+  fp32 reference path must match it to fp32 rounding (so a bug both paths share, e.g.
+  in layers.norm_stats, shows); the fused bf16 kernels are under the tolerance rule
+  (baseline: the reference path in bf16)."""
+  kx, kc = jax.random.split(key)
+  x = spread_rows(kx, (B, T, D))
+  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+  cfg = CFG.replace(init_std=0.1)
+
+  def make(fused):
+    m = LlamaBlock(cfg.replace(impl=kernel_impl if fused else "auto"), fused=fused,
+                   rngs=nnx.Rngs(0))
+    _perturb_norms(m, key)
+    return m
+
+  params = nnx.to_pure_dict(nnx.state(make(False), nnx.Param))
+  with jax.default_matmul_precision("highest"):
+    ct = _residual_cotangent(kc, _block_truth(params, x, cfg), x)
+
+  def projected(fn):
+    def value(*args):
+      out = fn(*args)
+      return jnp.sum(out.astype(jnp.float32) * ct), out
+    return value
+
+  with jax.default_matmul_precision("highest"):
+    (_, out), (dp, dx) = jax.value_and_grad(
+        projected(lambda p, x: _block_truth(p, x, cfg)), (0, 1), has_aux=True)(params, x)
+  runs = {"independent": (out, dp, dx)}
+  for name, fused, dt in RUNS:  # "truth" here: the fp32 reference path
+    with jax.default_matmul_precision("highest"):
+      (_, out), (dm, dx) = nnx.value_and_grad(
+          projected(lambda m, x: m(x, pos)), argnums=(0, 1), has_aux=True)(
+              make(fused), x.astype(dt))
+    runs[name] = (out, nnx.to_pure_dict(dm), dx)
+  assert runs["ours"][0].shape == x.shape and runs["ours"][0].dtype == jnp.bfloat16
+  names = ["output"] + ["d" + jax.tree_util.keystr(p) for p, _ in
+                        jax.tree_util.tree_flatten_with_path(dp)[0]] + ["dx"]
+  leaves = {n: jax.tree.leaves(r) for n, r in runs.items()}
+  assert all(len(v) == len(names) == 8 for v in leaves.values()), names
+  for name, got, ref32, truth, base in zip(names, *(leaves[n] for n in (
+      "ours", "truth", "independent", "base"))):
+    assert rel_err(ref32, truth) < 1e-5, (name, "fp32 reference path", rel_err(ref32, truth))
+    assert_within_baseline(got, truth, base, f"LlamaBlock {name}")
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -222,31 +314,58 @@ def test_checkpoint_round_trip_and_standard_layout(tied, key):
 
 
 def test_checkpoint_errors():
+  """Loading a state dict that does not fit the config names what is wrong."""
   cfg = CFG.replace(tie_embeddings=False)
   m = Llama(cfg, rngs=nnx.Rngs(0))
   sd = ck.to_hf_state_dict(m)
-  with pytest.raises(ValueError, match="missing"):
+  with pytest.raises(ValueError, match=r"missing \['lm_head\.weight'\], unexpected \[\]"):
     ck.load_hf_state_dict(m, {k: v for k, v in sd.items() if k != "lm_head.weight"})
-  with pytest.raises(ValueError, match="shape"):
+  with pytest.raises(ValueError, match=r"model\.norm\.weight has shape \(3,\), expected "
+                                       r"\(192,\)"):
     ck.load_hf_state_dict(m, {**sd, "model.norm.weight": np.ones(3, np.float32)})
   tied = Llama(cfg.replace(tie_embeddings=True), rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="differs"):
+  with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens"):
     ck.load_hf_state_dict(tied, sd)
 
 
-def test_bad_inputs():
-  m = Llama(CFG, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match=r"tokens must be \(B, T\)"):
-    m.loss(jnp.zeros((8,), jnp.int32), jnp.zeros((8,), jnp.int32))
-  with pytest.raises(ValueError, match="targets"):
-    m.loss(jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 9), jnp.int32))
-  with pytest.raises(ValueError, match="n_kv_heads"):
-    get_config("tiny", n_kv_heads=3)
-  with pytest.raises(ValueError, match="unknown config"):
-    get_config("llama-9")
-  with pytest.raises(ValueError, match="tied"):
-    LMHeadLoss(128, 256, tied=True, rngs=nnx.Rngs(0))(jnp.zeros((2, 128), jnp.bfloat16),
-                                                      jnp.zeros((2,), jnp.int32))
+def _head_call(tied, wlm):
+  head = LMHeadLoss(D, V, tied=tied, rngs=nnx.Rngs(0))
+  return head(jnp.zeros((2, D), jnp.bfloat16), jnp.zeros((2,), jnp.int32), wlm=wlm)
+
+
+@functools.cache
+def _small_llama():
+  return Llama(CFG, rngs=nnx.Rngs(0))
+
+
+# id -> (the call, given a Llama of CFG, and the one message it must raise)
+BAD = {
+    "tokens-rank": (lambda m: m.loss(jnp.zeros((8,), jnp.int32), jnp.zeros((8,), jnp.int32)),
+                    r"tokens must be \(B, T\) integers"),
+    "targets-shape": (
+        lambda m: m.loss(jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 9), jnp.int32)),
+        r"targets \(2, 9\) must match tokens \(2, 8\)"),
+    "positions-shape": (
+        lambda m: m(jnp.zeros((2, 8), jnp.int32), positions=jnp.zeros((2, 9), jnp.int32)),
+        r"positions \(2, 9\) must match tokens \(2, 8\)"),
+    "gqa-heads": (lambda m: get_config("tiny", n_kv_heads=3),
+                  r"n_q_heads=4 must be a multiple of n_kv_heads=3"),
+    "unknown-config": (lambda m: get_config("llama-9"), r"unknown config 'llama-9'"),
+    "tied-head-needs-wlm": (lambda m: _head_call(True, None),
+                            r"pass wlm exactly when the head is tied"),
+    "untied-head-takes-no-wlm": (lambda m: _head_call(False, jnp.zeros((D, V))),
+                                 r"this head has its own wlm; do not pass one"),
+    "optimizer-total-steps": (lambda m: train.make_optimizer(1e-3, total_steps=0),
+                              r"total_steps=0 must be positive"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_inputs(case):
+  """Each bad input raises ValueError with its own message."""
+  fn, match = BAD[case]
+  with pytest.raises(ValueError, match=match):
+    fn(_small_llama())
 
 
 def test_switch_flips_every_layer():
@@ -299,5 +418,162 @@ def test_micro_batches_match_one_batch(key):
   assert abs(out[0][0] - out[1][0]) < 1e-5, (out[0][0], out[1][0])
   for a, b in zip(out[0][1], out[1][1]):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
-  with pytest.raises(ValueError, match="divisible"):
+  with pytest.raises(ValueError, match=r"batch 4 is not divisible by micro_batches=3"):
     train.make_train_step(graphdef, micro_batches=3)(state, tokens, targets)
+
+
+def test_eval_step(key):
+  """make_eval_step gives the loss of the state's current parameters: model.loss of the
+  same model, and an independent cross-entropy of the model's logits; the state it is
+  given comes back unchanged (no update)."""
+  toks, tgt = _tokens(key)
+  tgt = tgt.at[1, -4:].set(-100)
+  cfg = CFG.replace(dtype=jnp.float32)
+  graphdef, state = train.init_state(Llama(cfg, fused=False, rngs=nnx.Rngs(4)),
+                                     optax.sgd(0.5))
+  with jax.default_matmul_precision("highest"):
+    first = float(train.make_eval_step(graphdef)(state, toks, tgt))
+    state, _ = train.make_train_step(graphdef)(state, toks, tgt)  # parameters move
+    before = [np.array(a) for a in jax.tree.leaves(state)]
+    loss = train.make_eval_step(graphdef)(state, toks, tgt)
+    model, _ = nnx.merge(graphdef, state)
+    want, logits = model.loss(toks, tgt), model(toks)
+  assert loss.shape == () and loss.dtype == jnp.float32
+  after = jax.tree.leaves(state)
+  assert len(after) == len(before) and all(np.array_equal(a, b) for a, b in zip(before, after))
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  valid = tgt != -100
+  nll = -jnp.take_along_axis(logp, jnp.where(valid, tgt, 0)[..., None], axis=-1)[..., 0]
+  independent = float(jnp.sum(jnp.where(valid, nll, 0)) / jnp.sum(valid))
+  np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+  np.testing.assert_allclose(float(loss), independent, rtol=1e-5)
+  assert abs(first - float(loss)) > 1e-3, (first, float(loss))  # it saw the new parameters
+
+
+def _lr(t, peak, total, warmup, final_fraction):
+  """The documented schedule at update t (0, 1, ...): linear warm-up from 0 over
+  ``warmup`` updates, then a cosine from the peak to final_fraction * peak at
+  ``total``, constant after."""
+  if t < warmup:
+    return peak * t / warmup
+  end = peak * final_fraction
+  frac = min(t - warmup, total - warmup) / (total - warmup)
+  return end + (peak - end) * 0.5 * (1 + np.cos(np.pi * frac))
+
+
+def _adamw(params, grads, lr, *, b1, b2, weight_decay, clip, decayed, eps=1e-8):
+  """An independent AdamW in float64 over flat {name: array} trees: clip the gradient to
+  global norm ``clip``, Adam moments with bias correction, then the update
+  -lr(t) * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p) (decay where ``decayed``).
+  Returns the parameters after each step."""
+  p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  m = {k: np.zeros_like(v) for k, v in p.items()}
+  v = {k: np.zeros_like(a) for k, a in p.items()}
+  out = []
+  for t, g in enumerate(grads):
+    g = {k: np.asarray(a, np.float64) for k, a in g.items()}
+    norm = np.sqrt(sum(np.sum(a * a) for a in g.values()))
+    if norm > clip:
+      g = {k: a * clip / norm for k, a in g.items()}
+    for k in p:
+      m[k] = b1 * m[k] + (1 - b1) * g[k]
+      v[k] = b2 * v[k] + (1 - b2) * g[k] ** 2
+      u = (m[k] / (1 - b1 ** (t + 1))) / (np.sqrt(v[k] / (1 - b2 ** (t + 1))) + eps)
+      p[k] = p[k] - lr(t) * (u + (weight_decay * p[k] if decayed[k] else 0))
+    out.append(dict(p))
+  return out
+
+
+# A tiny parameter tree named like the model's: whether AdamW decays each leaf.
+_OPT_TREE = {("embed",): True, ("layers", "attn", "norm"): False,
+             ("layers", "attn", "wqkv"): True, ("layers", "mlp", "w2"): True,
+             ("head", "norm"): False}
+
+# id -> (make_optimizer keywords, steps, per-step global gradient norms or None (random),
+#        the feature the case isolates, so the test checks it makes a difference)
+OPT_CASES = {
+    "schedule": (dict(total_steps=12, warmup_steps=3, final_fraction=0.1, weight_decay=0.0,
+                      clip_norm=1e9), 15, None, None),
+    "schedule-default-warmup": (dict(total_steps=60, weight_decay=0.0, clip_norm=1e9), 62,
+                                None, None),
+    "clipping": (dict(total_steps=8, warmup_steps=0, final_fraction=1.0, weight_decay=0.0,
+                      clip_norm=1.0), 8, [4.0, 0.25] * 4, "clip_norm"),
+    "weight-decay": (dict(total_steps=8, warmup_steps=0, final_fraction=1.0,
+                          weight_decay=0.3, clip_norm=1e9), 8, None, "weight_decay"),
+}
+
+
+@pytest.mark.parametrize("case", list(OPT_CASES))
+def test_make_optimizer(case, key):
+  """make_optimizer's updates on a tiny tree equal an independent AdamW (_adamw) with
+  the documented schedule (_lr; default warm-up max(1, total // 20)), global-norm
+  clipping, and decoupled weight decay on matrices but not on norm weights (paths
+  containing "norm")."""
+  kw, steps, norms, feature = OPT_CASES[case]
+  peak, b1, b2 = 0.1, 0.9, 0.95
+  names = ["/".join(p) for p in _OPT_TREE]
+  shapes = {n: (3,) if n.endswith("norm") else (3, 2) for n in names}
+  ks = jax.random.split(key, steps + 1)
+  params = {n: 1 + normal(k, shapes[n]) for n, k in zip(names, jax.random.split(ks[0], 5))}
+  grads = []
+  for t in range(steps):
+    g = {n: normal(k, shapes[n]) for n, k in zip(names, jax.random.split(ks[t + 1], 5))}
+    if norms:
+      total = np.sqrt(sum(float(jnp.sum(a * a)) for a in g.values()))
+      g = {n: a * norms[t] / total for n, a in g.items()}
+    grads.append(g)
+  nest = lambda flat: {"embed": flat["embed"], "head": {"norm": flat["head/norm"]},
+                       "layers": {"attn": {"norm": flat["layers/attn/norm"],
+                                           "wqkv": flat["layers/attn/wqkv"]},
+                                  "mlp": {"w2": flat["layers/mlp/w2"]}}}
+  tx = train.make_optimizer(peak, b1=b1, b2=b2, **kw)
+  p, state = nest(params), tx.init(nest(params))
+  update = jax.jit(tx.update)
+  got = []
+  for g in grads:
+    upd, state = update(nest(g), state, p)
+    p = optax.apply_updates(p, upd)
+    got.append({"/".join(str(k.key) for k in path): v
+                for path, v in jax.tree_util.tree_flatten_with_path(p)[0]})
+  total = kw["total_steps"]
+  warmup = kw.get("warmup_steps", max(1, total // 20))
+  lr = lambda t: _lr(t, peak, total, warmup, kw.get("final_fraction", 0.1))
+  adamw = lambda **o: _adamw(params, grads, lr, **{
+      **dict(b1=b1, b2=b2, weight_decay=kw["weight_decay"], clip=kw["clip_norm"],
+             decayed={"/".join(k): d for k, d in _OPT_TREE.items()}), **o})
+  want = adamw()
+  for t, (a, w) in enumerate(zip(got, want)):
+    for n in names:
+      np.testing.assert_allclose(np.asarray(a[n]), w[n], rtol=2e-5, atol=1e-6,
+                                 err_msg=f"{case}: step {t}, {n}")
+  if feature:  # the case's feature changes the trajectory well beyond the tolerance
+    off = adamw(clip=np.inf) if feature == "clip_norm" else adamw(weight_decay=0.0)
+    assert max(np.max(np.abs(want[-1][n] - off[-1][n])) for n in names) > 1e-2, case
+
+
+def test_weight_decay_skips_the_model_norms():
+  """On the real model's tree (nnx paths, through train.init_state): with zero
+  gradients one AdamW step scales every matrix by 1 - lr * weight_decay and leaves every
+  norm weight (attention, MLP and final norms) exactly as it was."""
+  lr, wd = 0.5, 0.1
+  model = Llama(CFG, fused=False, rngs=nnx.Rngs(0))
+  _perturb_norms(model, jax.random.key(1))
+  before = {jax.tree_util.keystr(p): np.array(v) for p, v in
+            jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]}
+  norms = {"['head']['norm'].value", "['layers']['attn']['norm'].value",
+           "['layers']['mlp']['norm'].value"}
+  matrices = {"['embed'].value", "['head']['wlm'].value", "['layers']['attn']['wqkv'].value",
+              "['layers']['out']['wo'].value", "['layers']['mlp']['w13'].value",
+              "['layers']['mlp']['w2'].value"}
+  assert set(before) == norms | matrices, sorted(before)
+  graphdef, state = train.init_state(model, train.make_optimizer(
+      lr, total_steps=4, warmup_steps=0, weight_decay=wd))
+  model, optimizer = nnx.merge(graphdef, state)
+  optimizer.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
+  after = {jax.tree_util.keystr(p): np.array(v) for p, v in
+           jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]}
+  for name in norms:
+    np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+  for name in matrices:
+    np.testing.assert_allclose(after[name], before[name] * (1 - lr * wd), rtol=1e-6,
+                               err_msg=name)

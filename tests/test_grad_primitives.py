@@ -12,7 +12,7 @@ import coda_jax as cj
 from coda_jax import ops
 from coda_jax.grad_primitives import GatedGrad, RmsNormGrad, SoftmaxXentGrad
 from coda_jax.primitives import Gated, PickColumn
-from helpers import assert_within_baseline, gemm_inputs, normal, rel_err
+from helpers import assert_within_baseline, gemm_inputs, normal, rel_err, spread_rows
 
 M, N, K, P = 256, 256, 128, 32
 FORMULA_RTOL = 1e-5  # fp32 formula vs fp32 autodiff of the same math
@@ -118,3 +118,118 @@ def test_backward_program_in_kernel(name, key, kernel_impl):
   for out in got:
     assert got[out].shape == base[out].shape and got[out].dtype == base[out].dtype, out
     assert_within_baseline(got[out], truth[out], base[out], f"{name}:{out}")
+
+
+# ---- independent oracles through the kernel ----------------------------------------------
+# test_backward_program_in_kernel's truth is coda_jax.reference, which runs the
+# primitives' own apply. Here each backward program runs through the kernel on a
+# consistent problem (r, c and lse computed from the forward they belong to), and every
+# output (the zdz partials and n included) is held to jax autodiff of a forward written
+# in this file: fp32 at HIGHEST precision on the upcast inputs; bound 2x the error of
+# the same backward run as an unfused bf16 XLA graph, overall and per row.
+OM, ON, OK = 128, 128, 64
+BF16, F32 = jnp.bfloat16, jnp.float32
+RMS_EPS = 1e-5
+
+_ACTS = {"silu": lambda a: a / (1 + jnp.exp(-a)),
+         "gelu": lambda a: 0.5 * a * (1 + jnp.tanh((2 / np.pi) ** 0.5 * (a + 0.044715 * a ** 3)))}
+
+
+def _up(v):
+  return v.astype(F32)
+
+
+def _q(v):
+  """Rounded to bf16, as an unfused bf16 graph stores every intermediate."""
+  return v.astype(BF16).astype(F32)
+
+
+def _gated_fwd(z, act):
+  """act(a) * b over the pairs (a: the first P columns of each 2P block, b the next P)."""
+  z4 = z.reshape(z.shape[0], -1, 2, P)
+  return (_ACTS[act](z4[:, :, 0]) * z4[:, :, 1]).reshape(z.shape[0], -1)
+
+
+def _gated_case(act):
+  def case(key, run):
+    ka, kz = jax.random.split(key)
+    a, b = gemm_inputs(ka, OM, ON, OK, BF16, trans_b=True)
+    b = b * OK ** -0.5
+    z = normal(kz, (OM, 2 * ON), BF16)
+    got = run(a, b, [GatedGrad("z", P, "y", "zdz", act), cj.Store("dz")], {"z": z})
+
+    def backward(dy, z):  # y and dz = vjp of the pairs; zdz = <dz, z> per row
+      y, vjp = jax.vjp(lambda z: _gated_fwd(z, act), z)
+      dz = vjp(dy)[0]
+      return {"y": y, "dz": dz, "zdz": jnp.sum(_up(dz) * _up(z), axis=1)}
+    with jax.default_matmul_precision("highest"):
+      truth = backward(jnp.matmul(_up(a), _up(b).T), _up(z))
+    return got, truth, backward(jnp.matmul(a, b.T), z)  # unfused: all in bf16
+  return case
+
+
+def _rmsnorm_case(key, run):
+  """z = n @ w with n = r * x * g: dn = dz @ w^T is the accumulator; dx (plus a residual
+  gradient), dg and n against autodiff of the norm and the GEMM."""
+  ks = jax.random.split(key, 5)
+  x = spread_rows(ks[0], (OM, ON), BF16)
+  g = 1 + 0.1 * normal(ks[1], (ON,))
+  w = normal(ks[2], (ON, OK), BF16) * ON ** -0.5  # (D, D_out): B stored (N, K)
+  dz, dres = normal(ks[3], (OM, OK), BF16), normal(ks[4], (OM, ON), BF16)
+  with jax.default_matmul_precision("highest"):
+    fwd = lambda x, g: (jax.lax.rsqrt(jnp.mean(x * x, axis=1) + RMS_EPS)[:, None] * x * g) @ _up(w)
+    xf = _up(x)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=1) + RMS_EPS)
+    c = jnp.sum(_up(dz) * fwd(xf, g), axis=1) / ON  # the zdz term
+    dx, dg = jax.grad(lambda x, g: jnp.sum(fwd(x, g) * _up(dz)), argnums=(0, 1))(xf, g)
+  truth = {"dx": dx + _up(dres), "dg": dg, "n": r[:, None] * xf * g}
+  program = [RmsNormGrad("x", "r", "c", "g", "dg", "n"), cj.AddTile("dres"), cj.Store("dx")]
+  got = run(dz, w, program, {"x": x, "r": r, "c": c, "g": g, "dres": dres})
+  dn = _up(jnp.matmul(dz, w.T))  # unfused: XLA's bf16 GEMM, then bf16 elementwise steps
+  xhat = _q(r[:, None] * xf)
+  unfused = {"dx": _q(_q(r[:, None] * _q(_q(g * dn) - _q(xhat * c[:, None]))) + _up(dres)),
+             "dg": jnp.sum(_q(dn * xhat), axis=0), "n": _q(xhat * g)}
+  return got, truth, unfused
+
+
+def _xent_case(key, run):
+  """logits = r * (h @ wlm^T) is the accumulator; dlogits and <dlogits, logits> against
+  autodiff of the weighted cross-entropy (ignored targets: weight 0)."""
+  ks = jax.random.split(key, 4)
+  h, wlm = gemm_inputs(ks[0], OM, ON, OK, BF16, trans_b=True)
+  wlm = wlm * 3 * OK ** -0.5  # logits ~ N(0, 9): a peaked softmax
+  r = jnp.abs(1 + 0.2 * normal(ks[1], (OM,)))
+  t = jax.random.randint(ks[2], (OM,), 0, ON).at[::7].set(-100).at[1:4].set(
+      jnp.array([0, 63, ON - 1]))
+  w = normal(ks[3], (OM,)) * (t != -100)
+  with jax.default_matmul_precision("highest"):
+    logits = r[:, None] * jnp.matmul(_up(h), _up(wlm).T)
+  lse = jax.scipy.special.logsumexp(logits, axis=1)
+  picked = lambda l: jnp.take_along_axis(l, jnp.maximum(t, 0)[:, None], axis=1)[:, 0]
+  d = jax.grad(lambda l: jnp.sum(w * (jax.scipy.special.logsumexp(l, axis=1) - picked(l))))(logits)
+  truth = {"d": d, "zdz": jnp.sum(d * logits, axis=1)}
+  program = [cj.ScaleRow("r"), SoftmaxXentGrad("lse", "t", "w", "zdz"), cj.Store("d")]
+  got = run(h, wlm, program, {"r": r, "lse": lse, "t": t.astype(jnp.int32), "w": w})
+  lb = _q(r[:, None] * _up(jnp.matmul(h, wlm.T)))  # unfused bf16
+  onehot = jax.nn.one_hot(t, ON, dtype=F32)  # all zero for t = -100
+  db = _q(_q(_q(jnp.exp(_q(lb - lse[:, None]))) - onehot) * w[:, None])
+  return got, truth, {"d": db, "zdz": jnp.sum(_q(db * lb), axis=1)}
+
+
+ORACLES = {"gated_grad_silu": _gated_case("silu"), "gated_grad_gelu": _gated_case("gelu"),
+           "rmsnorm_grad": _rmsnorm_case, "xent_grad": _xent_case}
+
+
+@pytest.mark.parametrize("name", list(ORACLES))
+def test_backward_kernel_against_autodiff(name, key, kernel_impl):
+  """Every output of each backward program, through the kernel (B stored (N, K), as the
+  backward GEMMs read it), against autodiff of an independent forward."""
+  def run(a, b, program, operands):
+    return jax.jit(lambda a, b, o: cj.gemm_epilogue(a, b, program, o, trans_b=True,
+                                                    impl=kernel_impl))(a, b, operands)
+  got, truth, unfused = ORACLES[name](key, run)
+  assert set(got) == set(truth)
+  for out in got:
+    assert got[out].shape == truth[out].shape, out
+    assert got[out].dtype == (F32 if got[out].ndim == 1 else BF16), out
+    assert_within_baseline(got[out], truth[out], unfused[out], f"{name}:{out}")

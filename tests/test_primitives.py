@@ -10,6 +10,7 @@ import pytest
 
 import coda_jax as cj
 from coda_jax import layout
+from coda_jax.primitives import PickColumn
 import pallas_kernels
 from pallas_kernels import GemmConfig, MatDim
 from helpers import (assert_within_baseline, f64, gemm_inputs, matmul_f32, normal,
@@ -217,3 +218,123 @@ def test_race_free(key, race_detector, name):
                       wg_dim=MatDim.N, cluster_dim=None)  # 4 tiles, 2 sub-tiles per WG
   check_program(a, b, program, ops, "interpret", config=config)
   assert not race_detector.races_found(), "data race in the kernel (see stdout)"
+
+
+# ---- independent oracles ---------------------------------------------------------------
+# test_program's truth is coda_jax.reference, which runs the primitives' own ``apply``: a
+# wrong formula there passes it. Here each primitive runs through the kernel and every
+# output is held to a formula written in this file (numpy, float64), from the
+# accumulator x = a @ b and the operands. ``q`` is what the formula rounds each
+# intermediate with: the identity for the truth, bf16 for the unfused-XLA baseline.
+OM, ON, OK = 128, 128, 64
+# warpgroups split M: two (64, 64) epilogue sub-tiles per CTA tile and two CTA tiles, so
+# row reductions finish two column partials and column reductions two row partials
+ORACLE_CONFIG = GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_tile_n=64,
+                           wg_dim=MatDim.M, cluster_dim=None)
+
+
+def _pairs(x, p):
+  """(first, second) members of the column pairs of 2p-wide blocks, each (M, N/2p, p)."""
+  x = x.reshape(x.shape[0], -1, 2, p)
+  return x[:, :, 0], x[:, :, 1]
+
+
+def _sigmoid(v):
+  return 1 / (1 + np.exp(-v))
+
+
+def _gelu_tanh(v):
+  return 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))
+
+
+def _gated_oracle(act):
+  def formula(x, o, q):
+    a, b = _pairs(x, P32)
+    return {"y": q(q(act(a)) * b).reshape(x.shape[0], -1),
+            "y32": (act(a) * b).reshape(x.shape[0], -1)}
+  return formula
+
+
+def _lse(x):
+  mx = x.max(axis=1, keepdims=True)
+  return (mx + np.log(np.exp(x - mx).sum(axis=1, keepdims=True)))[:, 0]
+
+
+def _picked(x, idx):
+  idx = idx.astype(np.int64)
+  valid = (idx >= 0) & (idx < x.shape[1])
+  picked = np.take_along_axis(x, np.clip(idx, 0, x.shape[1] - 1)[:, None], axis=1)[:, 0]
+  return np.where(valid, picked, 0.0)
+
+
+# The gated rows also store fp32: a slightly wrong activation (sigmoid(1.01 a)) hides
+# under bf16 rounding. Their bound is the accuracy of the kernel's fast math on the GPU
+# (approx_math: ex2.approx and division for silu; tanh.approx.f32, max relative error
+# 2^-11, for gelu), with margin.
+ACT_RTOL = {"silu": 1e-5, "gelu": 1e-3}
+
+# name -> (program, formula(x, operands, q) -> {output: value}); operands are float64
+# numpy. bf16 outputs are held to the tolerance rule; fp32 ones (reductions, accumulated
+# in fp32 from the same inputs; fp32 stores) to REDUCTION_RTOL, or the row's ACT_RTOL.
+ORACLES = {
+    "scale_const": ([cj.ScaleConst(0.37), cj.Store("y")], lambda x, o, q: {"y": q(0.37 * x)}),
+    "scale_row": ([cj.ScaleRow("r"), cj.Store("y")],
+                  lambda x, o, q: {"y": q(o["r"][:, None] * x)}),
+    "scale_col": ([cj.ScaleCol("g"), cj.Store("y")],
+                  lambda x, o, q: {"y": q(x * o["g"][None, :])}),
+    "add_tile": ([cj.AddTile("x0"), cj.Store("y")], lambda x, o, q: {"y": q(x + o["x0"])}),
+    "store": ([cj.Store("y")], lambda x, o, q: {"y": q(x)}),
+    "store_f32": ([cj.Store("y", jnp.float32)], lambda x, o, q: {"y": x}),
+    "silu": ([cj.Gated(P32), cj.Store("y"), cj.Store("y32", jnp.float32)],
+             _gated_oracle(lambda a: a * _sigmoid(a))),
+    "gelu": ([cj.Gated(P32, "gelu"), cj.Store("y"), cj.Store("y32", jnp.float32)],
+             _gated_oracle(_gelu_tanh)),
+    "rope": ([cj.Rotate("pos", "fr32", P32), cj.Store("y")],
+             lambda x, o, q: {"y": q(rope_rotate_half(x, o["pos"], o["fr32"], P32))}),
+    "rowsum": ([cj.RowSum("s")], lambda x, o, q: {"s": x.sum(axis=1)}),
+    "rowsum_sq": ([cj.RowSum("s", square=True)], lambda x, o, q: {"s": (x * x).sum(axis=1)}),
+    "lse": ([cj.RowLogSumExp("l")], lambda x, o, q: {"l": _lse(x)}),
+    "colsum": ([cj.ColSum("c")], lambda x, o, q: {"c": x.sum(axis=0)}),
+    "pick": ([PickColumn("idx", "p")], lambda x, o, q: {"p": _picked(x, o["idx"])}),
+}
+
+
+def _oracle_operands(key, program):
+  ks = jax.random.split(key, 5)
+  # indices: the first and last column of each sub-tile, and outside [0, N) (pick nothing)
+  idx = jax.random.randint(ks[3], (OM,), 0, ON).at[:6].set(jnp.array([0, 63, 64, ON - 1,
+                                                                      -100, ON]))
+  pool = {"r": normal(ks[0], (OM,)), "g": normal(ks[1], (ON,)),
+          "x0": normal(ks[2], (OM, ON), jnp.bfloat16), "idx": idx.astype(jnp.int32),
+          "pos": jax.random.randint(ks[4], (OM,), 0, 8192, jnp.int32),
+          "fr32": rope_freqs(ON, P32)}
+  return {nm: pool[nm] for prim in program for nm in prim.inputs()}
+
+
+@pytest.mark.parametrize("name", ORACLES)
+def test_primitive_against_independent_formula(key, kernel_impl, name):
+  """Each forward primitive through the kernel, every output against this file's own
+  formula: fp32 truth on the upcast inputs; bound 2x the error of the formula run as
+  an unfused bf16 graph (from XLA's bf16 GEMM output), overall and per row."""
+  program, formula = ORACLES[name]
+  rtol = ACT_RTOL.get(name, REDUCTION_RTOL)
+  a, b = gemm_inputs(key, OM, ON, OK, jnp.bfloat16)
+  b = b * OK ** -0.5  # x ~ N(0, 1): activations and exponentials in their working range
+  ops = _oracle_operands(jax.random.fold_in(key, 1), program)
+  got = cj.gemm_epilogue(a, b, program, ops, impl=kernel_impl, config=ORACLE_CONFIG)
+  ops64 = {k: f64(v) for k, v in ops.items()}
+  bf16 = lambda v: f64(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16))
+  truth = formula(f64(a) @ f64(b), ops64, lambda v: v)
+  unfused = formula(bf16(jnp.matmul(a, b)), ops64, bf16)
+  assert set(got) == set(truth)
+  stores = {p.name: jnp.dtype(p.dtype) for p in program if isinstance(p, cj.Store)}
+  for out, want in truth.items():
+    assert got[out].shape == want.shape, out
+    if out in stores and stores[out] != jnp.float32:
+      assert got[out].dtype == stores[out], out
+      assert_within_baseline(got[out], want, unfused[out], f"{name}:{out}")
+    else:  # fp32 from the fp32 accumulator
+      assert got[out].dtype == jnp.float32, out
+      assert np.all(np.isfinite(f64(got[out]))), out
+      e = rel_err(got[out], want)
+      assert e < rtol, f"{name}:{out}: rel err {e:.3g} >= {rtol}"

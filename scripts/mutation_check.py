@@ -1,0 +1,364 @@
+"""Planted-bug check: does the test suite catch known bug patterns?
+
+Each mutation below is a small, plausible bug (a wrong dimension, a dropped term, a flipped
+sign, a check that validates and then forgets). For each one the script copies the working
+tree to a temporary directory, plants the bug there by exact text replacement (the text
+must occur exactly once, so a stale pattern fails loudly instead of planting nothing), runs
+the tests that should catch it, and reports CAUGHT (the tests failed), MISSED (they
+passed) or ERROR (the copy did not import or collect: not a catch).
+
+Run it before and after every kernel or op change and record the table in bench/NOTES.md.
+It is not part of CI: each mutation runs a test selection through the Mosaic GPU
+interpreter on CPU (minutes each).
+
+    python scripts/mutation_check.py                 # every mutation
+    python scripts/mutation_check.py --list
+    python scripts/mutation_check.py --only lm_ignore_index_as_nonnegative,in_place_dropped
+    python scripts/mutation_check.py --tests-from 7b0b9bd   # the suite as it was at a commit
+    python scripts/mutation_check.py --markdown out.md      # also write the table
+
+Adding a pattern: append a ``Mutation`` with the exact ``old`` text of the unmodified file,
+the ``new`` text, and the pytest arguments of the tests that must catch it; run
+``--only NAME`` and check it says CAUGHT (and MISSED with ``--tests-from`` an older suite,
+if the pattern is a regression test for a blind spot).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+  name: str
+  file: str  # relative to the repo root
+  old: str  # exact text, occurring once in the unmodified file
+  new: str
+  tests: tuple[str, ...]  # pytest arguments that must catch it
+  why: str = ""
+  gpu_only: bool = False  # the bug shows only with compiled kernels (not the interpreter)
+
+
+MUTATIONS = [
+    # ---- the blind spots the audit of issue 9 found (the old suite passed all but the r
+    # term, which only its per-row check caught, at a 2x margin) ------------------------
+    Mutation(
+        "lm_ignore_index_as_nonnegative", "coda_jax/fused_ops.py",
+        "valid = (targets != ignore_index).astype(jnp.float32)",
+        "valid = (targets >= 0).astype(jnp.float32)",
+        ("tests/test_losses.py", "tests/test_fused_ops.py"),
+        "loss_row_weights tests targets >= 0 instead of != ignore_index: with "
+        "ignore_index=0 the hidden-state gradient is 52% wrong"),
+    Mutation(
+        "in_place_dropped", "pallas_kernels/gemm_mgpu.py",
+        "  if config is None:\n    config = default_config(m, n, k, a.dtype, input_kinds=input_kinds,",
+        "  in_place = {}\n  if config is None:\n    config = default_config(m, n, k, a.dtype, "
+        "input_kinds=input_kinds,",
+        ("tests/test_in_place.py",),
+        "gemm validates in_place and then drops it: values right, buffer not reused"),
+    Mutation(
+        "residual_norm_bwd_uses_k_for_d", "coda_jax/fused_ops.py",
+        "  d = x.shape[1]\n  dxt =", "  d = y.shape[1]\n  dxt =",
+        ("tests/test_fused_ops.py",),
+        "_residual_rmsnorm_bwd divides by the contraction size K instead of D"),
+    Mutation(
+        "residual_norm_bwd_drops_r_term", "coda_jax/fused_ops.py",
+        "\n         - (dr * r ** 3 / d)[:, None] * xf)", ")",
+        ("tests/test_fused_ops.py",),
+        "the gradient through r, -(dr r^3 / D) x, is deleted"),
+    # ---- fused ops and losses -----------------------------------------------------------
+    Mutation(
+        "lm_row_chunks_miscount", "coda_jax/stages.py",
+        "  for rows in range(256, m, 256):", "  for rows in range(512, m, 256):",
+        ("tests/test_losses.py", "-k", "default_chunking"),
+        "the default LM-head chunking skips the smallest chunk size"),
+    Mutation(
+        "lm_bwd_drops_last_chunk", "coda_jax/fused_ops.py",
+        "tuple(chunked(rows, h, r, lse, targets, weight))",
+        "tuple(chunked(rows, h, r, lse, targets, weight.at[-rows:].set(0)))",
+        ("tests/test_losses.py",),
+        "the LM-head backward loses the last row chunk's gradient"),
+    Mutation(
+        "rope_bwd_sign", "coda_jax/stages.py",
+        "dz = ref.rotate(dqkv, positions, -freqs, head_dim // 2)",
+        "dz = ref.rotate(dqkv, positions, freqs, head_dim // 2)",
+        ("tests/test_fused_ops.py", "-k", "qkv_rope"),
+        "RoPE backward rotates forward instead of back"),
+    Mutation(
+        "gelu_derivative", "coda_jax/primitives.py",
+        "0.5 * a * (1 - t * t) * du", "0.5 * a * (1 - t) * du",
+        ("tests/test_fused_ops.py", "-k", "geglu"),
+        "GELU's derivative drops a tanh factor"),
+    Mutation(
+        "fp32_path_rounds_n_to_bf16", "coda_jax/fused_ops.py",
+        "  n = (h.astype(jnp.float32) * r[:, None]).astype(h.dtype)\n",
+        "  n = (h.astype(jnp.float32) * r[:, None]).astype(jnp.bfloat16).astype(h.dtype)\n",
+        ("tests/test_fused_ops.py", "-k", "float32_activations"),
+        "float32 activations silently pass through bf16"),
+    Mutation(
+        "r_from_stored_x", "coda_jax/stages.py",
+        '  r = jax.lax.rsqrt(out["ss"] / w.shape[1] + eps)',
+        '  r = ref.rms_scale(out["x"], eps)',
+        ("tests/test_fused_ops.py", "-k", "fp16_residual"),
+        "RMSNorm statistics taken from the stored fp16 x (inf past 65504), not the fp32 tile"),
+    Mutation(
+        "acc_fp16_before_row_scale", "coda_jax/primitives.py",
+        "    return x * env.load(self.name).astype(jnp.float32)[:, None]",
+        "    return x.astype(jnp.float16).astype(jnp.float32) * "
+        "env.load(self.name).astype(jnp.float32)[:, None]",
+        ("tests/test_fused_ops.py", "-k", "fp16_swiglu"),
+        "the fp32 accumulator is rounded to fp16 before the row scale (overflows)"),
+    Mutation(
+        "head_checks_removed", "coda_jax/fused_ops.py",
+        "  check_heads(n_q_heads, n_kv_heads, head_dim)  # before wqkv, whose shape they define\n",
+        "", ("tests/test_fused_ops.py", "-k", "bad_inputs"),
+        "rmsnorm_qkv_rope no longer checks head_dim and the head counts"),
+    # ---- primitives against independent formulas, through the kernel ----------------------
+    Mutation(
+        "silu_sigmoid_scaled", "coda_jax/primitives.py",
+        '"silu": (lambda a: a * jax.nn.sigmoid(a), _silu_and_grad),',
+        '"silu": (lambda a: a * jax.nn.sigmoid(1.01 * a), _silu_and_grad),',
+        ("tests/test_primitives.py", "-k", "independent_formula"),
+        "SiLU 1% off (same code in kernel and reference, so only an independent oracle sees it)"),
+    Mutation(
+        "gated_swaps_gate_and_up", "coda_jax/primitives.py",
+        "return _join([act(a) * b for a, b in _blocks(x, self.block)])",
+        "return _join([act(b) * a for a, b in _blocks(x, self.block)])",
+        ("tests/test_primitives.py", "-k", "independent_formula"), "gate and up swapped"),
+    Mutation(
+        "rotate_transposed", "coda_jax/primitives.py",
+        "out += [a * c - b * s, b * c + a * s]", "out += [a * c + b * s, b * c - a * s]",
+        ("tests/test_primitives.py", "-k", "independent_formula"),
+        "RoPE rotates the wrong way in kernel and reference alike"),
+    Mutation(
+        "lse_combination", "coda_jax/primitives.py",
+        "jnp.sum(sumexp_partials * jnp.exp(max_partials - mx), axis=0)",
+        "jnp.sum(sumexp_partials * jnp.exp(mx - max_partials), axis=0)",
+        ("tests/test_primitives.py", "-k", "independent_formula"),
+        "log-sum-exp partials rescaled the wrong way"),
+    Mutation(
+        "scale_row_as_column", "coda_jax/primitives.py",
+        "return x * env.load(self.name).astype(jnp.float32)[:, None]",
+        "return x * env.load(self.name).astype(jnp.float32)[None, :]",
+        ("tests/test_primitives.py", "-k", "independent_formula"),
+        "a row scale applied along columns"),
+    Mutation(
+        "colsum_wrong_axis", "coda_jax/primitives.py",
+        "env.store(self.name, jnp.sum(x, axis=0))", "env.store(self.name, jnp.sum(x, axis=1))",
+        ("tests/test_primitives.py", "-k", "independent_formula"), "ColSum sums rows"),
+    Mutation(
+        "pick_column_off_by_one", "coda_jax/primitives.py",
+        "hit = env.column_ids() == env.load(self.index)[:, None]",
+        "hit = env.column_ids() == env.load(self.index)[:, None] + 1",
+        ("tests/test_primitives.py", "-k", "independent_formula"),
+        "the target logit is picked one column off"),
+    # ---- backward primitives through the kernel against autodiff -------------------------
+    Mutation(
+        "rmsnorm_grad_formula", "coda_jax/grad_primitives.py",
+        "return r * (g * dn - xhat * c)", "return r * (g * dn + xhat * c)",
+        ("tests/test_grad_primitives.py",), "RMSNorm backward: wrong sign of the zdz term"),
+    Mutation(
+        "gated_grad_zdz_drops_b", "coda_jax/grad_primitives.py",
+        "zdz = zdz + jnp.sum(a * da + b * db, axis=1)",
+        "zdz = zdz + jnp.sum(a * da, axis=1)",
+        ("tests/test_grad_primitives.py", "-k", "autodiff"),
+        "the zdz row term of the gated backward misses the up half"),
+    Mutation(
+        "rmsnorm_grad_n_drops_g", "coda_jax/grad_primitives.py",
+        "env.store(self.n, xhat * g)", "env.store(self.n, xhat)",
+        ("tests/test_grad_primitives.py", "-k", "autodiff"),
+        "the recomputed n = r x g (dW's A operand) forgets g"),
+    Mutation(
+        "xent_grad_zdz_wrong", "coda_jax/grad_primitives.py",
+        "env.store(self.zdz, jnp.sum(d * x, axis=1))",
+        "env.store(self.zdz, jnp.sum(d * x * x, axis=1))",
+        ("tests/test_grad_primitives.py", "-k", "autodiff"),
+        "the cross-entropy backward's zdz term is wrong"),
+    # ---- kernel errors ----------------------------------------------------------------------
+    Mutation(
+        "pairwise_after_narrowing_unchecked", "coda_jax/ops.py",
+        "if width != 1 and (prim.column_group() is not None or prim.width_factor() != 1):",
+        "if False:", ("tests/test_errors.py", "-k", "pairwise_after_narrowing"),
+        "a pairwise step after a width change is no longer rejected"),
+    Mutation(
+        "split_b_unchecked", "pallas_kernels/gemm_mgpu.py",
+        "  if _split_b_too_narrow(config, trans_b):", "  if False:",
+        ("tests/test_errors.py", "-k", "split_b_too_narrow"),
+        "a warpgroup half of B narrower than its 64-column swizzle is not rejected"),
+    Mutation(
+        "output_width_multiple_of_4", "pallas_kernels/gemm_mgpu.py",
+        "and o.subtile_shape(config.epi_tile_m, config.epi_tile_n)[-1] % 8):",
+        "and o.subtile_shape(config.epi_tile_m, config.epi_tile_n)[-1] % 4):",
+        ("tests/test_errors.py", "-k", "output_width_not_multiple_of_8"),
+        "an output sub-tile width that is not a multiple of 8 gets through"),
+    # ---- GPU only: the interpreter does not reproduce XLA's GPU fusion -------------------
+    Mutation(
+        "in_place_without_barriers", "pallas_kernels/gemm_mgpu.py",
+        "  backing = {nm: jax.new_ref(lax.optimization_barrier(inputs[nm][1]))\n"
+        "             for nm in in_place.values()}\n"
+        "  results = iter(kernel(a, b, *(backing.get(nm, inputs[nm][1]) for nm in names_in)))\n"
+        "  return {nm: lax.optimization_barrier(jax.freeze(backing[in_place[nm]])) if nm in "
+        "in_place\n          else next(results) for nm in names}",
+        "  backing = {nm: jax.new_ref(inputs[nm][1]) for nm in in_place.values()}\n"
+        "  results = iter(kernel(a, b, *(backing.get(nm, inputs[nm][1]) for nm in names_in)))\n"
+        "  return {nm: jax.freeze(backing[in_place[nm]]) if nm in in_place else next(results)\n"
+        "          for nm in names}",
+        ("tests/test_in_place.py", "-k", "over_slices or custom_vjp"),
+        "without the barriers XLA's GPU dynamic-slice fusion ignores the kernel's aliasing "
+        "(issue 4's NaN)", gpu_only=True),
+]
+
+
+def _copy_tree(dst: str, tests_from: str | None) -> None:
+  """The working tree (tracked and untracked-not-ignored files) into dst; with
+  ``tests_from``, tests/ as it was at that commit."""
+  try:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           check=True, capture_output=True).stdout.decode().split("\0")
+  except (OSError, subprocess.CalledProcessError):  # a copy without git (a GPU host)
+    if tests_from:
+      raise SystemExit("--tests-from needs a git checkout")
+    skip = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "results")
+    shutil.copytree(ROOT, dst, ignore=skip, dirs_exist_ok=True)
+    return
+  for rel in filter(None, files):
+    src = os.path.join(ROOT, rel)
+    if not os.path.isfile(src):  # deleted but still tracked
+      continue
+    os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
+    shutil.copy2(src, os.path.join(dst, rel))
+  if tests_from:
+    shutil.rmtree(os.path.join(dst, "tests"))
+    archive = subprocess.run(["git", "archive", tests_from, "tests"], cwd=ROOT, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", dst], input=archive, check=True)
+
+
+def _plant(dst: str, mut: Mutation) -> None:
+  path = os.path.join(dst, mut.file)
+  with open(path) as f:
+    text = f.read()
+  count = text.count(mut.old)
+  if count != 1:
+    raise SystemExit(f"mutation {mut.name}: the text to replace occurs {count} times in "
+                     f"{mut.file} (must be exactly once): update the pattern")
+  with open(path, "w") as f:
+    f.write(text.replace(mut.old, mut.new))
+
+
+def _env(dst: str) -> dict[str, str]:
+  env = dict(os.environ)
+  env["PYTHONPATH"] = dst + os.pathsep + env.get("PYTHONPATH", "")
+  env.setdefault("NPROC", "32")  # the interpreter deadlocks on small machines without it
+  env.pop("CODA_JAX_IMPL", None)
+  return env
+
+
+def _check_imports_from(dst: str) -> None:
+  """The copy, not an installed coda-jax, must be what the tests import."""
+  code = ("import coda_jax, pallas_kernels, flax_layers; "
+          "print(coda_jax.__file__, pallas_kernels.__file__, flax_layers.__file__)")
+  out = subprocess.run([sys.executable, "-c", code], cwd=dst, env=_env(dst),
+                       capture_output=True, text=True, check=True).stdout.split()
+  real = os.path.realpath(dst)
+  wrong = [p for p in out if not os.path.realpath(p).startswith(real + os.sep)]
+  if wrong:
+    raise SystemExit(f"the copy in {dst} imports {wrong}: an installed package shadows it")
+
+
+def _on_hopper() -> bool:
+  code = ("import jax; d = jax.devices()[0]; print(d.platform == 'gpu' and "
+          "str(getattr(d, 'compute_capability', '')).startswith('9'))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  return out.stdout.strip() == "True"
+
+
+def run_one(mut: Mutation, tests_from: str | None, timeout: int, verbose: bool):
+  with tempfile.TemporaryDirectory(prefix=f"mut_{mut.name}_") as dst:
+    _copy_tree(dst, tests_from)
+    _check_imports_from(dst)
+    _plant(dst, mut)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+           "--no-header", *mut.tests]
+    t0 = time.time()
+    try:
+      proc = subprocess.run(cmd, cwd=dst, env=_env(dst), capture_output=True, text=True,
+                            timeout=timeout)
+    except subprocess.TimeoutExpired:
+      return "TIMEOUT", time.time() - t0, ""
+    dt = time.time() - t0
+    out = proc.stdout + proc.stderr
+    if verbose:
+      print(out)
+    # pytest: 0 all passed, 1 some failed, 2 interrupted/collection error, 5 none ran.
+    status = {0: "MISSED", 1: "CAUGHT"}.get(proc.returncode, f"ERROR (pytest {proc.returncode})")
+    failed = [ln.split(" - ")[0].replace("FAILED ", "") for ln in out.splitlines()
+              if ln.startswith("FAILED ")]
+    return status, dt, failed[0] if failed else ""
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--only", help="comma-separated mutation names")
+  ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+  ap.add_argument("--tests-from", metavar="REV", help="use tests/ as of this git revision")
+  ap.add_argument("--timeout", type=int, default=1800, help="seconds per mutation")
+  ap.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
+  ap.add_argument("-v", "--verbose", action="store_true", help="print pytest's output")
+  args = ap.parse_args(argv)
+  muts = MUTATIONS
+  if args.only:
+    names = args.only.split(",")
+    unknown = sorted(set(names) - {m.name for m in MUTATIONS})
+    if unknown:
+      raise SystemExit(f"unknown mutations {unknown}; --list shows them")
+    muts = [m for m in MUTATIONS if m.name in names]
+  if args.list:
+    for m in muts:
+      print(f"{m.name:40s} {m.file:32s} {' '.join(m.tests)}\n    {m.why}")
+    return 0
+  try:
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                         capture_output=True, text=True).stdout.strip() or "?"
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+  except OSError:
+    rev, dirty = os.environ.get("CODA_COMMIT", "?"), ""
+  head = (f"library at {rev}{' + uncommitted changes' if dirty else ''}, tests "
+          f"{'from ' + args.tests_from if args.tests_from else 'of the same tree'}")
+  print(head, flush=True)
+  rows = []
+  hopper = _on_hopper()
+  for i, m in enumerate(muts, 1):
+    print(f"[{i}/{len(muts)}] {m.name} ...", end=" ", flush=True)
+    if m.gpu_only and not hopper:
+      status, dt, first = "NOT RUN (needs a Hopper GPU: the interpreter hides it)", 0.0, ""
+    else:
+      status, dt, first = run_one(m, args.tests_from, args.timeout, args.verbose)
+    print(f"{status} in {dt:.0f} s {first}", flush=True)
+    rows.append((m, status, dt, first))
+  lines = [f"Planted-bug check: {head}.", "",
+           "| mutation | file | result | first failing test | seconds |",
+           "|---|---|---|---|---|"]
+  lines += [f"| {m.name} | {m.file} | {s} | {f or '-'} | {dt:.0f} |" for m, s, dt, f in rows]
+  caught = sum(s == "CAUGHT" for _, s, _, _ in rows)
+  not_run = sum(s.startswith("NOT RUN") for _, s, _, _ in rows)
+  lines += ["", f"{caught} of {len(rows) - not_run} caught"
+            + (f"; {not_run} not run here." if not_run else ".")]
+  print("\n".join(lines))
+  if args.markdown:
+    with open(args.markdown, "w") as f:
+      f.write("\n".join(lines) + "\n")
+  return 0 if caught == len(rows) - not_run else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

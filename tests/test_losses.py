@@ -1,0 +1,176 @@
+"""The fused LM head + cross-entropy (coda_jax.fused_ops.rmsnorm_lm_head_loss) against a
+cross-entropy written here, independently of the library: float64 numpy log-sum-exp
+minus the target logit for the values, and a one-hot jnp form (fp32 at HIGHEST for the
+truth, bf16 logits for the unfused baseline) for jax.grad. Tolerance rule as elsewhere
+(helpers.assert_within_baseline): 2x the unfused bf16 error, overall and per row.
+
+The docstring's contract: ``ignore_index`` rows count neither in the sum nor in the
+mean's denominator and get zero gradient; any other target outside [0, V) (e.g. -100
+when ignore_index is not -100, or V + 3) contributes its log-sum-exp alone and counts."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coda_jax import fused_ops as F
+from coda_jax import jnp_reference as R
+from coda_jax import stages as S
+from helpers import assert_within_baseline, normal, spread_rows
+
+D, V = 192, 384  # distinct from each other and from the row counts
+EPS = 1e-5
+
+
+def _inputs(key, m, d, v, ignore_index, dt=jnp.bfloat16):
+  """(h, r) of a residual stream with per-row std 5-50, wlm, and targets that contain
+  ignore_index, the vocabulary's ends 0 and V - 1, -100 and V + 3 (out of range)."""
+  ks = jax.random.split(key, 4)
+  xs = spread_rows(ks[0], (m, d))
+  g = 1 + 0.1 * normal(ks[1], (d,))
+  t = np.array(jax.random.randint(ks[3], (m,), 0, v))
+  t[1::6], t[2::6], t[3::6], t[4::6], t[5::11] = ignore_index, -100, 0, v - 1, v + 3
+  return dict(h=(xs * g).astype(dt), r=R.rms_scale(xs, EPS),
+              wlm=normal(ks[2], (d, v), dt) * d ** -0.5, tgt=jnp.asarray(t, jnp.int32))
+
+
+def ce_rows_f64(h, r, wlm, targets, ignore_index):
+  """Per-row cross-entropy in float64: lse(logits) - logits[t] (t in [0, V)), lse alone
+  (t outside), 0 (t == ignore_index). Returns (losses, valid)."""
+  logits = (np.asarray(h, np.float64) @ np.asarray(wlm, np.float64)
+            * np.asarray(r, np.float64)[:, None])
+  mx = logits.max(axis=1)
+  lse = mx + np.log(np.exp(logits - mx[:, None]).sum(axis=1))
+  t = np.asarray(targets)
+  inside = (t >= 0) & (t < logits.shape[1])
+  picked = np.where(inside, logits[np.arange(len(t)), np.clip(t, 0, logits.shape[1] - 1)], 0)
+  valid = t != ignore_index
+  return np.where(valid, lse - picked, 0.0), valid
+
+
+def reduce_f64(losses, valid, reduction):
+  if reduction == "none":
+    return losses
+  return losses.sum() / (max(valid.sum(), 1) if reduction == "mean" else 1)
+
+
+def ce_jnp(h, r, wlm, targets, ignore_index, reduction):
+  """The same cross-entropy as jnp for jax.grad: logits r * (h @ wlm) rounded to h's
+  dtype (the unfused graph) and the target picked by a one-hot compare (no column
+  matches a target outside [0, V))."""
+  logits = ((h @ wlm).astype(jnp.float32) * r[:, None]).astype(h.dtype).astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=1)
+  onehot = jnp.arange(logits.shape[1])[None, :] == targets[:, None]
+  valid = targets != ignore_index
+  losses = jnp.where(valid, lse - jnp.sum(jnp.where(onehot, logits, 0.0), axis=1), 0.0)
+  if reduction == "none":
+    return losses
+  return jnp.sum(losses) / (jnp.maximum(jnp.sum(valid), 1) if reduction == "mean" else 1)
+
+
+def _check(x, ignore_index, reduction, impl, ct, chunk_rows=None):
+  """Runs the fused loss forward and backward (w.r.t. h, r, wlm) and checks values and
+  gradients against the independent truth; ignored rows exactly 0. Returns the fused
+  (loss, grads)."""
+  args = (x["h"], x["r"], x["wlm"])
+  fused = lambda h, r, w: F.rmsnorm_lm_head_loss(h, r, w, x["tgt"], ignore_index=ignore_index,
+                                                 reduction=reduction, chunk_rows=chunk_rows,
+                                                 impl=impl)
+  proj = lambda fn: lambda *a: jnp.sum(fn(*a) * ct)
+  got, grads = jax.jit(lambda *a: (fused(*a), jax.grad(proj(fused), (0, 1, 2))(*a)))(*args)
+  losses, valid = ce_rows_f64(*args, x["tgt"], ignore_index)
+  truth = reduce_f64(losses, valid, reduction)
+  ref = lambda h, r, w: ce_jnp(h, r, w, x["tgt"], ignore_index, reduction)
+  base = ref(*args)
+  up = [a.astype(jnp.float32) for a in args]
+  with jax.default_matmul_precision("highest"):
+    g_truth = jax.jit(jax.grad(proj(ref), (0, 1, 2)))(*up)
+    np.testing.assert_allclose(np.asarray(jax.jit(ref)(*up)), truth, rtol=1e-5, atol=1e-5)
+  g_base = jax.grad(proj(ref), (0, 1, 2))(*args)
+  assert got.shape == np.shape(truth) and got.dtype == jnp.float32
+  assert_within_baseline(jnp.atleast_1d(got), np.atleast_1d(truth), jnp.atleast_1d(base),
+                         f"loss ({reduction})")
+  for nm, a, t, b, arg in zip(("dh", "dr", "dwlm"), grads, g_truth, g_base, args):
+    assert a.dtype == arg.dtype, (nm, a.dtype)
+    assert_within_baseline(a, t, b, nm)
+  ignored = ~valid
+  assert ignored.any()
+  if reduction == "none":
+    assert np.all(np.asarray(got)[ignored] == 0)
+  assert np.all(np.asarray(grads[0], np.float32)[ignored] == 0)
+  assert np.all(np.asarray(grads[1])[ignored] == 0)
+  return got, grads
+
+
+# (ignore_index, reduction, chunk_rows, rows whose targets are all set to ignore_index)
+CASES = {
+    "ignore_0_mean": (0, "mean", None, None),
+    "ignore_last_none_chunked": (V - 1, "none", 64, None),
+    "ignore_-100_sum_chunked": (-100, "sum", 64, None),
+    "first_chunk_all_ignored_mean": (-100, "mean", 64, slice(0, 64)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loss_and_grads(case, key, kernel_impl):
+  """Kernel path, M = 128. ignore_index 0 and V - 1 (values the targets really hold,
+  with -100 then an ordinary out-of-range target), -100; mean / none (per row against
+  the float64 cross-entropy) / sum; two chunks of 64 rows, one of them all ignored."""
+  ignore_index, reduction, chunk_rows, all_ignored = CASES[case]
+  m = 128
+  x = _inputs(key, m, D, V, ignore_index)
+  if all_ignored is not None:
+    x["tgt"] = x["tgt"].at[all_ignored].set(ignore_index)
+  ct = normal(jax.random.fold_in(key, 1), (m,)) if reduction == "none" else 0.75
+  check = _check(x, ignore_index, reduction, kernel_impl, ct, chunk_rows)
+  if all_ignored is not None:
+    assert np.all(np.asarray(check[1][0], np.float32)[all_ignored] == 0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_targets_ignored(reduction, key):
+  """Every target ignored: loss 0 (per row for "none"), exactly zero gradients, nothing
+  NaN (the mean divides by max(count, 1)). impl="xla": the reduction logic is XLA code
+  around the kernels, and the kernels' zero-weight rows are covered by the
+  first_chunk_all_ignored case of test_loss_and_grads."""
+  x = _inputs(key, 128, D, V, -100)
+  x["tgt"] = jnp.full((128,), -100, jnp.int32)
+  fused = lambda h, r, w: F.rmsnorm_lm_head_loss(h, r, w, x["tgt"], reduction=reduction,
+                                                 impl="xla")
+  ct = jnp.ones((128,)) if reduction == "none" else 1.0
+  loss, grads = jax.jit(lambda *a: (fused(*a), jax.grad(lambda *b: jnp.sum(fused(*b) * ct),
+                                                        (0, 1, 2))(*a)))(
+      x["h"], x["r"], x["wlm"])
+  assert np.array_equal(np.asarray(loss), np.zeros(np.shape(loss))), loss
+  assert loss.shape == ((128,) if reduction == "none" else ())
+  for a in grads:
+    assert np.array_equal(np.asarray(a, np.float32), np.zeros(a.shape)), a
+
+
+def test_default_chunking_three_chunks(key, monkeypatch):
+  """The default chunk sizing (chunk_rows=None) with a budget that holds 256 rows of
+  bf16 dlogits but not 512: M = 768 runs as 3 chunks of 256 rows (row_chunks' answer
+  and the row count each traced kernel call sees), and every row's loss and gradient
+  matches the float64 / fp32 truth, the last chunk's included. impl="xla": the chunking
+  is fused_ops code around the kernels, which other tests run chunked."""
+  m, d, v = 768, 64, 128
+  chunks, kernel_rows = [], []
+  row_chunks, stats, xent = S.row_chunks, S.lm_head_stats, S.xent_logits_grad
+
+  def small_budget(m_, v_, chunk_rows, budget_bytes=1 << 30):
+    chunks.append(row_chunks(m_, v_, chunk_rows, budget_bytes=256 * v_ * 2))
+    return chunks[-1]
+
+  def spy(fn):
+    def wrapped(h, *a, **kw):
+      kernel_rows.append((fn.__name__, h.shape[0]))
+      return fn(h, *a, **kw)
+    return wrapped
+
+  monkeypatch.setattr(S, "row_chunks", small_budget)
+  monkeypatch.setattr(S, "lm_head_stats", spy(stats))
+  monkeypatch.setattr(S, "xent_logits_grad", spy(xent))
+  x = _inputs(key, m, d, v, -100)
+  _check(x, -100, "none", "xla", normal(jax.random.fold_in(key, 1), (m,)))
+  assert chunks and set(chunks) == {256}, chunks  # one call per trace (forward, grad)
+  assert m // chunks[0] == 3
+  assert sorted(set(kernel_rows)) == [("lm_head_stats", 256), ("xent_logits_grad", 256)]
