@@ -80,8 +80,11 @@ def norm_input_grad(dz, w, x, r, c, g, d_residual, impl):
 def gated_input_grad(dx, w2, z, block, activation, impl):
   """B3: dy = dx @ w2^T; dz = GLU backward (pair-blocked, 2F wide). Returns (dz, y, c*D)."""
   dt = dx.dtype
-  # dz is not written over z (in_place): inside a jax.lax.scan over layers on the GPU
-  # (jax 0.11.2) that aliasing returned NaN gradients (bench/NOTES.md, issue 4).
+  # dz is not written over z (in_place). That returned NaN gradients inside a jax.lax.scan
+  # on the GPU (bench/NOTES.md, issue 4): XLA's dynamic-slice fusion folded the slice of
+  # the saved z into the kernel's call and ignored its aliasing. pallas_kernels.gemm now
+  # fences in-place buffers (tests/test_in_place.py covers this program in a scanned
+  # custom_vjp), so in_place={"dz": "z"} could come back: re-measure memory and speed.
   out = gemm_epilogue(dx, w2, [GatedGrad("z", block, "y", "zdz", activation, dt),
                                P.Store("dz", dt)], {"z": z}, trans_b=True, impl=impl)
   return out["dz"], out["y"], out["zdz"]

@@ -144,8 +144,10 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
         if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs) <= SMEM_LIMIT_BYTES:
           return cfg
   raise ValueError(f"no GEMM tiling divides (M, N, K)=({m}, {n}, {k}) with an epilogue "
-                   f"width that is a multiple of {min_epi_tile_n}: M must be a multiple of "
-                   "64, N of 64 and K of 64 (of 16 with A (M, K) and B (N, K))")
+                   f"width that is a multiple of {min_epi_tile_n}: M and N must be "
+                   "multiples of 64, and one of them of 128 when B is stored (K, N); K of "
+                   "64 (of 16 with A (M, K) and B (N, K)); the epilogue's buffers must fit "
+                   "in shared memory")
 
 
 def interpret_params():

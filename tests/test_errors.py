@@ -176,6 +176,16 @@ def test_gemm_no_default_tiling(key, ab, interpret):
     pk.gemm(ab[0][:120], ab[1], interpret=interpret)
 
 
+def test_gemm_no_default_tiling_odd_multiples_of_64(key, interpret):
+  """M = 192 and N = 320 are multiples of 64, but with B stored (K, N) every CTA tile is
+  128 wide along M or N (a warpgroup's half of B is at least one 64-column swizzle
+  tile): the message says so. Stored (N, K), the same shape tiles."""
+  a, b = gemm_inputs(key, 192, 320, 64, jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"one of them of 128 when B is stored \(K, N\)"):
+    pk.gemm(a, b, interpret=interpret)
+  assert pk.default_config(192, 320, 64, trans_b=True).cluster_tile == (64, 64)
+
+
 def test_gemm_split_b_too_narrow(ab, interpret):
   """Warpgroups splitting N take halves of B's 64-column swizzle tiles when B is stored
   (K, N): tile_n = 32 cannot be split so (with B stored (N, K) it can)."""
