@@ -22,12 +22,16 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--shape", default="16384x2048x2048", help="M x K x N")
   p.add_argument("--programs", default="plain,residual_sumsq_aux")
+  p.add_argument("--sides", default="ours,xla", help="ours, xla or both: under ncu, XLA's "
+                 "GEMM autotuning launches (and ncu profiles) every cuBLAS candidate")
   args = p.parse_args()
   m, k, n = (int(v) for v in args.shape.split("x"))
   x = G.with_blocked_weights(G.make_inputs(m, k, n, jax.random.key(0)))
   progs = G.programs(n)
   for name in args.programs.split(","):
     for side, fn in zip(("ours", "xla"), progs[name]):
+      if side not in args.sides.split(","):
+        continue
       f = jax.jit(fn)
       for _ in range(2):
         jax.block_until_ready(f(x))

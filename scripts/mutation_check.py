@@ -121,6 +121,34 @@ MUTATIONS = [
         "  check_heads(n_q_heads, n_kv_heads, head_dim)  # before wqkv, whose shape they define\n",
         "", ("tests/test_fused_ops.py", "-k", "bad_inputs"),
         "rmsnorm_qkv_rope no longer checks head_dim and the head counts"),
+    # ---- blocks, layers and training ------------------------------------------------------
+    Mutation(
+        "mlp_bwd_d_is_attn_width", "coda_jax/blocks.py",
+        "  d = x1.shape[1]\n", "  d = y0.shape[1]\n",
+        ("tests/test_blocks.py", "-k", "forward_and_grads"),
+        "the block's MLP backward divides the zdz term by Hq*hd instead of D"),
+    Mutation(
+        "shifted_bwd_drops_c2", "coda_jax/blocks.py",
+        'x2, r2, c2, p["g_attn"], dx2', 'x2, r2, 0 * c2, p["g_attn"], dx2',
+        ("tests/test_blocks.py", "-k", "forward_and_grads"),
+        "the gradient through the next layer's norm statistics r2 is dropped"),
+    Mutation(
+        "mlp_bwd_silu_for_gelu", "coda_jax/blocks.py",
+        "z, cfg.swiglu_block, cfg.activation,\n", 'z, cfg.swiglu_block, "silu",\n',
+        ("tests/test_blocks.py", "-k", "gelu"),
+        "the block backward differentiates SiLU whatever the activation"),
+    Mutation(
+        "norm_stats_r_no_grad", "flax_layers/layers.py",
+        "astype(x.dtype), ref.rms_scale(x, eps)",
+        "astype(x.dtype), ref.rms_scale(jax.lax.stop_gradient(x), eps)",
+        ("tests/test_flax_layers.py", "-k", "llama_block"),
+        "the layers' RMSNorm passes no gradient through r (both paths share it)"),
+    Mutation(
+        "optimizer_decays_norms", "flax_layers/train.py",
+        'lambda path, _: not any("norm" in str(getattr(k, "key", k)) for k in path), params)',
+        "lambda path, _: True, params)",
+        ("tests/test_flax_layers.py", "-k", "optimizer or weight_decay"),
+        "AdamW's weight decay reaches the norm weights"),
     # ---- primitives against independent formulas, through the kernel ----------------------
     Mutation(
         "silu_sigmoid_scaled", "coda_jax/primitives.py",
@@ -133,6 +161,12 @@ MUTATIONS = [
         "return _join([act(a) * b for a, b in _blocks(x, self.block)])",
         "return _join([act(b) * a for a, b in _blocks(x, self.block)])",
         ("tests/test_primitives.py", "-k", "independent_formula"), "gate and up swapped"),
+    Mutation(
+        "gelu_erf_for_tanh", "coda_jax/primitives.py",
+        '"gelu": (lambda a: jax.nn.gelu(a, approximate=True), _gelu_tanh_and_grad),',
+        '"gelu": (lambda a: jax.nn.gelu(a, approximate=False), _gelu_tanh_and_grad),',
+        ("tests/test_primitives.py", "-k", "independent_formula"),
+        "GELU's erf form where the tanh form is documented (2e-4 apart)"),
     Mutation(
         "rotate_transposed", "coda_jax/primitives.py",
         "out += [a * c - b * s, b * c + a * s]", "out += [a * c + b * s, b * c - a * s]",

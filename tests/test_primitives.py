@@ -267,11 +267,11 @@ def _picked(x, idx):
   return np.where(valid, picked, 0.0)
 
 
-# The gated rows also store fp32: a slightly wrong activation (sigmoid(1.01 a)) hides
-# under bf16 rounding. Their bound is the accuracy of the kernel's fast math on the GPU
-# (approx_math: ex2.approx and division for silu; tanh.approx.f32, max relative error
-# 2^-11, for gelu), with margin.
-ACT_RTOL = {"silu": 1e-5, "gelu": 1e-3}
+# The gated rows also store fp32: a slightly wrong activation (sigmoid(1.01 a), or GELU's
+# erf form for its tanh form, 2e-4 apart) hides under bf16 rounding. Their bound is the
+# accuracy of the kernel's fast math on the GPU (approx_math), with margin: the H100
+# measured 2.3e-6 for gelu.
+ACT_RTOL = {"silu": 1e-5, "gelu": 2e-5}
 
 # name -> (program, formula(x, operands, q) -> {output: value}); operands are float64
 # numpy. bf16 outputs are held to the tolerance rule; fp32 ones (reductions, accumulated
