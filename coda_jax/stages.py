@@ -80,13 +80,13 @@ def norm_input_grad(dz, w, x, r, c, g, d_residual, impl):
 def gated_input_grad(dx, w2, z, block, activation, impl):
   """B3: dy = dx @ w2^T; dz = GLU backward (pair-blocked, 2F wide). Returns (dz, y, c*D)."""
   dt = dx.dtype
-  # dz is not written over z (in_place). That returned NaN gradients inside a jax.lax.scan
-  # on the GPU (bench/NOTES.md, issue 4): XLA's dynamic-slice fusion folded the slice of
-  # the saved z into the kernel's call and ignored its aliasing. pallas_kernels.gemm now
-  # fences in-place buffers (tests/test_in_place.py covers this program in a scanned
-  # custom_vjp), so in_place={"dz": "z"} could come back: re-measure memory and speed.
+  # dz overwrites z (each element is read before it is written, by the same CTA): the
+  # block's largest saved activation is dead after this GEMM. Inside a jax.lax.scan on the
+  # GPU this once returned NaN (bench/NOTES.md, issues 4 and 9: XLA's dynamic-slice fusion
+  # ignored the aliasing); pallas_kernels.gemm fences in-place buffers since.
   out = gemm_epilogue(dx, w2, [GatedGrad("z", block, "y", "zdz", activation, dt),
-                               P.Store("dz", dt)], {"z": z}, trans_b=True, impl=impl)
+                               P.Store("dz", dt)], {"z": z}, trans_b=True, impl=impl,
+                      in_place={"dz": "z"})
   return out["dz"], out["y"], out["zdz"]
 
 

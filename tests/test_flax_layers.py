@@ -25,7 +25,9 @@ from flax_layers import checkpoint as ck
 from helpers import assert_within_baseline, normal, rel_err, spread_rows
 
 D, F, V = 192, 256, 384
-CFG = get_config("tiny", d_model=D, n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=32,
+# 3 layers: Llama.loss scans the 2 shifted blocks between its pre- and post-block, a real
+# loop (a scan of 1 is folded away; bench/NOTES.md, issue 4: in-place writes broke there).
+CFG = get_config("tiny", d_model=D, n_layers=3, n_q_heads=4, n_kv_heads=2, head_dim=32,
                  ffn_dim=F, vocab_size=V, init_std=0.05)
 Q = CFG.q_width  # 128
 assert len({D, Q, F, 2 * F, V}) == 5
