@@ -14,13 +14,15 @@ math under ordinary autodiff.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from coda_jax import blocks
 from coda_jax import jnp_reference as ref
-from coda_jax.fused_ops import flat_rows
+from coda_jax.fused_ops import REDUCTIONS, flat_rows
 from flax_layers import layers as Lyr
 from flax_layers.config import LlamaConfig
 
@@ -91,9 +93,10 @@ class _ReferenceBlocks:
                                 activation=self.mlp["activation"])
     return x2.reshape(x0.shape), qkv.reshape(*x0.shape[:-1], -1)
 
-  def post_block(self, x0, y0, targets, params):
-    return ref.post_block(flat_rows(x0), flat_rows(y0), targets.reshape(-1), params,
-                          **self.mlp)
+  def post_block(self, x0, y0, targets, params, reduction="mean"):
+    loss = ref.post_block(flat_rows(x0), flat_rows(y0), targets.reshape(-1), params,
+                          **self.mlp, reduction=reduction)
+    return loss.reshape(targets.shape) if reduction == "none" else loss
 
 
 class _FusedBlocks:
@@ -106,8 +109,9 @@ class _FusedBlocks:
   def shifted_block(self, x0, y0, positions, params):
     return blocks.shifted_block(x0, y0, positions, params, self.cfg)
 
-  def post_block(self, x0, y0, targets, params):
-    return blocks.post_block(x0, y0, targets, params, self.cfg)
+  def post_block(self, x0, y0, targets, params, reduction="mean"):
+    return blocks.post_block(x0, y0, targets, params,
+                             dataclasses.replace(self.cfg, reduction=reduction))
 
 
 class Llama(nnx.Module):
@@ -154,12 +158,23 @@ class Llama(nnx.Module):
     """wlm (D, V) for the fused ops, or None when the head owns it."""
     return self.embed[...].astype(dtype).T if self.config.tie_embeddings else None
 
-  def loss(self, tokens, targets, positions=None):
-    """tokens, targets (B, T) int (targets ``ignore_index`` (-100) are skipped)
-    -> mean next-token cross-entropy (fp32 scalar)."""
+  def loss(self, tokens, targets, positions=None, *, reduction: str = "mean"):
+    """Next-token cross-entropy of the whole model (the training path).
+
+    Args:
+      tokens: (B, T) int token ids.
+      targets: (B, T) int; ``-100`` (ignore_index) entries are skipped.
+      positions: (B, T) int RoPE positions; default ``arange(T)`` per row.
+      reduction: "mean" over the counted targets, "sum", or "none" (per token).
+
+    Returns:
+      fp32: a scalar, or (B, T) with ``reduction="none"`` (0 where ignored).
+    """
     c = self.config
     if targets.shape != tokens.shape:
       raise ValueError(f"targets {targets.shape} must match tokens {tokens.shape}")
+    if reduction not in REDUCTIONS:
+      raise ValueError(f"reduction={reduction!r}: one of {REDUCTIONS}")
     x, positions = self._inputs(tokens, positions)
     impl = _FusedBlocks(c) if self.fused else _ReferenceBlocks(c)
     p = self.layers.params()
@@ -180,7 +195,7 @@ class Llama(nnx.Module):
     wlm = self._head_weight(c.dtype)
     last = {**{k: p[k][-1] for k in _MLP_KEYS}, "g_final": self.head.norm[...],
             "wlm": self.head.head_weight(wlm)}
-    return impl.post_block(x, attend(qkv), targets, last)
+    return impl.post_block(x, attend(qkv), targets, last, reduction)
 
   def __call__(self, tokens, positions=None):
     """tokens (B, T) int -> fp32 logits (B, T, V), layer by layer (inference, checks)."""
