@@ -1,5 +1,4 @@
 """Bad inputs fail early with a ValueError that names the problem."""
-import jax
 import jax.numpy as jnp
 import pytest
 
