@@ -81,3 +81,45 @@ def spread_rows(key, shape, dtype=jnp.float32, lo=5.0, hi=50.0):
   kx, ks = jax.random.split(key)
   std = jnp.exp(jax.random.uniform(ks, shape[:-1] + (1,), jnp.float32, np.log(lo), np.log(hi)))
   return (jax.random.normal(kx, shape, jnp.float32) * std).astype(dtype)
+
+
+def f32_tree(tree):
+  """Every floating leaf of ``tree`` upcast to fp32 (integer leaves as they are): the
+  inputs of the fp32 truth."""
+  return jax.tree.map(lambda a: a.astype(jnp.float32)
+                      if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def unit_rows(a):
+  """Each row scaled to unit RMS."""
+  return a / jnp.sqrt(jnp.mean(a * a, axis=-1, keepdims=True))
+
+
+def residual_cotangent(key, out, x, eps=1e-5):
+  """A fixed cotangent of a residual-stream output ``out`` of input ``x`` (both fp32
+  truth): (noise plus the update out - x, unit RMS per row) times each row's
+  r = 1/rms(out). The factor r keeps the residual pass-through from swamping the norm
+  paths (which carry a factor r); the update term makes the gradient through r weigh as
+  much as the projected gradient."""
+  r = jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + eps)
+  return (normal(key, out.shape) + unit_rows(out - x)) * r
+
+
+def _xp(a):
+  return np if isinstance(a, np.ndarray) else jnp
+
+
+# Gated activations written here, independently of coda_jax (GELU in its tanh form), for
+# numpy (float64 oracles) or jnp (autodiff) arrays alike.
+GATED_ACTS = {
+    "silu": lambda a: a / (1 + _xp(a).exp(-a)),
+    "gelu": lambda a: 0.5 * a * (1 + _xp(a).tanh((2 / np.pi) ** 0.5  # a Python float:
+                                                 * (a + 0.044715 * a * a * a))),  # keeps bf16
+}
+
+
+def gated_pairs(z, p, activation="silu"):
+  """act(a) * b over the column pairs of 2p-wide blocks (a: the first p columns of each
+  block, b the next p): (M, 2N) -> (M, N), in z's array type and dtype."""
+  z4 = z.reshape(z.shape[0], -1, 2, p)
+  return (GATED_ACTS[activation](z4[:, :, 0]) * z4[:, :, 1]).reshape(z.shape[0], -1)

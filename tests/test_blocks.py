@@ -17,7 +17,8 @@ import pytest
 
 from coda_jax import blocks as B
 from coda_jax import jnp_reference as R
-from helpers import assert_within_baseline, normal, rel_err, spread_rows
+from helpers import (assert_within_baseline, f32_tree, normal, rel_err, residual_cotangent,
+                     spread_rows, unit_rows)
 
 M, D, F, V = 128, 192, 256, 384
 CFG = B.BlockConfig(n_q_heads=4, n_kv_heads=2, head_dim=32, lm_chunk_rows=64)
@@ -42,29 +43,11 @@ def _args(key, dt, m=M):
           _params(ks[4], B.SHIFTED_KEYS, dt), _params(ks[5], B.POST_KEYS, dt))
 
 
-def _f32(tree):
-  return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
-
-
-def _unit_rows(a):
-  return a / jnp.sqrt(jnp.mean(a * a, axis=-1, keepdims=True))
-
-
 def _qkv_cotangent(key, qkv):
   """A fixed cotangent of a normed, projected output, from its fp32 truth: noise plus
   the output itself (unit rms per row), so the gradient through r (c = <dq, qkv> / D,
   coda_math.md §3) weighs as much as the projected gradient g * dn."""
-  return normal(key, qkv.shape) + _unit_rows(qkv)
-
-
-def _residual_cotangent(key, x2, x0):
-  """A fixed cotangent of the residual stream x2, from the fp32 truth: (noise plus the
-  block's update x2 - x0, unit rms per row) times each row's r = 1/rms(x2). The factor r
-  keeps the residual pass-through from swamping the norm paths (which carry a factor r)
-  in dx0; the update term makes the MLP's own gradient through r (c1 = <dz, z> / D)
-  weigh as much as its projected gradient."""
-  r = R.rms_scale(x2, CFG.eps)[..., None]
-  return (normal(key, x2.shape) + _unit_rows(x2 - x0)) * r
+  return normal(key, qkv.shape) + unit_rows(qkv)
 
 
 def _project(outs, cts):
@@ -125,12 +108,12 @@ def test_blocks_forward_and_grads(case, key, kernel_impl):
   # which would make 2x its error an arbitrary bar; "mean" runs in test_flax_layers.
   cfg = dataclasses.replace(CFG, impl=kernel_impl, activation=act, reduction="none")
   reference, fused = _reference(pos, tgt, act), _fused(cfg, pos, tgt)
-  up = _f32(args)
+  up = f32_tree(args)
   with jax.default_matmul_precision("highest"):
     outs_truth = reference(*up)
   qkv0, (x2, qkv), _ = outs_truth
   ks = jax.random.split(jax.random.fold_in(key, 2), 4)
-  cts = [_qkv_cotangent(ks[0], qkv0), _residual_cotangent(ks[1], x2, up[0]),
+  cts = [_qkv_cotangent(ks[0], qkv0), residual_cotangent(ks[1], x2, up[0]),
          _qkv_cotangent(ks[2], qkv), jax.random.uniform(ks[3], (M,), minval=0.5, maxval=1.5)]
   argnums = tuple(range(6))
   with jax.default_matmul_precision("highest"):
@@ -155,7 +138,7 @@ def _shifted_runs(args, pos, cts, cfg):
 
   ref = loss(lambda x0, y0, p: R.shifted_block(x0, y0, pos, p, **HEADS))
   with jax.default_matmul_precision("highest"):
-    truth = jax.value_and_grad(ref, (0, 1, 2))(*_f32((x0, y0, p)))
+    truth = jax.value_and_grad(ref, (0, 1, 2))(*f32_tree((x0, y0, p)))
   base = jax.value_and_grad(ref, (0, 1, 2))(x0, y0, p)
   fused = loss(lambda x0, y0, p: B.shifted_block(x0, y0, pos, p, cfg))
   return fused, truth, base
@@ -173,9 +156,9 @@ def test_shifted_block_checkpointed(path, key, kernel_impl, remat_kernels):
   args = _args(key, jnp.bfloat16)
   pos = jnp.arange(M, dtype=jnp.int32) % 64
   with jax.default_matmul_precision("highest"):
-    x2, qkv = R.shifted_block(*_f32(args[:2]), pos, _f32(args[4]), **HEADS)
+    x2, qkv = R.shifted_block(*f32_tree(args[:2]), pos, f32_tree(args[4]), **HEADS)
   k1, k2 = jax.random.split(jax.random.fold_in(key, 2))
-  cts = [_residual_cotangent(k1, x2, args[0].astype(jnp.float32)), _qkv_cotangent(k2, qkv)]
+  cts = [residual_cotangent(k1, x2, args[0].astype(jnp.float32)), _qkv_cotangent(k2, qkv)]
   cfg = dataclasses.replace(CFG, impl="xla" if path == "xla" else kernel_impl)
   fused, truth, base = _shifted_runs(args, pos, cts, cfg)
   x0, y0, _, _, p, _ = args
@@ -203,7 +186,7 @@ def test_shifted_block_batched_and_vmapped(key, kernel_impl):
   mapped = jax.jit(jax.vmap(lambda x, y, q: B.shifted_block(x, y, q, p, cfg)))(
       b(x0), b(y0), b(pos))
   with jax.default_matmul_precision("highest"):
-    truth = R.shifted_block(*_f32((x0, y0)), pos, _f32(p), **HEADS)
+    truth = R.shifted_block(*f32_tree((x0, y0)), pos, f32_tree(p), **HEADS)
   base = R.shifted_block(x0, y0, pos, p, **HEADS)
   for name, a, v, c, t, r in zip(("x2", "qkv"), batched, mapped, flat, truth, base):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b(c)))

@@ -18,11 +18,12 @@ import pytest
 from flax import nnx
 
 from coda_jax import layout
-from coda_jax.jnp_reference import cross_entropy, rms_scale
+from coda_jax.jnp_reference import cross_entropy
 from flax_layers import (FusedMLP, LMHeadLoss, Llama, LlamaBlock, OutProjection,
                          QKVProjection, get_config, train)
 from flax_layers import checkpoint as ck
-from helpers import assert_within_baseline, normal, rel_err, spread_rows
+from helpers import (assert_within_baseline, normal, rel_err, residual_cotangent,
+                     spread_rows)
 
 D, F, V = 192, 256, 384
 # 3 layers: Llama.loss scans the 2 shifted blocks between its pre- and post-block, a real
@@ -250,15 +251,6 @@ def _block_truth(params, x, cfg):
   return _standard_layer(std, x, cfg)
 
 
-def _residual_cotangent(key, out, x):
-  """A fixed cotangent of a residual-stream output (from the fp32 truth): (noise plus
-  the block's update out - x, unit rms per row) times each row's r = 1/rms(out), so the
-  pass-through does not swamp the norm paths (which carry a factor r) in dx."""
-  upd = out - x
-  upd = upd / jnp.sqrt(jnp.mean(upd * upd, -1, keepdims=True))
-  return (normal(key, out.shape) + upd) * rms_scale(out, CFG.eps)[..., None]
-
-
 def test_llama_block_value_and_grads(key, kernel_impl):
   """A standalone LlamaBlock (fused ops composed op by op; x at realistic scale): its
   output and the gradients of every parameter and of x. Truth: an independent
@@ -279,7 +271,7 @@ def test_llama_block_value_and_grads(key, kernel_impl):
 
   params = nnx.to_pure_dict(nnx.state(make(False), nnx.Param))
   with jax.default_matmul_precision("highest"):
-    ct = _residual_cotangent(kc, _block_truth(params, x, cfg), x)
+    ct = residual_cotangent(kc, _block_truth(params, x, cfg), x)
 
   def projected(fn):
     def value(*args):

@@ -16,7 +16,8 @@ import pytest
 
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as R
-from helpers import assert_within_baseline, normal, rel_err, spread_rows, worst_row_err
+from helpers import (assert_within_baseline, f32_tree, normal, rel_err, spread_rows,
+                     worst_row_err)
 
 HEADS = dict(n_q_heads=4, n_kv_heads=2, head_dim=32)  # Hq * head_dim = 128
 QKV = (4 + 2 * 2) * 32
@@ -118,11 +119,6 @@ def _projected(fn, cts):
   return loss
 
 
-def _up(tree):
-  return jax.tree.map(lambda a: a.astype(jnp.float32)
-                      if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
-
-
 def max_rel_err(got, truth):
   """Largest per-element relative error of a positive vector (r = 1/rms spans 10x across
   rows: helpers.worst_row_err, taken against the largest element, would dilute a wrong
@@ -147,14 +143,14 @@ def check_op(name, x, impl, wrap=lambda f: f, key=None):
   diff = {k: x[k] for k in names}
   rest = {k: v for k, v in x.items() if k not in names}
   with jax.default_matmul_precision("highest"):  # jit: one compile (the baseline stays
-    truth = jax.jit(reference)(_up(x))             # eager, op by op, as unfused XLA runs)
+    truth = jax.jit(reference)(f32_tree(x))             # eager, op by op, as unfused XLA runs)
   if make_cts:
     cts = make_cts[0](key, jax.tree.leaves(truth), x)
   else:
     cts = [normal(jax.random.fold_in(key, i), o.shape)
            for i, o in enumerate(jax.tree.leaves(truth))]
   with jax.default_matmul_precision("highest"):
-    g_truth = jax.jit(jax.grad(_projected(reference, cts)))(_up(diff), _up(rest))
+    g_truth = jax.jit(jax.grad(_projected(reference, cts)))(f32_tree(diff), f32_tree(rest))
   base, g_base = reference(x), jax.grad(_projected(reference, cts))(diff, rest)
   op = wrap(lambda z: fused(z, impl))
   run = jax.jit(lambda d, r: (op({**r, **d}), jax.grad(_projected(op, cts))(d, r)))
@@ -235,8 +231,8 @@ def test_fp16_swiglu_gemm_past_fp16_range(key, kernel_impl):
   fused = lambda h, r, w: F.rmsnorm_swiglu(h, r, w, impl=kernel_impl)
   got, grads = jax.jit(lambda *a: (fused(*a), jax.grad(loss(fused), (0, 1, 2))(*a)))(h, r, w13)
   with jax.default_matmul_precision("highest"):
-    truth = R.rmsnorm_swiglu(*_up((h, r, w13)))
-    g_truth = jax.grad(loss(R.rmsnorm_swiglu), (0, 1, 2))(*_up((h, r, w13)))
+    truth = R.rmsnorm_swiglu(*f32_tree((h, r, w13)))
+    g_truth = jax.grad(loss(R.rmsnorm_swiglu), (0, 1, 2))(*f32_tree((h, r, w13)))
   hs = (h.astype(jnp.float32) / s).astype(dt)
   base = R.rmsnorm_swiglu(hs, r * s, w13)
   gb = jax.grad(loss(R.rmsnorm_swiglu), (0, 1, 2))(hs, r * s, w13)
@@ -264,7 +260,7 @@ def test_fp16_residual_past_fp16_range(key, kernel_impl):
   res = jnp.asarray(res, dt)
   g = 1 + 0.1 * normal(ks[3], (D,))
   with jax.default_matmul_precision("highest"):
-    truth = R.residual_rmsnorm(*_up((y, w, res)), g)
+    truth = R.residual_rmsnorm(*f32_tree((y, w, res)), g)
   over = np.abs(np.asarray(truth[0])) >= 65520  # rounds to inf in fp16
   assert over[:8].any() and not over[8:].any() and np.all(np.isfinite(truth[0]))
   assert (np.abs(yw[8:]) > 65504).any()
@@ -361,7 +357,7 @@ def test_batched_layouts_vmap_and_checkpoint(key, kernel_impl, remat_kernels):
   np.testing.assert_array_equal(np.asarray(mapped), np.asarray(b(flat)))
   ref = functools.partial(R.rmsnorm_qkv_rope, **HEADS)
   with jax.default_matmul_precision("highest"):
-    truth = ref(*_up((x["h"], x["r"], x["wqkv"])), x["pos"])
+    truth = ref(*f32_tree((x["h"], x["r"], x["wqkv"])), x["pos"])
   assert_within_baseline(flat, truth, ref(x["h"], x["r"], x["wqkv"], x["pos"]), "qkv")
   ct = normal(key, truth.shape)
   loss = lambda fn: lambda h, w: jnp.sum(fn(h, x["r"], w, x["pos"]).astype(jnp.float32) * ct)
@@ -372,7 +368,7 @@ def test_batched_layouts_vmap_and_checkpoint(key, kernel_impl, remat_kernels):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32),
                                rtol=1e-5)  # reorder the fp32 loss sum under remat
   with jax.default_matmul_precision("highest"):
-    g_truth = jax.grad(loss(ref), (0, 1))(*_up((x["h"], x["wqkv"])))
+    g_truth = jax.grad(loss(ref), (0, 1))(*f32_tree((x["h"], x["wqkv"])))
   g_base = jax.grad(loss(ref), (0, 1))(x["h"], x["wqkv"])
   for nm, a, t, bb in zip(("dh", "dwqkv"), remat[1], g_truth, g_base):
     assert_within_baseline(a, t, bb, f"checkpointed {nm}")

@@ -12,7 +12,8 @@ import coda_jax as cj
 from coda_jax import ops
 from coda_jax.grad_primitives import GatedGrad, RmsNormGrad, SoftmaxXentGrad
 from coda_jax.primitives import Gated, PickColumn
-from helpers import assert_within_baseline, gemm_inputs, normal, rel_err, spread_rows
+from helpers import (assert_within_baseline, gated_pairs, gemm_inputs, normal, rel_err,
+                     spread_rows)
 
 M, N, K, P = 256, 256, 128, 32
 FORMULA_RTOL = 1e-5  # fp32 formula vs fp32 autodiff of the same math
@@ -131,10 +132,6 @@ OM, ON, OK = 128, 128, 64
 BF16, F32 = jnp.bfloat16, jnp.float32
 RMS_EPS = 1e-5
 
-_ACTS = {"silu": lambda a: a / (1 + jnp.exp(-a)),
-         "gelu": lambda a: 0.5 * a * (1 + jnp.tanh((2 / np.pi) ** 0.5 * (a + 0.044715 * a ** 3)))}
-
-
 def _up(v):
   return v.astype(F32)
 
@@ -142,12 +139,6 @@ def _up(v):
 def _q(v):
   """Rounded to bf16, as an unfused bf16 graph stores every intermediate."""
   return v.astype(BF16).astype(F32)
-
-
-def _gated_fwd(z, act):
-  """act(a) * b over the pairs (a: the first P columns of each 2P block, b the next P)."""
-  z4 = z.reshape(z.shape[0], -1, 2, P)
-  return (_ACTS[act](z4[:, :, 0]) * z4[:, :, 1]).reshape(z.shape[0], -1)
 
 
 def _gated_case(act):
@@ -159,7 +150,7 @@ def _gated_case(act):
     got = run(a, b, [GatedGrad("z", P, "y", "zdz", act), cj.Store("dz")], {"z": z})
 
     def backward(dy, z):  # y and dz = vjp of the pairs; zdz = <dz, z> per row
-      y, vjp = jax.vjp(lambda z: _gated_fwd(z, act), z)
+      y, vjp = jax.vjp(lambda z: gated_pairs(z, P, act), z)
       dz = vjp(dy)[0]
       return {"y": y, "dz": dz, "zdz": jnp.sum(_up(dz) * _up(z), axis=1)}
     with jax.default_matmul_precision("highest"):

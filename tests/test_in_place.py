@@ -17,7 +17,8 @@ import coda_jax as cj
 import pallas_kernels as pk
 from coda_jax.grad_primitives import GatedGrad
 from pallas_kernels import GemmConfig, MatDim
-from helpers import assert_within_baseline, gemm_inputs, matmul_f32, normal, rel_err
+from helpers import (assert_within_baseline, gated_pairs, gemm_inputs, matmul_f32, normal,
+                     rel_err)
 
 PROGRAM = [cj.AddTile("g"), cj.Store("g_new", jnp.float32)]
 # several tiles per CTA, so that in-place reads and writes of neighbouring tiles interleave
@@ -110,20 +111,6 @@ def test_accumulate_in_place_across_scan(key, kernel_impl):
   assert fresh - reused > m * n * 4 // 2, (fresh, reused)
 
 
-def _gated_np(z, p):
-  """silu(a) * b per pair block (a: the first p columns of each 2p block), float64."""
-  z = np.asarray(z, np.float64).reshape(z.shape[0], -1, 2, p)
-  a, b = z[:, :, 0], z[:, :, 1]
-  return (a / (1 + np.exp(-a)) * b).reshape(z.shape[0], -1)
-
-
-def _gated_jnp(z, p):
-  """The same in jnp (for autodiff), in z's dtype."""
-  z4 = z.reshape(z.shape[0], -1, 2, p)
-  a, b = z4[:, :, 0], z4[:, :, 1]
-  return (a * jax.nn.sigmoid(a) * b).reshape(z.shape[0], -1)
-
-
 # name -> (program, in_place, width of z relative to the accumulator)
 SLICE_PROGRAMS = {
     "add_tile": ([cj.AddTile("z"), cj.Store("out")], {"out": "z"}, 1),
@@ -164,8 +151,8 @@ def test_in_place_over_slices(key, kernel_impl, name, loop):
       truth = acc + z[s].astype(jnp.float32)
       unfused = acc_bf16 + z[s]
     else:  # dz = vjp of the gated pairs at z, cotangent acc
-      truth = jax.vjp(lambda zz: _gated_jnp(zz, P), z[s].astype(jnp.float32))[1](acc)[0]
-      unfused = jax.vjp(lambda zz: _gated_jnp(zz, P), z[s])[1](acc_bf16)[0]
+      truth = jax.vjp(lambda zz: gated_pairs(zz, P), z[s].astype(jnp.float32))[1](acc)[0]
+      unfused = jax.vjp(lambda zz: gated_pairs(zz, P), z[s])[1](acc_bf16)[0]
     assert got[s].dtype == jnp.bfloat16
     assert_within_baseline(got[s], truth, unfused, f"{name}, step {s}")
   np.testing.assert_array_equal(np.asarray(z.astype(jnp.float32)), z_before,
@@ -182,7 +169,7 @@ def _glu_layers(impl):
 
   def glu_fwd(x, w1, w2):
     z = jnp.matmul(x, w1, preferred_element_type=jnp.float32).astype(x.dtype)
-    y = _gated_jnp(z, P)
+    y = gated_pairs(z, P)
     return jnp.matmul(y, w2, preferred_element_type=jnp.float32).astype(x.dtype), (x, z, w1, w2)
 
   def glu_bwd(res, dout):
@@ -195,7 +182,7 @@ def _glu_layers(impl):
             mm(y.T, dout).astype(w2.dtype))
 
   glu.defvjp(glu_fwd, glu_bwd)
-  plain = lambda x, w1, w2: jnp.matmul(_gated_jnp(jnp.matmul(x, w1), P), w2)
+  plain = lambda x, w1, w2: jnp.matmul(gated_pairs(jnp.matmul(x, w1), P), w2)
   layer = plain if impl is None else glu
 
   def loss(x, w1, w2, ct):

@@ -13,8 +13,8 @@ from coda_jax import layout
 from coda_jax.primitives import PickColumn
 import pallas_kernels
 from pallas_kernels import GemmConfig, MatDim
-from helpers import (assert_within_baseline, f64, gemm_inputs, matmul_f32, normal,
-                     rel_err, rope_freqs)
+from helpers import (GATED_ACTS, assert_within_baseline, f64, gemm_inputs, matmul_f32,
+                     normal, rel_err, rope_freqs)
 
 # K = 128: two K steps even with the default tile_k (a single K step is a mainloop case,
 # covered in test_gemm_mainloop.py).
@@ -239,14 +239,6 @@ def _pairs(x, p):
   return x[:, :, 0], x[:, :, 1]
 
 
-def _sigmoid(v):
-  return 1 / (1 + np.exp(-v))
-
-
-def _gelu_tanh(v):
-  return 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))
-
-
 def _gated_oracle(act):
   def formula(x, o, q):
     a, b = _pairs(x, P32)
@@ -286,9 +278,9 @@ ORACLES = {
     "store": ([cj.Store("y")], lambda x, o, q: {"y": q(x)}),
     "store_f32": ([cj.Store("y", jnp.float32)], lambda x, o, q: {"y": x}),
     "silu": ([cj.Gated(P32), cj.Store("y"), cj.Store("y32", jnp.float32)],
-             _gated_oracle(lambda a: a * _sigmoid(a))),
+             _gated_oracle(GATED_ACTS["silu"])),
     "gelu": ([cj.Gated(P32, "gelu"), cj.Store("y"), cj.Store("y32", jnp.float32)],
-             _gated_oracle(_gelu_tanh)),
+             _gated_oracle(GATED_ACTS["gelu"])),
     "rope": ([cj.Rotate("pos", "fr32", P32), cj.Store("y")],
              lambda x, o, q: {"y": q(rope_rotate_half(x, o["pos"], o["fr32"], P32))}),
     "rowsum": ([cj.RowSum("s")], lambda x, o, q: {"s": x.sum(axis=1)}),
