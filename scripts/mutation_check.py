@@ -309,9 +309,11 @@ def _check_imports_from(dst: str) -> None:
 
 
 def _on_hopper() -> bool:
-  code = ("import jax; d = jax.devices()[0]; print(d.platform == 'gpu' and "
-          "str(getattr(d, 'compute_capability', '')).startswith('9'))")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  """coda_jax's own test of whether kernels compile here (in a child: jax stays out of
+  this process)."""
+  code = "from coda_jax.ops import kernels_available; print(kernels_available())"
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                       text=True, env=_env(ROOT))
   return out.stdout.strip() == "True"
 
 
