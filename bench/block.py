@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from bench import common
+from pallas_kernels import autotune
 from coda_jax import blocks, layout
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as ref
@@ -215,6 +216,8 @@ def run_shape(name, s: Shape, impl, measure, prov, key):
       if gemm_fns:
         row["gemms_ms"] = measure(*gemm_fns)[0]
         row["ours_vs_gemms"] = row["ours_ms"] / row["gemms_ms"]
+      if impl == "mosaic":  # the config each of our GEMMs ran with
+        row["configs"] = autotune.describe_workload(ours, *ours_args)
       if memory:
         row["ours_peak_bytes"] = peak_bytes(ours, *ours_args)
         row["baseline_peak_bytes"] = peak_bytes(xla, *xla_args)
@@ -303,6 +306,15 @@ def markdown(rows, prov, on_gpu):
          "in the JSON. Peak: argument + output + temp - alias bytes of the compiled "
          "fwd+bwd. XLA's block: separate gate/up matmuls, one fused qkv matmul. LM head "
          "per-op: all M rows, full vocabulary."]
+  configs = {}  # shape -> the GEMMs' configs, over every op
+  for r in rows:
+    for c in r.get("configs", []):
+      configs.setdefault(r["shape"], {})[c] = None
+  for shape, cs in configs.items():
+    md += ["", f"GEMM configs that ran at {shape} (M x N x K: schedule, warpgroup tile x "
+           "tile_k, stages, epilogue sub-tile, split, cluster, grid order; tuned = from "
+           "the tuning cache):", ""]
+    md += [f"- {c}" for c in cs]
   return "\n".join(md) + "\n"
 
 

@@ -1,131 +1,146 @@
-"""Compiles the GEMM for every operand order and epilogue kind, checks it, then sweeps
-tuning configs against XLA's GEMM at the benchmark shapes. GPU host only.
+"""Fills the GEMM tuning cache: finds the GEMMs a workload runs, searches configs for
+each on the device, and writes the winners. GPU host only.
 
-    PYTHONPATH=. python bench/tune_gemm.py [--shapes 16384x2048x2048,...]
+    PYTHONPATH=. python -m bench.tune_gemm --workloads bench,block-1b,block-8b
+    PYTHONPATH=. python -m bench.tune_gemm --workloads bench --shapes 16384x2048x2048 \\
+        --programs plain,residual_sumsq_aux --out /tmp/cache.json
+
+Workloads are traced abstractly (nothing runs) with ``pallas_kernels.autotune.recording``
+to collect every distinct GEMM problem: the epilogue programs of bench/gemm_epilogue.py
+at its shapes (``bench``), and the fused Llama block forward, forward+backward and
+post-block forward+backward of bench/block.py (``block-1b``, ``block-8b``). Each problem
+is then tuned (``autotune.tune``: both schedules, tiles, clusters, grid orders, epilogue
+widths, the deepest pipeline that fits) and written into ``--out``, by default the
+cache shipped with the library, ``pallas_kernels/tuned/gemm_configs.json``. Every
+candidate's time and every skipped candidate's reason is printed; the table printed
+last has the winner against the heuristic default for each problem.
 """
+from __future__ import annotations
+
 import argparse
-import dataclasses
-import itertools
-import statistics
+import datetime
+import json
 import sys
+import time
+from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-from jax.experimental.mosaic.gpu import profiler
 
-from pallas_kernels import EpilogueOutput, GemmConfig, InputKind, MatDim, OutputKind, gemm
-
-
-def rel_err(x, ref):
-  x = x.astype(jnp.float32)
-  return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
+from pallas_kernels import autotune
+from bench import common
 
 
-def check_features():
-  m, n, k = 512, 768, 384
-  ka, kb, kc, kd = jax.random.split(jax.random.key(0), 4)
-  a = jax.random.normal(ka, (m, k), jnp.bfloat16)
-  b = jax.random.normal(kb, (k, n), jnp.bfloat16)
-  ref = a.astype(jnp.float32) @ b.astype(jnp.float32)
-  for ta, tb in itertools.product((False, True), repeat=2):
-    out = gemm(a.T if ta else a, b.T if tb else b, trans_a=ta, trans_b=tb)["out"]
-    print(f"order trans_a={ta} trans_b={tb}: rel err {rel_err(out, ref):.2e}", flush=True)
-  r = jax.random.normal(kc, (m,), jnp.float32)
-  g = jax.random.normal(kd, (n,), jnp.float32)
-  x0 = jax.random.normal(ka, (m, n), jnp.bfloat16)
+def bench_problems(shapes, programs):
+  from bench import gemm_epilogue as ge
+  found = {}
+  for m, k, n in shapes:
+    x = jax.eval_shape(lambda: ge.with_blocked_weights(ge.make_inputs(m, k, n, jax.random.key(0))))
+    progs = ge.programs(n)
+    for name in (list(progs) if programs == "all" else programs.split(",")):
+      with autotune.recording() as rec:
+        jax.eval_shape(progs[name][0], x)
+      for key_text, problem in rec.items():
+        found.setdefault(key_text, (f"{name} {m}x{k}x{n}", problem))
+  return found
 
-  def ep(t, acc):
-    x = acc + t.load("x0").astype(jnp.float32)
-    t.store("out", x)
-    t.store("ss", jnp.sum(x * x, axis=1))
-    t.store("cs", jnp.sum(x, axis=0))
-    t.store("h", x * t.load("r")[:, None] * t.load("g")[None, :])
 
-  outs = (EpilogueOutput("out"), EpilogueOutput("ss", OutputKind.ROW_PARTIAL, jnp.float32),
-          EpilogueOutput("cs", OutputKind.COL_PARTIAL, jnp.float32),
-          EpilogueOutput("h", dtype=jnp.float32))
-  for wg in (MatDim.N, MatDim.M):
-    cfg = GemmConfig(tile_m=64, tile_n=128, wg_dim=wg, stages=2)
+def block_problems(shape_name):
+  from bench import block as bb
+  from coda_jax import blocks
+  s = bb.SHAPES[shape_name]
+  x = jax.eval_shape(lambda: bb.make_inputs(s, jax.random.key(0)))
+  std, pos, tgt = x["params"], x["positions"], x["targets"]
+  cfg = blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, rope_theta=bb.THETA, eps=bb.EPS,
+                           swiglu_block=bb.BLOCK)
+  post_cfg = blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, eps=bb.EPS, swiglu_block=bb.BLOCK)
+  mine = jax.eval_shape(lambda p: bb.ours_params(p, blocks.SHIFTED_KEYS), std)
+  post = jax.eval_shape(lambda p: bb.ours_params(p, blocks.POST_KEYS), std)
+  block = lambda a, b, c, p: blocks.shifted_block(a, b, c, p, cfg)
+  loss = lambda a, b, t, p: blocks.post_block(a, b, t, p, post_cfg)
+  found = {}
+  for what, fn, args in [
+      ("block fwd+bwd", bb.fwd_bwd(block), (x["x0"], x["y0"], pos, mine, x["cts"])),
+      ("post-block fwd+bwd", jax.grad(loss, argnums=(0, 1, 3)), (x["x0"], x["y0"], tgt, post))]:
+    with autotune.recording() as rec:
+      jax.eval_shape(fn, *args)
+    for key_text, problem in rec.items():
+      found.setdefault(key_text, (f"{shape_name} {what}", problem))
+  return found
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--workloads", default="bench,block-1b,block-8b")
+  p.add_argument("--shapes", default=None, help="bench workload: MxKxN,... (default all)")
+  p.add_argument("--programs", default="all", help="bench workload: program names")
+  p.add_argument("--out", default=str(autotune.SHIPPED_CACHE))
+  p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--extra", action="store_true",
+                 help="a wider search (bands of 8, tile_k 32, all tile operands staged)")
+  p.add_argument("--budget-s", type=float, default=None,
+                 help="stop starting new problems after this many seconds")
+  p.add_argument("--list", action="store_true", help="list the problems and stop")
+  p.add_argument("--retune", action="store_true",
+                 help="tune problems that --out already has too (default: skip them)")
+  args = p.parse_args()
+  if jax.devices()[0].platform != "gpu":
+    sys.exit("tune_gemm measures on the device: run it on the GPU host")
+  from bench import gemm_epilogue as ge
+  shapes = (ge.SHAPES if args.shapes is None else
+            [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
+  problems = {}
+  for w in args.workloads.split(","):
+    if w == "bench":
+      found = bench_problems(shapes, args.programs)
+    elif w.startswith("block-"):
+      found = block_problems(w.removeprefix("block-"))
+    else:
+      sys.exit(f"--workloads: unknown {w!r}; one of bench, block-1b, block-8b")
+    for k, v in found.items():
+      problems.setdefault(k, v)
+  prov = common.provenance()
+  print(f"{len(problems)} GEMM problems; {prov}", flush=True)
+  if args.list:
+    for k, (where, _) in problems.items():
+      print(f"{where}: {k}")
+    return
+  out = Path(args.out)
+  have = set(json.loads(out.read_text())["entries"]) if out.exists() else set()
+  if not args.retune and have & set(problems):
+    print(f"{len(have & set(problems))} problems already in {out}: skipped (--retune to "
+          "redo them)", flush=True)
+    problems = {k: v for k, v in problems.items() if k not in have}
+  t0, rows = time.perf_counter(), []
+  for i, (key_text, (where, problem)) in enumerate(problems.items()):
+    if args.budget_s is not None and time.perf_counter() - t0 > args.budget_s:
+      print(f"budget of {args.budget_s:.0f} s spent: {len(problems) - i} problems left "
+            "untuned (rerun to continue; tuned ones are kept)", flush=True)
+      break
+    k = problem.key
+    print(f"[{i + 1}/{len(problems)}] {where}: {k.m}x{k.n}x{k.k} "
+          f"{'t' if k.trans_a else 'n'}{'t' if k.trans_b else 'n'} "
+          f"{k.signature[:120]}", flush=True)
     try:
-      o = gemm(a, b, inputs=dict(x0=(InputKind.TILE, x0), r=(InputKind.ROW, r), g=(InputKind.COL, g)), epilogue=ep, outputs=outs, config=cfg)
-      x = ref + x0.astype(jnp.float32)
-      print(f"epilogue wg={wg.name}: out {rel_err(o['out'], x):.2e} ss {rel_err(o['ss'].sum(0), (x*x).sum(1)):.2e} "
-            f"cs {rel_err(o['cs'].sum(0), x.sum(0)):.2e} h {rel_err(o['h'], x*r[:,None]*g[None,:]):.2e}", flush=True)
-    except Exception as e:  # report and go on: this is a probe
-      print(f"epilogue wg={wg.name}: FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
-
-
-def time_ms(f, *args, iterations=20):
-  _, times = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
-  # times: per-iteration list of per-kernel times; sum kernels within an iteration
-  per_iter = [sum(t for _, t in it) if isinstance(it, (list, tuple)) and it and isinstance(it[0], tuple) else it for it in times]
-  return statistics.median(per_iter)
-
-
-def variant_sweep(shapes):
-  """The default config against single-knob variants of it."""
-  base = GemmConfig()
-  variants = {"default": base,
-              "epi_n128_st3": dataclasses.replace(base, epi_tile_n=128, stages=3),
-              "tk128_st2": dataclasses.replace(base, tile_k=128, stages=2),
-              "tk128_st3_epi32": dataclasses.replace(base, tile_k=128, stages=3, epi_tile_n=32),
-              "st5_epi32": dataclasses.replace(base, stages=5, epi_tile_n=32),
-              "epi_m128_n32": dataclasses.replace(base, epi_tile_m=128, epi_tile_n=32)}
-  print("\n| M | K | N | XLA ms | " + " | ".join(variants) + " |")
-  for (m, k, n) in shapes:
-    a = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
-    xla = time_ms(jax.jit(lambda a, b: a @ b), a, b)
-    cells = []
-    for cfg in variants.values():
-      try:
-        cells.append(f"{time_ms(jax.jit(lambda a, b, cfg=cfg: gemm(a, b, config=cfg)['out']), a, b):.4f}")
-      except Exception as e:
-        cells.append(type(e).__name__)
-    print(f"| {m} | {k} | {n} | {xla:.4f} | " + " | ".join(cells) + " |", flush=True)
-
-
-def sweep(shapes):
-  rows = []
-  for (m, k, n) in shapes:
-    a = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
-    xla = time_ms(jax.jit(lambda a, b: a @ b), a, b)
-    best = None
-    for tm, tn, (wg, gmin), tk, st, gw, cl in itertools.product(
-        (128,), (128,), ((MatDim.N, MatDim.M), (MatDim.M, MatDim.N)), (64,), (4,), (8, 16),
-        (None, MatDim.M, MatDim.N)):
-      cfg = GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=st, wg_dim=wg,
-                       grid_minor_dim=gmin, grid_tile_width=gw, cluster_dim=cl)
-      try:
-        t = time_ms(jax.jit(lambda a, b, cfg=cfg: gemm(a, b, config=cfg)["out"]), a, b)
-      except Exception as e:
-        print(f"  {cfg}: {type(e).__name__} {str(e)[:200]}", flush=True)
-        continue
-      print(f"  {m}x{k}x{n} wg={wg.name} minor={gmin.name} width={gw} "
-            f"cluster={cl.name if cl is not None else None}: {t:.4f} ms "
-            f"(xla {xla:.4f})", flush=True)
-      if best is None or t < best[0]:
-        best = (t, cfg)
-    rows.append((m, k, n, xla, best))
-  print("\n| M | K | N | XLA ms | ours ms | speed vs XLA | config |")
+      rec = autotune.tune(problem, iterations=args.iterations, extra=args.extra,
+                          log=lambda s: print(s, flush=True))
+    except Exception as e:  # noqa: BLE001  one problem failing does not stop the run
+      print(f"  FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    rec.update(where=where, commit=prov["commit"],
+               measured=datetime.date.today().isoformat())
+    autotune.store(k, rec, args.out)
+    rows.append((where, k, rec))
+    print(f"  best {rec['describe']}: {rec['ms']:.4f} ms (default {rec['default_ms']}) "
+          f"in {rec['search_s']} s", flush=True)
+  print(f"\nwritten to {args.out}\n")
+  print("| where | M x N x K | order | best | ms | default ms | default/best |")
   print("|---|---|---|---|---|---|---|")
-  for m, k, n, xla, best in rows:
-    if best:
-      print(f"| {m} | {k} | {n} | {xla:.4f} | {best[0]:.4f} | {xla / best[0]:.3f} | {best[1]} |")
+  for where, k, rec in rows:
+    d = rec["default_ms"]
+    print(f"| {where} | {k.m}x{k.n}x{k.k} | {'t' if k.trans_a else 'n'}"
+          f"{'t' if k.trans_b else 'n'} | {rec['describe']} | {rec['ms']:.4f} | "
+          f"{d if d is None else f'{d:.4f}'} | {'-' if d is None else f'{d / rec['ms']:.3f}'} |")
 
 
 if __name__ == "__main__":
-  p = argparse.ArgumentParser()
-  p.add_argument("--shapes", default="16384x2048x2048")
-  p.add_argument("--skip-check", action="store_true")
-  p.add_argument("--variants", action="store_true", help="default config vs one-knob variants")
-  args = p.parse_args()
-  print(jax.devices(), jax.__version__, flush=True)
-  shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-  if not args.skip_check:
-    check_features()
-  if args.variants:
-    variant_sweep(shapes)
-    sys.exit(0)
-  sweep([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
+  main()

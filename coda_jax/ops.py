@@ -140,8 +140,15 @@ def _finish(program, raw):
   return {name: v for prim in program for name, v in prim.finish(raw).items()}
 
 
+def program_id(program: Sequence[P.Primitive]) -> str:
+  """The program as the GEMM tuning cache names it."""
+  return "+".join(repr(p) for p in program)
+
+
 def kernel_config(a, b, program, operands, *, trans_a=False, trans_b=False) -> pk.GemmConfig:
-  """The default kernel tuning for this problem and program (raises if it cannot tile)."""
+  """The heuristic kernel tuning for this problem and program (raises ValueError if the
+  shape cannot tile). ``pallas_kernels.gemm`` prefers a measured config from the tuning
+  cache where it has one (``pallas_kernels.autotune``)."""
   m, n, k = _problem(a, b, trans_a, trans_b)
   inputs, outputs, group = _declared(tuple(program), m, n)
   return pk.default_config(m, n, k, a.dtype, input_kinds=dict(inputs),
@@ -182,24 +189,19 @@ def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
       impl = "xla"
     else:
       try:
-        config = config or kernel_config(a, b, program, operands, trans_a=trans_a,
-                                         trans_b=trans_b)
+        kernel_config(a, b, program, operands, trans_a=trans_a, trans_b=trans_b)
         impl = "mosaic"
       except ValueError as e:
         _announce(f"shape ({m}, {n}, {k}) does not tile ({e}): running the XLA reference path")
         impl = "xla"
   if impl == "xla":
     return reference(a, b, program, operands, trans_a=trans_a, trans_b=trans_b)
-  config = config or kernel_config(a, b, program, operands, trans_a=trans_a, trans_b=trans_b)
-  if config.epi_tile_n % group:
-    raise ValueError(f"config.epi_tile_n={config.epi_tile_n} must be a multiple of the "
-                     f"program's column group (pair block) {group}")
-
   def epilogue(tile, acc):
     P.run_program(program, acc, tile)
 
   raw = pk.gemm(a, b, inputs={nm: (kind, operands[nm]) for nm, kind in inputs.items()},
                 epilogue=epilogue, outputs=outputs, trans_a=trans_a, trans_b=trans_b,
-                config=config, in_place=in_place,
+                config=config, in_place=in_place, program_id=program_id(program),
+                min_epi_tile_n=group,
                 interpret=pk.interpret_params() if impl == "interpret" else None)
   return _finish(program, raw)

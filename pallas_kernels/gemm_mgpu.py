@@ -37,9 +37,28 @@ class MatDim(enum.IntEnum):
   N = 1
 
 
+class Schedule(enum.Enum):
+  """How the two compute warpgroups share the tensor cores.
+
+  COOPERATIVE: both work on one CTA tile (each owns half of it, split along
+    ``wg_dim``) and share every pipeline stage; their epilogues run together while the
+    tensor cores wait.
+  PINGPONG: each owns a whole tile of its own, and the CTA's tiles alternate between
+    them. The memory warpgroup fills one ring of stages in tile order, so one
+    warpgroup's mainloop runs while the other's epilogue reads and writes memory.
+  """
+  COOPERATIVE = "cooperative"
+  PINGPONG = "pingpong"
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
-  """Tuning knobs. Tiles are per compute warpgroup; the CTA tile is two of them."""
+  """Tuning knobs, checked when the config is made.
+
+  ``tile_m`` x ``tile_n`` is the output tile one compute warpgroup accumulates. Under
+  the cooperative schedule the CTA tile is two of them side by side (along
+  ``wg_dim``); under ping-pong each warpgroup works on a tile of its own.
+  """
   tile_m: int = 128
   tile_n: int = 128
   tile_k: int = 64
@@ -52,6 +71,14 @@ class GemmConfig:
   # Pair CTAs along this dim into a cluster that multicasts the operand they share
   # (cluster along M shares B tiles, along N shares A tiles), halving its L2 traffic.
   cluster_dim: MatDim | None = MatDim.N
+  schedule: Schedule = Schedule.COOPERATIVE
+  # Epilogue sub-tiles of each tile operand (a residual, a saved pre-activation) staged
+  # in shared memory ahead of the epilogue. The first ones are loaded while the
+  # mainloop runs; as many as a warpgroup tile has sub-tiles loads all of them then.
+  epi_operand_slots: int = 2
+
+  def __post_init__(self):
+    self.check()
 
   @property
   def cluster_tile(self) -> tuple[int, int]:
@@ -62,8 +89,22 @@ class GemmConfig:
 
   @property
   def cta_tile(self) -> tuple[int, int]:
+    """The output tile one pass of the mainloop computes (one pipeline stage holds its
+    operands): two warpgroup tiles when cooperative, one under ping-pong."""
+    if self.schedule == Schedule.PINGPONG:
+      return (self.tile_m, self.tile_n)
     return (self.tile_m * (2 if self.wg_dim == MatDim.M else 1),
             self.tile_n * (2 if self.wg_dim == MatDim.N else 1))
+
+  def describe(self) -> str:
+    """A short name for tables: schedule, warpgroup tile x K step, stages, epilogue
+    sub-tile, split, cluster."""
+    split = "" if self.schedule == Schedule.PINGPONG else f" wg{self.wg_dim.name}"
+    cl = f" cl{self.cluster_dim.name}" if self.cluster_dim is not None else ""
+    slots = f" in{self.epi_operand_slots}" if self.epi_operand_slots != 2 else ""
+    return (f"{self.schedule.value} {self.tile_m}x{self.tile_n}x{self.tile_k} "
+            f"s{self.stages} e{self.epi_tile_m}x{self.epi_tile_n}{split}{cl} "
+            f"{self.grid_minor_dim.name}{self.grid_tile_width}{slots}")
 
   def check(self):
     for name in ("tile_m", "tile_n", "tile_k", "epi_tile_m", "epi_tile_n"):
@@ -79,6 +120,18 @@ class GemmConfig:
       raise ValueError(f"GemmConfig.epi_tile_m={self.epi_tile_m} must be a multiple of 64")
     if self.stages < 2:
       raise ValueError(f"GemmConfig.stages={self.stages} must be >= 2")
+    if not isinstance(self.schedule, Schedule):
+      raise ValueError(f"GemmConfig.schedule={self.schedule!r}: one of "
+                       f"{[s.value for s in Schedule]}")
+    if self.schedule == Schedule.PINGPONG and 2 * self.stages > 32:
+      raise ValueError(f"GemmConfig.stages={self.stages}: ping-pong keeps a barrier per "
+                       "stage and warpgroup, at most 32; use at most 16 stages")
+    subtiles = (self.tile_m // self.epi_tile_m) * (self.tile_n // self.epi_tile_n)
+    if not 1 <= self.epi_operand_slots <= max(2, subtiles):
+      raise ValueError(f"GemmConfig.epi_operand_slots={self.epi_operand_slots}: between 1 "
+                       f"and the {max(2, subtiles)} sub-tiles of a warpgroup tile")
+    if self.grid_tile_width < 1:
+      raise ValueError(f"GemmConfig.grid_tile_width={self.grid_tile_width} must be >= 1")
 
 
 def _swizzle_transforms(minor_elems: int, dtype) -> tuple:
@@ -103,6 +156,16 @@ def smem_bytes(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
   return total + _SMEM_RESERVE_BYTES
 
 
+def epilogue_bytes_per_element(input_kinds: dict, input_dtypes: dict,
+                               outputs: tuple[epi.EpilogueOutput, ...]) -> float:
+  """HBM bytes the epilogue reads and writes per accumulator element: its tile operands
+  and tile outputs (row and column operands and partials are negligible)."""
+  total = sum(jnp.dtype(input_dtypes[nm]).itemsize * _TILE_KINDS[kind]
+              for nm, kind in input_kinds.items() if kind in _TILE_KINDS)
+  return total + sum(jnp.dtype(o.dtype).itemsize * o.width for o in outputs
+                     if o.kind == epi.OutputKind.TILE)
+
+
 def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=None,
                    input_dtypes=None, outputs=(), min_epi_tile_n: int = 1,
                    trans_a: bool = False, trans_b: bool = False) -> GemmConfig:
@@ -110,7 +173,10 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
 
   Tuned on H100 (bench/tune_gemm.py, results in bench/results/): 256x128 CTA tiles (the
   warpgroups split M) in clusters of two along N that multicast A and N-minor order in
-  bands of 16 were best or within 1% of best at every benchmark shape.
+  bands of 16 were best or within 1% of best at every benchmark shape for the plain GEMM
+  and light epilogues. Epilogues that move many bytes per element for their K (see
+  ``epilogue_bytes_per_element``) get the ping-pong schedule first. The tuning cache
+  (``autotune``) overrides all of this where it has the problem.
   ``trans_a`` / ``not trans_b`` (MN-major operands) need tile_k a multiple of 64.
 
   ``min_epi_tile_n``: the epilogue sub-tile width must be a multiple of this (the
@@ -118,25 +184,36 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
   """
   input_kinds = input_kinds or {}
   input_dtypes = input_dtypes or {}
-  candidates = [  # (tile_m, tile_n, wg_dim, cluster_dim), fastest first
+  cooperative = [  # (tile_m, tile_n, wg_dim, cluster_dim), fastest first
       (128, 128, MatDim.M, MatDim.N), (128, 128, MatDim.M, None), (128, 128, MatDim.N, None),
       (128, 64, MatDim.N, None), (64, 128, MatDim.M, None), (64, 64, MatDim.N, None),
       (64, 32, MatDim.N, None), (128, 64, MatDim.M, None), (64, 64, MatDim.M, None)]
+  candidates = [(Schedule.COOPERATIVE, *c) for c in cooperative]
+  if epilogue_bytes_per_element(input_kinds, input_dtypes, outputs) * 2048 / k > 4:
+    # The epilogue moves more than ~4 bytes per output element per 2048 of K: ping-pong
+    # hides it under the other warpgroup's mainloop, which pays for its slower mainloop
+    # (measured on the H100: bench/NOTES.md, issue 10). Deep rings before wide
+    # epilogue sub-tiles, as below.
+    candidates.insert(0, (Schedule.PINGPONG, 128, 128, MatDim.M, MatDim.N))
   # (tile_k, stages), deepest K in flight first: with a large epilogue, 5 stages of 32
   # beat 2 of 64 by 10% (bench/NOTES.md, the SwiGLU backward GEMM).
   depths = [(64, 4), (64, 3), (32, 6), (32, 5), (32, 4), (64, 2), (32, 3), (16, 6), (16, 4),
             (32, 2), (16, 2)]
   if trans_a or not trans_b:  # MN-major operands need tile_k = 64
     depths = [(tk, st) for tk, st in depths if tk == 64]
-  for tm, tn, wg, cl in candidates:
-    for tk, stages in depths:
-      probe = GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, wg_dim=wg, cluster_dim=cl)
+  for schedule, tm, tn, wg, cl in candidates:
+    stage_depths = depths
+    if schedule == Schedule.PINGPONG:  # its stages hold half as much: more of them
+      stage_depths = [(64, st) for st in (5, 4, 3)]
+    for tk, stages in stage_depths:
+      probe = GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, wg_dim=wg, cluster_dim=cl,
+                         epi_tile_n=min(64, tn), schedule=schedule)
       cm, cn = probe.cluster_tile
       if _split_b_too_narrow(probe, trans_b) or k % tk or m % cm or n % cn:
         continue
       # Pipeline depth matters more than epilogue sub-tile width: try narrower sub-tiles
       # (smaller epilogue buffers) before fewer stages.
-      for en in (64, 32, 16):
+      for en in ((32,) if schedule == Schedule.PINGPONG else (64, 32, 16)):
         en = max(min(en, tn), min_epi_tile_n)
         if tn % en or en % min_epi_tile_n:
           continue
@@ -175,7 +252,8 @@ def check_operands(a, b, trans_a=False, trans_b=False,
 def _split_b_too_narrow(config: GemmConfig, trans_b: bool) -> bool:
   # B stored (K, N) is swizzled in 64-column tiles: the warpgroups can only split it
   # along N at multiples of 64.
-  return config.wg_dim == MatDim.N and not trans_b and config.tile_n % 64 != 0
+  return (config.schedule == Schedule.COOPERATIVE and config.wg_dim == MatDim.N
+          and not trans_b and config.tile_n % 64 != 0)
 
 
 def _check_tiling(m, n, k, config: GemmConfig, trans_a: bool, trans_b: bool):
@@ -208,6 +286,7 @@ class _Epilogue:
     self.vecs_in = [nm for nm, kd in input_kinds.items() if kd not in _TILE_KINDS]
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     self.sub_tiles = [(i, j) for i in range(cfg.tile_m // em) for j in range(cfg.tile_n // en)]
+    self.in_slots = cfg.epi_operand_slots
 
   @staticmethod
   def scratch(cfg, input_kinds, input_dtypes, outputs) -> dict:
@@ -222,12 +301,14 @@ class _Epilogue:
     vecs = [nm for nm, kd in input_kinds.items() if kd not in _TILE_KINDS]
     for nm in tiles:
       dt, w = input_dtypes[nm], en * _TILE_KINDS[input_kinds[nm]]
-      out["i_" + nm] = plgpu.SMEM((2, 2, em, w), dt, transforms=_swizzle_transforms(w, dt))
+      out["i_" + nm] = plgpu.SMEM((2, cfg.epi_operand_slots, em, w), dt,
+                                  transforms=_swizzle_transforms(w, dt))
     for nm in vecs:
       length = cfg.tile_m if input_kinds[nm] == epi.InputKind.ROW else cfg.tile_n
       out["i_" + nm] = plgpu.SMEM((2, length), input_dtypes[nm])
     if tiles:
-      out["tile_bar"] = plgpu.Barrier(num_arrivals=len(tiles), num_barriers=4)
+      out["tile_bar"] = plgpu.Barrier(num_arrivals=len(tiles),
+                                      num_barriers=2 * cfg.epi_operand_slots)
     if vecs:
       out["vec_bar"] = plgpu.Barrier(num_arrivals=len(vecs), num_barriers=2)
     if any(o.kind == epi.OutputKind.COL_PARTIAL for o in outputs):
@@ -246,8 +327,9 @@ class _Epilogue:
       w = en * _TILE_KINDS[self.kinds[nm]]
       cols = pl.ds(pl.multiple_of(c0 * _TILE_KINDS[self.kinds[nm]], w), w)
       plgpu.copy_gmem_to_smem(self.in_gmem[nm].at[pl.ds(r0, em), cols],
-                              self.smem["i_" + nm].at[self.wg, s % 2],
-                              self.smem["tile_bar"].at[self.wg * 2 + s % 2])
+                              self.smem["i_" + nm].at[self.wg, s % self.in_slots],
+                              self.smem["tile_bar"].at[self.wg * self.in_slots
+                                                       + s % self.in_slots])
 
   def prefetch(self, row_base, col_base):
     """Issues the operand loads for the tile at (row_base, col_base); call before the
@@ -264,55 +346,66 @@ class _Epilogue:
         src = self.in_gmem[nm].at[pl.ds(col_base, self.cfg.tile_n)]
       plgpu.copy_gmem_to_smem(src, self.smem["i_" + nm].at[self.wg],
                               self.smem["vec_bar"].at[self.wg])
-    # Tile operands run two sub-tiles ahead of the epilogue, one per slot.
-    for s in range(min(2, len(self.sub_tiles)) if self.tiles_in else 0):
+    # Tile operands run epi_operand_slots sub-tiles ahead of the epilogue.
+    for s in range(min(self.in_slots, len(self.sub_tiles)) if self.tiles_in else 0):
       self._fetch_tiles(s, row_base, col_base)
 
-  def run(self, acc, row_base, col_base):
+  def run(self, acc, row_base, col_base, *, first_tile=None):
+    """The epilogue of one tile. ``first_tile`` (ping-pong only): whether this is the
+    CTA's first tile, whose epilogue waits for no earlier one."""
     if self.vecs_in:
       plgpu.barrier_wait(self.smem["vec_bar"].at[self.wg])
     if "turn" not in self.smem:
       self._subtiles(acc, row_base, col_base)
       return
     # Column (cross-warp) reductions use compiler-placed SMEM scratch at one static
-    # offset, the same for both warpgroups: take turns, warpgroup 0 first.
+    # offset, the same for both warpgroups: their epilogues take turns.
     turn = self.smem["turn"]
-    pl.when(self.wg == 1)(lambda: plgpu.barrier_wait(turn.at[0]))
+    if first_tile is None:  # cooperative: warpgroup 0 first, then 1, on every tile
+      pl.when(self.wg == 1)(lambda: plgpu.barrier_wait(turn.at[0]))
+      self._subtiles(acc, row_base, col_base)
+      pl.when(self.wg == 0)(lambda: plgpu.barrier_arrive(turn.at[0]))
+      pl.when(self.wg == 1)(lambda: plgpu.barrier_arrive(turn.at[1]))
+      pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(turn.at[1]))
+      return
+    # Ping-pong: tiles alternate between the warpgroups, and so do their epilogues. Each
+    # waits for the other's previous epilogue (the tile before its own) to finish.
+    @pl.when(jnp.logical_not(first_tile))
+    def _wait_for_previous():
+      plgpu.barrier_wait(turn.at[1 - self.wg])
     self._subtiles(acc, row_base, col_base)
-    pl.when(self.wg == 0)(lambda: plgpu.barrier_arrive(turn.at[0]))
-    pl.when(self.wg == 1)(lambda: plgpu.barrier_arrive(turn.at[1]))
-    pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(turn.at[1]))
+    plgpu.barrier_arrive(turn.at[self.wg])
 
   def _subtiles(self, acc, row_base, col_base):
     em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
     for s, (i, j) in enumerate(self.sub_tiles):
-      slot = s % 2
+      slot, in_slot = s % 2, s % self.in_slots
       r0, c0 = self._origin(s, row_base, col_base)
       if self.tiles_in:
-        plgpu.barrier_wait(self.smem["tile_bar"].at[self.wg * 2 + slot])
+        plgpu.barrier_wait(self.smem["tile_bar"].at[self.wg * self.in_slots + in_slot])
       # The stores issued two sub-tiles ago used this slot; at a tile's first sub-tile
       # the previous tile's last store may have used it too (odd sub-tile counts).
       plgpu.wait_smem_to_gmem(0 if s == 0 else 1, wait_read_only=True)
-      tile = self._tile(slot, i, j, r0, c0)
+      tile = self._tile(slot, in_slot, i, j, r0, c0)
       self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
       missing = {o.name for o in self.outputs} - tile.stored
       if missing:
         raise ValueError(f"epilogue did not store outputs {sorted(missing)}")
       plgpu.commit_smem()  # also: every warp is done reading this slot's operands
-      if self.tiles_in and s + 2 < len(self.sub_tiles):
-        self._fetch_tiles(s + 2, row_base, col_base)
+      if self.tiles_in and s + self.in_slots < len(self.sub_tiles):
+        self._fetch_tiles(s + self.in_slots, row_base, col_base)
       for o in self.outputs:
         plgpu.copy_smem_to_gmem(self.smem["o_" + o.name].at[self.wg, slot],
                                 self._window(o, r0, c0), commit_group=False)
       plgpu.commit_smem_to_gmem_group()
 
-  def _tile(self, slot, i, j, r0, c0):
+  def _tile(self, slot, in_slot, i, j, r0, c0):
     em, en, smem, wg = self.cfg.epi_tile_m, self.cfg.epi_tile_n, self.smem, self.wg
 
     def reader(nm):
       kind = self.kinds[nm]
       if kind in _TILE_KINDS:
-        return lambda: smem["i_" + nm].at[wg, slot][...]
+        return lambda: smem["i_" + nm].at[wg, in_slot][...]
       if kind == epi.InputKind.ROW:
         return lambda: epi.load_row(smem["i_" + nm].at[wg, pl.ds(i * em, em)])
       return lambda: epi.load_col(smem["i_" + nm].at[wg, pl.ds(j * en, en)])
@@ -344,9 +437,11 @@ def _operand_views(a_smem, b_smem, trans_a, trans_b, wg_m, wg_n):
   return a_op, b_op
 
 
-def _kernel(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, trans_b,
-            input_names, input_kinds, outputs, epilogue, in_place):
+def _kernel_cooperative(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, trans_b,
+                        input_names, input_kinds, outputs, epilogue, in_place,
+                        num_clusters):
   """Both compute warpgroups share each CTA tile and each pipeline stage."""
+  del num_clusters  # nd_loop spreads the tiles over the grid
   in_gmem = dict(zip(input_names, refs[:len(input_names)]))
   fresh = [o.name for o in outputs if o.name not in in_place]
   out_gmem = dict(zip(fresh, refs[len(input_names):]))
@@ -354,8 +449,8 @@ def _kernel(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, trans_b,
   dtype = a_gmem.dtype
   tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
   cm, cn = cfg.cta_tile
-  clm, cln = cfg.cluster_tile
-  m_iters, n_iters, k_iters = m // clm, n // cln, k // tk
+  cluster_tile_m, cluster_tile_n = cfg.cluster_tile
+  m_iters, n_iters, k_iters = m // cluster_tile_m, n // cluster_tile_n, k // tk
   share_a = ("cluster",) if cfg.cluster_dim == MatDim.N else ()
   share_b = ("cluster",) if cfg.cluster_dim == MatDim.M else ()
   a_block = (tk, cm) if trans_a else (cm, tk)
@@ -380,12 +475,7 @@ def _kernel(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, trans_b,
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
     def _tile_loop(info):
       (lin,) = info.index
-      mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), cfg.grid_minor_dim,
-                                  cfg.grid_tile_width)
-      if cfg.cluster_dim == MatDim.M:
-        mi = mi * 2 + lax.axis_index("cluster")
-      elif cfg.cluster_dim == MatDim.N:
-        ni = ni * 2 + lax.axis_index("cluster")
+      mi, ni = _tile_origin(lin, cfg, m_iters, n_iters)
       if cfg.wg_dim == MatDim.M:
         row_base, col_base = mi * cm + wg * tm, ni * cn
         wg_m, wg_n = pl.ds(wg * tm, tm), slice(None)
@@ -425,6 +515,138 @@ def _kernel(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, trans_b,
   )
 
 
+def _tile_origin(lin, cfg: GemmConfig, m_iters, n_iters):
+  """(mi, ni): the CTA-tile coordinates of linear tile ``lin`` of this cluster."""
+  mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), cfg.grid_minor_dim,
+                              cfg.grid_tile_width)
+  if cfg.cluster_dim == MatDim.M:
+    mi = mi * 2 + lax.axis_index("cluster")
+  elif cfg.cluster_dim == MatDim.N:
+    ni = ni * 2 + lax.axis_index("cluster")
+  return mi, ni
+
+
+def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, trans_b,
+                     input_names, input_kinds, outputs, epilogue, in_place, num_clusters):
+  """Ping-pong: warpgroups 0 and 1 take the CTA's tiles in turn, each a whole
+  (tile_m, tile_n) tile; warpgroup 2 streams every tile's A and B stages, in tile order,
+  through one ring. Stage ``g`` (counted over the CTA's whole run) sits in slot
+  ``g % stages``; its "full" barrier is the owning warpgroup's own, so each barrier is
+  waited on by one warpgroup at every phase, and the automatic phase tracking holds.
+  The owner releases a slot (the "consumed" barrier, cluster-wide when an operand is
+  multicast) once the wgmma reading it has finished."""
+  in_gmem = dict(zip(input_names, refs[:len(input_names)]))
+  fresh = [o.name for o in outputs if o.name not in in_place]
+  out_gmem = dict(zip(fresh, refs[len(input_names):]))
+  out_gmem.update({o: in_gmem[i] for o, i in in_place.items()})
+  dtype = a_gmem.dtype
+  tm, tn, tk, stages = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.stages
+  cluster_tile_m, cluster_tile_n = cfg.cluster_tile
+  m_iters, n_iters, k_iters = m // cluster_tile_m, n // cluster_tile_n, k // tk
+  num_tiles = m_iters * n_iters
+  multicast_a = ("cluster",) if cfg.cluster_dim == MatDim.N else None
+  multicast_b = ("cluster",) if cfg.cluster_dim == MatDim.M else None
+  a_block = (tk, tm) if trans_a else (tm, tk)
+  b_block = (tn, tk) if trans_b else (tk, tn)
+  if cfg.cluster_dim is None:
+    consumed = plgpu.Barrier(num_arrivals=1, num_barriers=stages)
+  else:  # a multicast writes the peer CTA's slot too: both must have released it
+    consumed = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=1,
+                                    num_barriers=stages)
+
+  def scope(a_ring, b_ring, full, consumed, **smem):
+    wg = lax.axis_index("wg")
+    cluster_id = lax.axis_index("sm")
+    # This cluster's tiles: cluster_id, cluster_id + num_clusters, ...
+    local_tiles = (num_tiles - cluster_id + num_clusters - 1) // num_clusters
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def tile_body(t, step):
+        mi, ni = _tile_origin(cluster_id + t * num_clusters, cfg, m_iters, n_iters)
+        owner = t % 2
+
+        def k_body(kk, step):
+          slot = step % stages
+
+          @pl.when(step >= stages)
+          def _wait_released():
+            plgpu.barrier_wait(consumed.at[slot])
+
+          ks = pl.ds(pl.multiple_of(kk * tk, tk), tk)
+          rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
+          a_src = a_gmem.at[ks, rows] if trans_a else a_gmem.at[rows, ks]
+          b_src = b_gmem.at[cols, ks] if trans_b else b_gmem.at[ks, cols]
+          bar = full.at[owner * stages + slot]
+          plgpu.copy_gmem_to_smem(a_src, a_ring.at[slot], bar, collective_axes=multicast_a)
+          plgpu.copy_gmem_to_smem(b_src, b_ring.at[slot], bar, collective_axes=multicast_b)
+          return step + 1
+
+        return lax.fori_loop(0, k_iters, k_body, step)
+
+      total = lax.fori_loop(0, local_tiles, tile_body, jnp.int32(0))
+
+      # Observe the last releases, so that no barrier ends with a phase unseen.
+      @pl.loop(jnp.maximum(total - stages, 0), total)
+      def _drain(step):
+        plgpu.barrier_wait(consumed.at[step % stages])
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      ep = _Epilogue(cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg)
+
+      def tile_body(i, _):
+        t = 2 * i + wg
+        mi, ni = _tile_origin(cluster_id + t * num_clusters, cfg, m_iters, n_iters)
+        row_base, col_base = mi * tm, ni * tn
+        ep.prefetch(row_base, col_base)
+        first_step = t * k_iters
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+        def _acc_scope(acc_ref):
+          def k_body(kk, _):
+            step = first_step + kk
+            slot = step % stages
+            plgpu.barrier_wait(full.at[wg * stages + slot])
+            a_op = a_ring.at[slot].transpose((1, 0)) if trans_a else a_ring.at[slot]
+            b_op = b_ring.at[slot].transpose((1, 0)) if trans_b else b_ring.at[slot]
+            plgpu.wgmma(acc_ref, a_op, b_op)
+            plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
+
+            @pl.when(kk > 0)
+            def _release_previous():
+              plgpu.barrier_arrive(consumed.at[(step - 1) % stages])
+
+          lax.fori_loop(0, k_iters, k_body, None)
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(consumed.at[(first_step + k_iters - 1) % stages])
+          ep.run(acc_ref[...], row_base, col_base, first_tile=t == 0)
+
+      lax.fori_loop(0, (local_tiles - wg + 1) // 2, tile_body, None)
+      if "turn" in smem:  # the other warpgroup's last epilogue: observe its turn
+
+        @pl.when((local_tiles - 1) % 2 != wg)
+        def _last_turn():
+          plgpu.barrier_wait(smem["turn"].at[1 - wg])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  pl.run_scoped(
+      scope,
+      a_ring=plgpu.SMEM((stages, *a_block), dtype,
+                        transforms=_swizzle_transforms(a_block[1], dtype)),
+      b_ring=plgpu.SMEM((stages, *b_block), dtype,
+                        transforms=_swizzle_transforms(b_block[1], dtype)),
+      full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),
+      consumed=consumed,
+      collective_axes="wg",
+      **_Epilogue.scratch(cfg, input_kinds, {nm: r.dtype for nm, r in in_gmem.items()},
+                          outputs),
+  )
+
+
 def gemm(a: jax.Array, b: jax.Array, *,
          inputs: dict[str, tuple[epi.InputKind, jax.Array]] | None = None,
          epilogue: Callable | None = None,
@@ -432,7 +654,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
          trans_a: bool = False, trans_b: bool = False,
          in_place: dict[str, str] | None = None,
          config: GemmConfig | None = None, num_sms: int | None = None,
-         interpret=None) -> dict[str, jax.Array]:
+         interpret=None, program_id: str | None = None,
+         min_epi_tile_n: int = 1) -> dict[str, jax.Array]:
   """Runs ``a @ b`` (operands optionally transposed) with an epilogue program.
 
   Args:
@@ -445,9 +668,14 @@ def gemm(a: jax.Array, b: jax.Array, *,
       operand's buffer (a mutable ``jax.Ref`` inside; XLA reuses the buffer when the
       caller donates it), e.g. accumulating a gradient into its previous value. Each
       element is read before it is written, by the same CTA.
-    config: tuning; default ``default_config`` for the shape and program.
+    config: tuning; default the tuned config for this problem from the on-disk cache
+      (``autotune.lookup``), else ``default_config``'s heuristic.
     num_sms: size of the persistent grid; default the device's SM count.
     interpret: ``plgpu.InterpretGPUParams()`` to run on CPU through the interpreter.
+    program_id: names the epilogue program in the tuning cache's key (what the closure
+      computes; its operands and outputs are part of the key anyway).
+    min_epi_tile_n: the epilogue sub-tile width must be a multiple of this (a pairwise
+      epilogue's pair block); used where ``config`` is chosen here.
   Returns:
     dict of output name to array, shapes per ``epilogue.output_shape``.
   """
@@ -475,10 +703,26 @@ def gemm(a: jax.Array, b: jax.Array, *,
                        f"shape and dtype, got {o} and a {kind.value} operand of {v.dtype}")
   if len(set(in_place.values())) != len(in_place):
     raise ValueError(f"in_place={in_place}: an operand can back one output only")
+  if interpret is None:
+    from pallas_kernels import autotune  # it imports this module
+    key = autotune.problem_key(m, n, k, a.dtype, trans_a, trans_b, autotune.signature(
+        program_id, input_kinds, input_dtypes, outputs, in_place, min_epi_tile_n))
+    autotune.record(autotune.Problem(
+        key=key, a=jax.ShapeDtypeStruct(a.shape, a.dtype),
+        b=jax.ShapeDtypeStruct(b.shape, b.dtype),
+        inputs={nm: (kind, jax.ShapeDtypeStruct(v.shape, v.dtype))
+                for nm, (kind, v) in inputs.items()},
+        epilogue=epilogue, outputs=outputs, trans_a=trans_a, trans_b=trans_b,
+        in_place=in_place, program_id=program_id, min_epi_tile_n=min_epi_tile_n))
+    if config is None:
+      config = autotune.lookup(key)
   if config is None:
     config = default_config(m, n, k, a.dtype, input_kinds=input_kinds,
                             input_dtypes=input_dtypes, outputs=outputs, trans_a=trans_a,
-                            trans_b=trans_b)
+                            trans_b=trans_b, min_epi_tile_n=min_epi_tile_n)
+  if config.epi_tile_n % min_epi_tile_n:
+    raise ValueError(f"config.epi_tile_n={config.epi_tile_n} must be a multiple of the "
+                     f"program's column group (pair block) {min_epi_tile_n}")
   _check_tiling(m, n, k, config, trans_a, trans_b)
   for o in outputs:
     if (o.kind == epi.OutputKind.TILE
@@ -501,8 +745,10 @@ def gemm(a: jax.Array, b: jax.Array, *,
     raise ValueError(f"num_sms={num_sms} is smaller than the cluster ({cluster} CTAs) of "
                      f"{config}: pass cluster_dim=None or more SMs")
   grid = min(num_sms // cluster, tiles)
+  body = (_kernel_pingpong if config.schedule == Schedule.PINGPONG
+          else _kernel_cooperative)
   kernel = plgpu.kernel(
-      functools.partial(_kernel, cfg=config, m=m, n=n, k=k, trans_a=trans_a,
+      functools.partial(body, num_clusters=grid, cfg=config, m=m, n=n, k=k, trans_a=trans_a,
                         trans_b=trans_b, input_names=names_in, input_kinds=input_kinds,
                         outputs=outputs, epilogue=epilogue, in_place=in_place),
       out_type=out_type,

@@ -248,6 +248,31 @@ MUTATIONS = [
         ("tests/test_in_place.py", "-k", "over_slices or custom_vjp"),
         "without the barriers XLA's GPU dynamic-slice fusion ignores the kernel's aliasing "
         "(issue 4's NaN)", gpu_only=True),
+    # ---- issue 10: the ping-pong schedule and the staged tile operands -----------------
+    Mutation(
+        "pingpong_producer_skips_release_wait", "pallas_kernels/gemm_mgpu.py",
+        "          @pl.when(step >= stages)\n          def _wait_released():",
+        "          @pl.when(step < 0)  # (planted) never waits\n          def _wait_released():",
+        ("tests/test_gemm_mainloop.py", "-k", "race_free and pingpong"),
+        why="the ring's next TMA must not land in a slot a wgmma still reads"),
+    Mutation(
+        "pingpong_epilogues_do_not_take_turns", "pallas_kernels/gemm_mgpu.py",
+        "    def _wait_for_previous():\n      plgpu.barrier_wait(turn.at[1 - self.wg])",
+        "    def _wait_for_previous():\n      pass",
+        ("tests/test_primitives.py", "-k", "race_free and pingpong and colsum"),
+        why="column partials share one scratch buffer: the two epilogues must not overlap"),
+    Mutation(
+        "operand_slot_ignores_slot_count", "pallas_kernels/gemm_mgpu.py",
+        "      slot, in_slot = s % 2, s % self.in_slots",
+        "      slot, in_slot = s % 2, s % 2",
+        ("tests/test_primitives.py", "-k", "tile_operand_slots"),
+        why="with 3 or 8 slots the epilogue would read another sub-tile's residual"),
+    Mutation(
+        "pingpong_epilogue_at_wrong_tile", "pallas_kernels/gemm_mgpu.py",
+        "        t = 2 * i + wg\n        mi, ni = _tile_origin(cluster_id + t * num_clusters,",
+        "        t = 2 * i + wg\n        mi, ni = _tile_origin(cluster_id + (t ^ 1) * num_clusters,",
+        ("tests/test_gemm_mainloop.py", "-k", "configs and pingpong"),
+        why="each warpgroup must store the tile whose stages it consumed"),
 ]
 
 

@@ -157,16 +157,21 @@ def test_gemm_config_does_not_divide(ab, interpret):
     pk.gemm(a[:64], b, config=cfg, interpret=interpret)
 
 
-@pytest.mark.parametrize("cfg,match", [
-    (GemmConfig(tile_m=96), "tile_m=96 must be a multiple of 64"),
-    (GemmConfig(tile_n=100), "tile_n=100 must be a positive multiple of 8"),
-    (GemmConfig(epi_tile_n=48), "must divide the warpgroup tile"),
-    (GemmConfig(stages=1), "stages=1"),
-    (GemmConfig(tile_m=128, epi_tile_m=32), "GemmConfig.epi_tile_m=32 must be a multiple of 64"),
+@pytest.mark.parametrize("fields,match", [
+    (dict(tile_m=96), "tile_m=96 must be a multiple of 64"),
+    (dict(tile_n=100), "tile_n=100 must be a positive multiple of 8"),
+    (dict(epi_tile_n=48), "must divide the warpgroup tile"),
+    (dict(stages=1), "stages=1"),
+    (dict(tile_m=128, epi_tile_m=32), "GemmConfig.epi_tile_m=32 must be a multiple of 64"),
+    (dict(schedule="pingpong"), r"GemmConfig.schedule='pingpong': one of"),
+    (dict(stages=17, schedule=pk.Schedule.PINGPONG), "use at most 16 stages"),
+    (dict(grid_tile_width=0), "grid_tile_width=0 must be >= 1"),
+    (dict(epi_operand_slots=5), r"epi_operand_slots=5: between 1 and the 4 sub-tiles"),
 ])
-def test_gemm_bad_config(ab, interpret, cfg, match):
+def test_gemm_bad_config(fields, match):
+  """A config checks itself when it is made."""
   with pytest.raises(ValueError, match=match):
-    pk.gemm(*ab, config=cfg, interpret=interpret)
+    GemmConfig(**fields)
 
 
 def test_gemm_no_default_tiling(key, ab, interpret):

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import GemmConfig, MatDim
+from pallas_kernels import GemmConfig, MatDim, Schedule
 from helpers import assert_within_baseline, gemm_inputs, matmul_f32
 
 M_, N_ = MatDim.M, MatDim.N
@@ -25,6 +25,17 @@ CONFIGS = {
                             wg_dim=M_, cluster_dim=N_),
     "cluster_m": GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=3, wg_dim=N_,
                             cluster_dim=M_),
+    # ping-pong: each warpgroup owns whole tiles, in turn
+    "pingpong": GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=3, epi_tile_n=32,
+                           cluster_dim=None, schedule=Schedule.PINGPONG),
+    "pingpong_two_stages": GemmConfig(tile_m=128, tile_n=64, tile_k=64, stages=2,
+                                      cluster_dim=None, schedule=Schedule.PINGPONG),
+    "pingpong_cluster_n": GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=4,
+                                     epi_tile_n=32, cluster_dim=N_,
+                                     schedule=Schedule.PINGPONG),
+    "pingpong_cluster_m": GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=3,
+                                     cluster_dim=M_, grid_minor_dim=M_, grid_tile_width=2,
+                                     schedule=Schedule.PINGPONG),
     "default": None,
 }
 # (M, N, K, dtype): non-square, K = 3 x tile_k; M, N divisible by every cluster tile.
@@ -47,9 +58,10 @@ def check_gemm(a, b, interpret, trans_a=False, trans_b=False, **kw):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize(**TRANSPOSES)
-def test_transposes(key, interpret, dtype, trans_a, trans_b):
+@pytest.mark.parametrize("config", ["wg_n", "pingpong_cluster_m"])
+def test_transposes(key, interpret, dtype, trans_a, trans_b, config):
   a, b = gemm_inputs(key, 128, 256, 192, dtype, trans_a, trans_b)
-  check_gemm(a, b, interpret, trans_a, trans_b, config=CONFIGS["wg_n"], num_sms=2)
+  check_gemm(a, b, interpret, trans_a, trans_b, config=CONFIGS[config], num_sms=2)
 
 
 @pytest.mark.parametrize(**TRANSPOSES)
@@ -80,9 +92,11 @@ def test_default_config_single_k_step(key, interpret):
   check_gemm(a, b, interpret, num_sms=2)
 
 
-def test_more_sms_than_tiles(key, interpret):
+@pytest.mark.parametrize("config", ["wg_n", "pingpong"])
+def test_more_sms_than_tiles(key, interpret, config):
+  """Some CTAs get one tile (under ping-pong, warpgroup 1 then has none)."""
   a, b = gemm_inputs(key, 128, 256, 128, jnp.bfloat16, trans_b=True)
-  check_gemm(a, b, interpret, trans_b=True, config=CONFIGS["wg_n"], num_sms=16)
+  check_gemm(a, b, interpret, trans_b=True, config=CONFIGS[config], num_sms=6)
 
 
 def test_fewer_sms_than_a_cluster(key, interpret):
@@ -93,7 +107,9 @@ def test_fewer_sms_than_a_cluster(key, interpret):
 
 
 @pytest.mark.parametrize("k,config", [(128, "wg_n"), (128, "cluster_n"), (128, "wg_m"),
-                                      (64, "default")])
+                                      (64, "default"), (128, "pingpong"),
+                                      (192, "pingpong_two_stages"),
+                                      (128, "pingpong_cluster_n")])
 def test_race_free(key, race_detector, k, config):
   """Several tiles per SM, so that buffer reuse across tiles is exercised; the
   interpreter's happens-before checker sees races that its eager copies hide."""

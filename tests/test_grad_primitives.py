@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels as pk
+
 import coda_jax as cj
 from coda_jax import ops
 from coda_jax.grad_primitives import GatedGrad, RmsNormGrad, SoftmaxXentGrad
@@ -100,8 +102,9 @@ def _f32(program):
           for p in program]
 
 
+@pytest.mark.parametrize("schedule", ["default", "pingpong"])
 @pytest.mark.parametrize("name", list(PROGRAMS))
-def test_backward_program_in_kernel(name, key, kernel_impl):
+def test_backward_program_in_kernel(name, key, kernel_impl, schedule, monkeypatch):
   a, b = gemm_inputs(key, M, N, K, jnp.bfloat16, trans_b=True)
   b = b * K ** -0.5
   program = PROGRAMS[name]
@@ -113,8 +116,15 @@ def test_backward_program_in_kernel(name, key, kernel_impl):
   truth = cj.reference(a.astype(jnp.float32), b.astype(jnp.float32), _f32(program), up,
                        trans_b=True)
   base = cj.reference(a, b, program, operands, trans_b=True, round_to=jnp.bfloat16)
+  # ping-pong with warpgroup tiles (64, 64): several tiles per CTA, so column partials
+  # (dg) and in-turn epilogues alternate between the warpgroups
+  config = None if schedule == "default" else pk.GemmConfig(
+      tile_m=64, tile_n=64, tile_k=64, stages=3, epi_tile_n=2 * P if "gated" in name else 64,
+      cluster_dim=None, schedule=pk.Schedule.PINGPONG)
+  real = pk.gemm  # two SMs on the GPU too: each CTA loops over several tiles
+  monkeypatch.setattr(pk, "gemm", lambda *a, **kw: real(*a, **{"num_sms": 2, **kw}))
   got = jax.jit(lambda a, b, o: cj.gemm_epilogue(a, b, program, o, trans_b=True,
-                                                 impl=kernel_impl))(a, b, operands)
+                                                 impl=kernel_impl, config=config))(a, b, operands)
   assert set(got) == set(base)
   for out in got:
     assert got[out].shape == base[out].shape and got[out].dtype == base[out].dtype, out

@@ -16,7 +16,7 @@ import pytest
 import coda_jax as cj
 import pallas_kernels as pk
 from coda_jax.grad_primitives import GatedGrad
-from pallas_kernels import GemmConfig, MatDim
+from pallas_kernels import GemmConfig, MatDim, Schedule
 from helpers import (assert_within_baseline, gated_pairs, gemm_inputs, matmul_f32, normal,
                      rel_err)
 
@@ -24,6 +24,8 @@ PROGRAM = [cj.AddTile("g"), cj.Store("g_new", jnp.float32)]
 # several tiles per CTA, so that in-place reads and writes of neighbouring tiles interleave
 CONFIG = GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=3, epi_tile_n=32,
                     wg_dim=MatDim.N, cluster_dim=None)
+PINGPONG_CONFIG = GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=3, epi_tile_n=32,
+                             cluster_dim=None, schedule=Schedule.PINGPONG)
 # one (64, 128) CTA tile: the scan tests run one small kernel per step
 SCAN_CONFIG = GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_tile_n=64,
                          wg_dim=MatDim.N, cluster_dim=None)
@@ -38,8 +40,9 @@ def _temp_bytes(fn, donate, *args) -> int:
   return stats.temp_size_in_bytes
 
 
+@pytest.mark.parametrize("config", [CONFIG, PINGPONG_CONFIG], ids=["cooperative", "pingpong"])
 @pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False)], ids=["nn", "tn"])
-def test_accumulate_in_place(key, kernel_impl, trans_a, trans_b):
+def test_accumulate_in_place(key, kernel_impl, trans_a, trans_b, config):
   """g + A^T B, the weight-gradient form, written over g; under jit with g donated."""
   ka, kg = jax.random.split(key)
   a, b = gemm_inputs(ka, 256, 256, 128, jnp.bfloat16, trans_a, trans_b)
@@ -48,7 +51,7 @@ def test_accumulate_in_place(key, kernel_impl, trans_a, trans_b):
 
   def step(a, b, g):
     return cj.gemm_epilogue(a, b, PROGRAM, {"g": g}, trans_a=trans_a, trans_b=trans_b,
-                            impl=kernel_impl, config=CONFIG, in_place={"g_new": "g"})
+                            impl=kernel_impl, config=config, in_place={"g_new": "g"})
   got = jax.jit(step, donate_argnums=2)(a, b, g + 0)["g_new"]
   # fp32 accumulator and fp32 output: the only error is the fp32 summation order
   assert rel_err(got, want) < 1e-5

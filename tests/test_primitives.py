@@ -12,7 +12,7 @@ import coda_jax as cj
 from coda_jax import layout
 from coda_jax.primitives import PickColumn
 import pallas_kernels
-from pallas_kernels import GemmConfig, MatDim
+from pallas_kernels import GemmConfig, MatDim, Schedule
 from helpers import (GATED_ACTS, assert_within_baseline, f64, gemm_inputs, matmul_f32,
                      normal, rel_err, rope_freqs)
 
@@ -90,6 +90,18 @@ def alt_config(program):
                     epi_tile_n=pair, cluster_dim=MatDim.M)
 
 
+def pingpong_config(program):
+  """Ping-pong: each warpgroup owns (64, 128) tiles, clusters of two along N multicast
+  A: 8 tiles over 2 clusters, so each warpgroup runs two and their epilogues alternate
+  (column partials take turns across the two)."""
+  pair = max([p.column_group() for p in program if p.column_group()] + [64])
+  return GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=3, epi_tile_n=pair,
+                    cluster_dim=MatDim.N, schedule=Schedule.PINGPONG)
+
+
+CONFIGS = {"default": lambda program: None, "alt": alt_config, "pingpong": pingpong_config}
+
+
 def check_program(a, b, program, operands, impl, *, trans_a=False, trans_b=False,
                   config=None):
   """Runs the program and checks every output; returns (got, fp32 truth)."""
@@ -114,14 +126,13 @@ def check_program(a, b, program, operands, impl, *, trans_a=False, trans_b=False
   return got, truth
 
 
-@pytest.mark.parametrize("config", ["default", "alt"])
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("name", PROGRAMS)
 def test_program(key, kernel_impl, name, config):
   program = PROGRAMS[name]
   a, b = gemm_inputs(key, M, N, K, jnp.bfloat16)
   ops = make_operands(jax.random.fold_in(key, 1), program, M, N, a.dtype)
-  check_program(a, b, program, ops, kernel_impl,
-                config=alt_config(program) if config == "alt" else None)
+  check_program(a, b, program, ops, kernel_impl, config=CONFIGS[config](program))
 
 
 @pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True),
@@ -207,15 +218,31 @@ def test_zero_frequency_block_passes_through(key, kernel_impl):
   assert rel_err(rot[:, ~zero], plain[:, ~zero]) > 0.1  # the other heads did rotate
 
 
+@pytest.mark.parametrize("slots", [2, 3, 8])
+@pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
+def test_tile_operand_slots_race_free(key, race_detector, schedule, slots):
+  """Tile operands staged 2, 3 (not dividing the 8 sub-tiles) or all 8 sub-tiles
+  ahead of the epilogue, over several tiles per SM, under the race detector."""
+  program = PROGRAMS["residual_norm"]
+  a, b = gemm_inputs(key, 256, 256, K, jnp.bfloat16)
+  ops = make_operands(jax.random.fold_in(key, 1), program, 256, 256, a.dtype)
+  config = GemmConfig(tile_m=128, tile_n=128, tile_k=64, stages=2, epi_tile_n=32,
+                      cluster_dim=None, schedule=schedule, epi_operand_slots=slots)
+  check_program(a, b, program, ops, "interpret", config=config)
+  assert not race_detector.races_found(), "data race in the kernel (see stdout)"
+
+
+@pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
 @pytest.mark.parametrize("name", ["residual_norm", "norm_rope", "colsum_store"])
-def test_race_free(key, race_detector, name):
+def test_race_free(key, race_detector, name, schedule):
   """Epilogue operands and outputs are double-buffered across sub-tiles and tiles: run
   several tiles per SM (two sub-tiles per warpgroup) under the race detector."""
   program = PROGRAMS[name]
   a, b = gemm_inputs(key, 256, 256, K, jnp.bfloat16)
   ops = make_operands(jax.random.fold_in(key, 1), program, 256, 256, a.dtype)
+  # cooperative: 4 CTA tiles; ping-pong: 8 warpgroup tiles. Two sub-tiles per warpgroup.
   config = GemmConfig(tile_m=128, tile_n=64, tile_k=64, stages=3, epi_tile_n=64,
-                      wg_dim=MatDim.N, cluster_dim=None)  # 4 tiles, 2 sub-tiles per WG
+                      wg_dim=MatDim.N, cluster_dim=None, schedule=schedule)
   check_program(a, b, program, ops, "interpret", config=config)
   assert not race_detector.races_found(), "data race in the kernel (see stdout)"
 
@@ -330,3 +357,18 @@ def test_primitive_against_independent_formula(key, kernel_impl, name):
       assert np.all(np.isfinite(f64(got[out]))), out
       e = rel_err(got[out], want)
       assert e < rtol, f"{name}:{out}: rel err {e:.3g} >= {rtol}"
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_bitwise_deterministic(key, kernel_impl, config):
+  """Two runs on the same inputs give identical bits, every output (row and column
+  partials included), under each schedule."""
+  program = PROGRAMS["everything"]
+  a, b = gemm_inputs(key, M, N, K, jnp.bfloat16)
+  ops = make_operands(jax.random.fold_in(key, 1), program, M, N, a.dtype)
+  run = jax.jit(lambda a, b, o: cj.gemm_epilogue(a, b, program, o, impl=kernel_impl,
+                                                 config=CONFIGS[config](program)))
+  first, second = run(a, b, ops), run(a, b, ops)
+  for name in first:
+    np.testing.assert_array_equal(np.asarray(first[name]).view(np.uint8),
+                                  np.asarray(second[name]).view(np.uint8), err_msg=name)

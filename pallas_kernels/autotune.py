@@ -1,0 +1,392 @@
+"""Measured GEMM configs, searched on the device and cached on disk.
+
+A tuning problem is keyed by everything that changes which config is fastest:
+the device kind, the jax version, (M, N, K), the operand orders, the dtype and the
+epilogue program's signature (its name, declared operands and outputs, in-place
+outputs, and the column group its epilogue sub-tiles must be a multiple of).
+
+``gemm(config=None)`` asks ``lookup`` first: the user's cache
+(``$CODA_JAX_GEMM_CACHE``, default ``~/.cache/coda_jax/gemm_configs.json``), then the
+cache shipped in ``pallas_kernels/tuned/gemm_configs.json``. Where neither has the key,
+``default_config``'s heuristic serves. ``tune`` runs the search for one problem:
+every candidate that the shape tiles and that fits in shared memory is compiled and
+timed with CUPTI; one that fails to compile or run is skipped with its reason logged,
+never chosen. ``bench/tune_gemm.py`` is the front end that fills the cache.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import enum
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import gemm_mgpu as g
+
+CACHE_ENV = "CODA_JAX_GEMM_CACHE"
+SHIPPED_CACHE = Path(__file__).resolve().parent / "tuned" / "gemm_configs.json"
+CACHE_FORMAT = 1
+
+
+def user_cache_path() -> Path:
+  return Path(os.environ.get(CACHE_ENV) or
+              Path.home() / ".cache" / "coda_jax" / "gemm_configs.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemKey:
+  """What a tuned config is valid for."""
+  device_kind: str
+  jax_version: str
+  m: int
+  n: int
+  k: int
+  trans_a: bool
+  trans_b: bool
+  dtype: str
+  signature: str
+
+  def __post_init__(self):
+    for name in ("m", "n", "k"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"ProblemKey.{name}={getattr(self, name)} must be positive")
+    if "|" in self.signature:
+      raise ValueError(f"ProblemKey.signature={self.signature!r} must not contain '|'")
+
+  def text(self) -> str:
+    """The cache's key for this problem."""
+    return "|".join([self.device_kind, self.jax_version, f"{self.m}x{self.n}x{self.k}",
+                     ("t" if self.trans_a else "n") + ("t" if self.trans_b else "n"),
+                     self.dtype, self.signature])
+
+
+def signature(program_id: str | None, input_kinds: dict, input_dtypes: dict,
+              outputs: tuple, in_place: dict, min_epi_tile_n: int) -> str:
+  """The epilogue program as the cache sees it. ``program_id`` names what the closure
+  computes (two programs with the same operands can cost differently)."""
+  ins = ",".join(f"{nm}:{kind.value}:{jnp.dtype(input_dtypes[nm]).name}"
+                 for nm, kind in input_kinds.items())
+  outs = ",".join(f"{o.name}:{o.kind.value}:{jnp.dtype(o.dtype).name}:{o.width}"
+                  for o in outputs)
+  places = ",".join(f"{o}<{i}" for o, i in sorted(in_place.items()))
+  return (f"{program_id or 'anonymous'};in={ins};out={outs};in_place={places};"
+          f"group={min_epi_tile_n}").replace("|", "/")
+
+
+def problem_key(m, n, k, dtype, trans_a, trans_b, sig: str) -> ProblemKey:
+  dev = jax.devices()[0]
+  return ProblemKey(device_kind=dev.device_kind, jax_version=jax.__version__, m=m, n=n,
+                    k=k, trans_a=trans_a, trans_b=trans_b, dtype=jnp.dtype(dtype).name,
+                    signature=sig)
+
+
+# ---- the cache file ------------------------------------------------------------------
+
+def config_to_dict(cfg: g.GemmConfig) -> dict:
+  out = {}
+  for f in dataclasses.fields(cfg):
+    v = getattr(cfg, f.name)
+    out[f.name] = v.name if isinstance(v, enum.Enum) else v
+  return out
+
+
+def config_from_dict(d: dict) -> g.GemmConfig:
+  """Inverse of ``config_to_dict``; raises ValueError on unknown fields or values."""
+  fields = {f.name for f in dataclasses.fields(g.GemmConfig)}
+  unknown = set(d) - fields
+  if unknown:
+    raise ValueError(f"cached config has unknown fields {sorted(unknown)}")
+  kw = dict(d)
+  try:
+    for name in ("wg_dim", "grid_minor_dim"):
+      if name in kw:
+        kw[name] = g.MatDim[kw[name]]
+    if kw.get("cluster_dim") is not None:
+      kw["cluster_dim"] = g.MatDim[kw["cluster_dim"]]
+    if "schedule" in kw:
+      kw["schedule"] = g.Schedule[kw["schedule"]]
+  except KeyError as e:
+    raise ValueError(f"cached config has an unknown enum value {e}") from None
+  return g.GemmConfig(**kw)
+
+
+_lock = threading.Lock()
+_loaded: dict[Path, tuple[float, dict]] = {}
+
+
+def _entries(path: Path) -> dict:
+  """The entries of one cache file, re-read when it changes; {} if it is absent."""
+  try:
+    mtime = path.stat().st_mtime
+  except OSError:
+    return {}
+  with _lock:
+    hit = _loaded.get(path)
+    if hit and hit[0] == mtime:
+      return hit[1]
+    try:
+      data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+      raise ValueError(f"GEMM config cache {path} is unreadable ({e}): fix or delete it")
+    if data.get("format") != CACHE_FORMAT:
+      raise ValueError(f"GEMM config cache {path} has format {data.get('format')!r}, "
+                       f"this library reads {CACHE_FORMAT}: delete it and re-tune")
+    _loaded[path] = (mtime, data["entries"])
+    return data["entries"]
+
+
+def cache_paths() -> list[Path]:
+  """Where ``lookup`` looks, first hit wins."""
+  return [user_cache_path(), SHIPPED_CACHE]
+
+
+def lookup(key: ProblemKey) -> g.GemmConfig | None:
+  """The cached config for this problem, or None."""
+  text = key.text()
+  for path in cache_paths():
+    entry = _entries(path).get(text)
+    if entry is not None:
+      return config_from_dict(entry["config"])
+  return None
+
+
+def store(key: ProblemKey, record: dict, path: Path | None = None) -> Path:
+  """Writes one entry (``record["config"]`` a config dict) into a cache file."""
+  path = Path(path) if path is not None else user_cache_path()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with _lock:
+    try:
+      data = json.loads(path.read_text())
+    except (OSError, ValueError):
+      data = {"format": CACHE_FORMAT, "entries": {}}
+    data["entries"][key.text()] = record
+    data["entries"] = dict(sorted(data["entries"].items()))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+    _loaded.pop(path, None)
+  return path
+
+
+# ---- recording the GEMMs a workload runs -----------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One GEMM call as ``gemm`` saw it: enough to re-run it on fresh inputs."""
+  key: ProblemKey
+  a: jax.ShapeDtypeStruct
+  b: jax.ShapeDtypeStruct
+  inputs: dict  # name -> (kind, ShapeDtypeStruct)
+  epilogue: Callable
+  outputs: tuple
+  trans_a: bool
+  trans_b: bool
+  in_place: dict
+  program_id: str | None
+  min_epi_tile_n: int
+
+
+_recorders: list[dict] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[dict]:
+  """Collects the problems of every ``gemm`` call traced inside, by key text (trace the
+  workload with ``jax.jit(f).lower(...)`` or ``jax.eval_shape``; nothing runs)."""
+  found: dict = {}
+  _recorders.append(found)
+  try:
+    yield found
+  finally:
+    _recorders.remove(found)
+
+
+def record(problem: Problem) -> None:
+  for found in _recorders:
+    found.setdefault(problem.key.text(), problem)
+
+
+def chosen_config(problem: Problem) -> tuple[g.GemmConfig, str]:
+  """What ``gemm(config=None)`` runs for a recorded problem, and where it came from
+  ("tuned" or "default"): for benchmark tables."""
+  tuned = lookup(problem.key)
+  if tuned is not None:
+    return tuned, "tuned"
+  k = problem.key
+  return g.default_config(
+      k.m, k.n, k.k, problem.a.dtype,
+      input_kinds={nm: kind for nm, (kind, _) in problem.inputs.items()},
+      input_dtypes={nm: v.dtype for nm, (_, v) in problem.inputs.items()},
+      outputs=problem.outputs, min_epi_tile_n=problem.min_epi_tile_n, trans_a=k.trans_a,
+      trans_b=k.trans_b), "default"
+
+
+def describe_workload(fn: Callable, *args) -> list[str]:
+  """Traces ``fn(*args)`` (nothing runs) and describes the config each of its GEMMs
+  would run with."""
+  with recording() as rec:
+    jax.eval_shape(fn, *args)
+  out = []
+  for p in rec.values():
+    cfg, source = chosen_config(p)
+    order = ("t" if p.key.trans_a else "n") + ("t" if p.key.trans_b else "n")
+    out.append(f"{p.key.m}x{p.key.n}x{p.key.k} {order} {p.program_id or ''}"[:90]
+               + f": {cfg.describe()} ({source})")
+  return out
+
+
+# ---- the search ------------------------------------------------------------------------
+
+def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: dict,
+               outputs: tuple, *, trans_a: bool, trans_b: bool, min_epi_tile_n: int = 1,
+               max_stages: int = 7,
+               extra: bool = False) -> tuple[list[g.GemmConfig], list[tuple[str, str]]]:
+  """The search space for one problem: both schedules, the tile shapes, clusters and
+  grid orders below, each with epilogue sub-tiles of 64 or 32 columns (a multiple of
+  the column group) and the deepest pipeline that fits in shared memory; ``extra``
+  adds bands of 8, tile_k 32 and every tile operand staged during the mainloop. Returns
+  (configs, [(description, reason skipped)])."""
+  M_, N_ = g.MatDim.M, g.MatDim.N
+  PP, CO = g.Schedule.PINGPONG, g.Schedule.COOPERATIVE
+  # (schedule, tile_m, tile_n, wg_dim, cluster_dim, grid_minor_dim, grid_tile_width,
+  # epilogue widths). Pruned by measurement on the H100 (bench/NOTES.md, issue 10):
+  # 64-row or 64-column warpgroup tiles, tile_k 32, bands of 8 and staging every tile
+  # operand sub-tile during the mainloop (it costs pipeline stages) never won.
+  structures = [
+      (CO, 128, 128, M_, N_, N_, 16, (64, 32)), (CO, 128, 128, M_, None, N_, 16, (64, 32)),
+      (PP, 128, 128, M_, N_, N_, 16, (64, 32)), (PP, 128, 128, M_, M_, M_, 16, (64, 32)),
+      (PP, 128, 128, M_, N_, M_, 16, (32,)), (PP, 128, 128, M_, M_, N_, 16, (32,))]
+  if extra:
+    structures += [(s, tm, tn, wg, cl, mi, 8, ens) for s, tm, tn, wg, cl, mi, _, ens in structures]
+  mn_major = trans_a or not trans_b
+  tile_ks = (64,) if mn_major or not extra else (64, 32)
+  has_tiles = any(kind in g._TILE_KINDS for kind in input_kinds.values())
+  found, skipped, seen = [], [], set()
+  for (sched, tm, tn, wg, cl, minor, width, ens), tk, en, all_slots in (
+      (s, tk, en, sl) for s in structures for tk in tile_ks for en in s[-1]
+      for sl in ((False, True) if has_tiles and extra else (False,))):
+    en = max(min(en, tn), min_epi_tile_n)
+    slots = (tm // 64) * (tn // en) if all_slots else 2
+    name = (f"{sched.value} {tm}x{tn}x{tk} wg{wg.name} cl{cl.name if cl else '-'} "
+            f"{minor.name}{width} e64x{en} in{slots}")
+    if name in seen:
+      continue
+    seen.add(name)
+    why = None
+    if tn % en or en % min_epi_tile_n:
+      why = f"epilogue width {en} does not fit tile_n {tn} and column group {min_epi_tile_n}"
+    best = None
+    for stages in range(max_stages, 1, -1):
+      if why:
+        break
+      try:
+        cfg = g.GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=stages, epi_tile_n=en,
+                           wg_dim=wg, cluster_dim=cl, grid_minor_dim=minor,
+                           grid_tile_width=width, schedule=sched, epi_operand_slots=slots)
+        g._check_tiling(m, n, k, cfg, trans_a, trans_b)
+      except ValueError as e:
+        why = str(e)
+        break
+      if g.smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs) <= g.SMEM_LIMIT_BYTES:
+        best = cfg
+        break
+    if best is not None:
+      found.append(best)
+    else:
+      skipped.append((name, why or "no stage count fits in shared memory"))
+  return found, skipped
+
+
+def _random_like(key, sds):
+  if jnp.issubdtype(sds.dtype, jnp.integer):
+    return jax.random.randint(key, sds.shape, 0, 64, sds.dtype)
+  return jax.random.normal(key, sds.shape, jnp.float32).astype(sds.dtype)
+
+
+def measure_ms(fn, *args, iterations: int = 20) -> float:
+  """Median CUPTI time of all kernels ``fn`` launches, in ms."""
+  from jax.experimental.mosaic.gpu import profiler
+  _, timings = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
+  if timings is None:
+    raise RuntimeError("CUPTI recorded no kernels")
+  if iterations == 1:
+    timings = [timings]
+  return statistics.median(sum(t for _, t in it) for it in timings)
+
+
+def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] = print,
+         configs: list[g.GemmConfig] | None = None, compile_threads: int = 12,
+         extra: bool = False) -> dict:
+  """Times every candidate config of ``problem`` on the device; returns the cache
+  record: the best config, its time, the heuristic default's time and what was
+  skipped and why."""
+  kinds = {nm: kind for nm, (kind, _) in problem.inputs.items()}
+  dtypes = {nm: v.dtype for nm, (_, v) in problem.inputs.items()}
+  key = problem.key
+  skipped = []
+  if configs is None:
+    configs, skipped = candidates(key.m, key.n, key.k, problem.a.dtype, kinds, dtypes,
+                                  problem.outputs, trans_a=key.trans_a, trans_b=key.trans_b,
+                                  min_epi_tile_n=problem.min_epi_tile_n, extra=extra)
+  try:
+    default = g.default_config(key.m, key.n, key.k, problem.a.dtype, input_kinds=kinds,
+                               input_dtypes=dtypes, outputs=problem.outputs,
+                               min_epi_tile_n=problem.min_epi_tile_n, trans_a=key.trans_a,
+                               trans_b=key.trans_b)
+    if default not in configs:
+      configs = [default] + list(configs)
+  except ValueError as e:
+    default = None
+    log(f"  no default config: {e}")
+  for name, why in skipped:
+    log(f"  skip {name}: {why}")
+  ks = jax.random.split(jax.random.key(0), 2 + len(problem.inputs))
+  a, b = _random_like(ks[0], problem.a), _random_like(ks[1], problem.b)
+  ops = {nm: _random_like(kk, v) for kk, (nm, (_, v)) in zip(ks[2:], problem.inputs.items())}
+
+  def build(cfg):
+    fn = jax.jit(lambda a, b, ops: g.gemm(
+        a, b, inputs={nm: (kinds[nm], v) for nm, v in ops.items()}, epilogue=problem.epilogue, outputs=problem.outputs,
+        trans_a=key.trans_a, trans_b=key.trans_b, in_place=problem.in_place, config=cfg,
+        program_id=problem.program_id, min_epi_tile_n=problem.min_epi_tile_n))
+    return fn.lower(a, b, ops).compile()
+
+  t0 = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(compile_threads) as pool:
+    futures = {cfg: pool.submit(build, cfg) for cfg in configs}
+  times = {}
+  for cfg, fut in futures.items():
+    try:
+      compiled = fut.result()
+      times[cfg] = measure_ms(compiled, a, b, ops, iterations=iterations)
+    except Exception as e:  # noqa: BLE001  a failing candidate is logged, never chosen
+      first = (str(e).strip().splitlines() or [""])[0][:300]
+      log(f"  skip {cfg.describe()}: {type(e).__name__}: {first}")
+      skipped.append((cfg.describe(), f"{type(e).__name__}: {first}"))
+      continue
+    log(f"  {times[cfg]:.4f} ms  {cfg.describe()}"
+        + ("  (default)" if cfg == default else ""))
+  if not times:
+    raise RuntimeError(f"no candidate config ran for {key.text()}")
+  best = min(times, key=times.get)
+  return {"config": config_to_dict(best), "describe": best.describe(),
+          "ms": round(times[best], 5),
+          "default_ms": round(times[default], 5) if default in times else None,
+          "default": default.describe() if default else None,
+          "timed": len(times), "skipped": len(skipped),
+          "search_s": round(time.perf_counter() - t0, 1)}
+
+
+__all__ = ["CACHE_ENV", "Problem", "ProblemKey", "SHIPPED_CACHE", "candidates",
+           "chosen_config", "describe_workload",
+           "config_from_dict", "config_to_dict", "lookup", "measure_ms", "problem_key",
+           "record", "recording", "signature", "store", "tune", "user_cache_path"]

@@ -1,0 +1,200 @@
+"""The GEMM tuning cache and search (pallas_kernels.autotune)."""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import autotune, gemm_mgpu
+from pallas_kernels import EpilogueOutput, GemmConfig, InputKind, MatDim, Schedule
+
+PINGPONG = GemmConfig(tile_m=128, tile_n=64, tile_k=32, stages=6, epi_tile_n=32,
+                      cluster_dim=None, grid_minor_dim=MatDim.M, grid_tile_width=8,
+                      schedule=Schedule.PINGPONG)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+  """An empty user cache; the shipped cache is hidden so that only this one answers."""
+  path = tmp_path / "configs.json"
+  monkeypatch.setenv(autotune.CACHE_ENV, str(path))
+  monkeypatch.setattr(autotune, "SHIPPED_CACHE", tmp_path / "absent.json")
+  return path
+
+
+def _key(m=256, n=256, k=128, sig="prog;in=;out=out:tile:bfloat16:1;in_place=;group=1"):
+  return autotune.ProblemKey(device_kind="NVIDIA H100 80GB HBM3", jax_version="0.11.2",
+                             m=m, n=n, k=k, trans_a=False, trans_b=True, dtype="bfloat16",
+                             signature=sig)
+
+
+@pytest.mark.parametrize("cfg", [GemmConfig(), PINGPONG,
+                                 GemmConfig(cluster_dim=MatDim.M, wg_dim=MatDim.N)])
+def test_config_round_trip(cfg):
+  d = json.loads(json.dumps(autotune.config_to_dict(cfg)))
+  assert autotune.config_from_dict(d) == cfg
+
+
+def test_config_from_dict_rejects_unknown():
+  with pytest.raises(ValueError, match=r"unknown fields \['tile_q'\]"):
+    autotune.config_from_dict({"tile_q": 3})
+  with pytest.raises(ValueError, match="unknown enum value 'ZIGZAG'"):
+    autotune.config_from_dict({"schedule": "ZIGZAG"})
+  with pytest.raises(ValueError, match="tile_m=96 must be a multiple of 64"):
+    autotune.config_from_dict({"tile_m": 96})  # the config checks itself
+
+
+def test_store_then_lookup(cache):
+  assert autotune.lookup(_key()) is None
+  autotune.store(_key(), {"config": autotune.config_to_dict(PINGPONG), "ms": 0.1})
+  assert autotune.lookup(_key()) == PINGPONG
+  assert autotune.lookup(_key(k=192)) is None  # another problem
+  assert autotune.lookup(dataclasses.replace(_key(), jax_version="0.12.0")) is None
+  autotune.store(_key(k=192), {"config": autotune.config_to_dict(GemmConfig()), "ms": 0.2})
+  assert autotune.lookup(_key()) == PINGPONG  # kept
+  assert autotune.lookup(_key(k=192)) == GemmConfig()
+
+
+def test_user_cache_wins_over_shipped(cache, tmp_path, monkeypatch):
+  shipped = tmp_path / "shipped.json"
+  autotune.store(_key(), {"config": autotune.config_to_dict(GemmConfig())}, shipped)
+  monkeypatch.setattr(autotune, "SHIPPED_CACHE", shipped)
+  assert autotune.lookup(_key()) == GemmConfig()
+  autotune.store(_key(), {"config": autotune.config_to_dict(PINGPONG)})
+  assert autotune.lookup(_key()) == PINGPONG
+
+
+def test_bad_cache_files(cache):
+  cache.write_text("{not json")
+  with pytest.raises(ValueError, match="is unreadable .* fix or delete it"):
+    autotune.lookup(_key())
+  cache.write_text(json.dumps({"format": 99, "entries": {}}))
+  with pytest.raises(ValueError, match="has format 99, this library reads 1"):
+    autotune.lookup(_key())
+
+
+def test_problem_key_checks():
+  with pytest.raises(ValueError, match="ProblemKey.k=0 must be positive"):
+    _key(k=0)
+  with pytest.raises(ValueError, match="must not contain '|'"):
+    _key(sig="a|b")
+
+
+def test_candidates_fit_or_say_why():
+  """Every candidate tiles the problem and fits in shared memory; what does not is
+  listed with its reason."""
+  m, n, k = 512, 1024, 256
+  outputs = tuple(EpilogueOutput(f"o{i}", dtype=jnp.float32) for i in range(3))
+  found, skipped = autotune.candidates(m, n, k, jnp.bfloat16, {}, {}, outputs,
+                                       trans_a=False, trans_b=True)
+  assert found and skipped
+  assert {c.schedule for c in found} == set(Schedule)
+  for cfg in found:
+    gemm_mgpu._check_tiling(m, n, k, cfg, False, True)
+    assert gemm_mgpu.smem_bytes(cfg, jnp.bfloat16, {}, {}, outputs) <= gemm_mgpu.SMEM_LIMIT_BYTES
+  # three fp32 output tiles of 64x64 per slot and warpgroup (192 KiB): 64x64 sub-tiles leave no
+  # room for two stages under either schedule
+  assert any("no stage count fits" in why for _, why in skipped)
+  # M = 192 does not divide a 256-row cooperative tile or a 128-row ping-pong one
+  _, skipped = autotune.candidates(192, 256, 128, jnp.bfloat16, {}, {}, (EpilogueOutput("out"),),
+                                   trans_a=False, trans_b=True)
+  assert any("must be multiples of the cluster tile" in why for _, why in skipped)
+
+
+def test_candidates_respect_the_column_group():
+  found, _ = autotune.candidates(512, 512, 128, jnp.bfloat16, {}, {}, (EpilogueOutput("out"),),
+                                 trans_a=False, trans_b=False, min_epi_tile_n=64)
+  assert found and all(c.epi_tile_n % 64 == 0 for c in found)
+  assert all(c.tile_k == 64 for c in found)  # B stored (K, N): MN-major needs tile_k 64
+
+
+def _abstract_gemm(program_id=None, k=128, **kw):
+  a = jax.ShapeDtypeStruct((256, k), jnp.bfloat16)
+  b = jax.ShapeDtypeStruct((k, 512), jnp.bfloat16)
+  return jax.eval_shape(lambda a, b: pk.gemm(a, b, num_sms=2, program_id=program_id, **kw),
+                        a, b)
+
+
+def test_recording_collects_each_problem_once():
+  with autotune.recording() as rec:
+    _abstract_gemm()
+    _abstract_gemm()  # the same problem
+    _abstract_gemm(program_id="other")
+    _abstract_gemm(k=192)
+  assert len(rec) == 3
+  ks = sorted((p.key.k, p.program_id or "") for p in rec.values())
+  assert ks == [(128, ""), (128, "other"), (192, "")]
+  p = next(iter(rec.values()))
+  assert (p.key.m, p.key.n, p.a.shape, p.b.shape) == (256, 512, (256, 128), (128, 512))
+  with autotune.recording() as rec2:
+    pass
+  assert rec2 == {}
+
+
+def test_gemm_uses_the_cached_config(cache, monkeypatch):
+  """With config=None, pk.gemm takes the cache's entry for its problem (here keyed on
+  this machine's device), not the heuristic."""
+  with autotune.recording() as rec:
+    _abstract_gemm(program_id="p")
+  (problem,) = rec.values()
+  chosen = []
+  real = gemm_mgpu._check_tiling
+  monkeypatch.setattr(gemm_mgpu, "_check_tiling",
+                      lambda m, n, k, cfg, *a: (chosen.append(cfg), real(m, n, k, cfg, *a)))
+  cfg = GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=3, epi_tile_n=32,
+                   cluster_dim=None, schedule=Schedule.PINGPONG)
+  autotune.store(problem.key, {"config": autotune.config_to_dict(cfg)})
+  _abstract_gemm(program_id="p")
+  _abstract_gemm(program_id="q")  # not in the cache: the heuristic default
+  assert chosen[0] == cfg
+  assert chosen[1] == pk.default_config(256, 512, 128)
+
+
+def test_tune_on_the_device(cache, kernel_impl):
+  """The search times each candidate, logs and skips one that fails to build, and
+  records the fastest of the rest."""
+  if kernel_impl != "mosaic":
+    pytest.skip("autotune.tune measures on an sm90 GPU (CUPTI); here only the "
+                "interpreter runs kernels")
+  good = [GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=3, epi_tile_n=64,
+                     cluster_dim=None, schedule=Schedule.PINGPONG),
+          GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=3, epi_tile_n=64,
+                     wg_dim=MatDim.N, cluster_dim=None)]
+  bad = GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=3, epi_tile_n=32,
+                   wg_dim=MatDim.N, cluster_dim=None)
+
+  def epilogue(tile, acc):
+    if tile.shape[1] == 32:
+      raise RuntimeError("this epilogue cannot run 32-wide")
+    tile.store("out", acc * tile.load("r")[:, None])
+
+  with autotune.recording() as rec:
+    jax.eval_shape(lambda a, b, r: pk.gemm(
+        a, b, inputs={"r": (InputKind.ROW, r)}, epilogue=epilogue, program_id="scale",
+        config=good[0]), jax.ShapeDtypeStruct((512, 256), jnp.bfloat16),
+        jax.ShapeDtypeStruct((256, 512), jnp.bfloat16),
+        jax.ShapeDtypeStruct((512,), jnp.float32))
+  (problem,) = rec.values()
+  logs = []
+  record = autotune.tune(problem, configs=good + [bad], iterations=3, log=logs.append)
+  assert any("skip" in s and "cannot run 32-wide" in s for s in logs), logs
+  assert autotune.config_from_dict(record["config"]) in good
+  assert record["timed"] >= len(good)  # and the heuristic default, unless among them
+  assert record["ms"] > 0
+
+
+def test_describe_workload_names_each_gemm(cache):
+  with autotune.recording() as rec:
+    _abstract_gemm(program_id="p")
+  (problem,) = rec.values()
+  tuned = dataclasses.replace(PINGPONG, tile_k=64)  # B stored (K, N) needs tile_k 64
+  autotune.store(problem.key, {"config": autotune.config_to_dict(tuned)})
+  a = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+  b = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16)
+  lines = autotune.describe_workload(
+      lambda a, b: (pk.gemm(a, b, num_sms=2, program_id="p"),
+                    pk.gemm(a, b, num_sms=2, program_id="q")), a, b)
+  assert lines == [f"256x512x128 nn p: {tuned.describe()} (tuned)",
+                   f"256x512x128 nn q: {pk.default_config(256, 512, 128).describe()} (default)"]
