@@ -232,7 +232,9 @@ def chosen_config(problem: Problem) -> tuple[g.GemmConfig, str]:
 
 def describe_workload(fn: Callable, *args) -> list[str]:
   """Traces ``fn(*args)`` (nothing runs) and describes the config each of its GEMMs
-  would run with."""
+  would run with. Clears jax's caches first: a trace that hits them (``fn`` or a
+  ``custom_vjp`` inside it traced before) would not reach ``gemm``."""
+  jax.clear_caches()
   with recording() as rec:
     jax.eval_shape(fn, *args)
   out = []
