@@ -149,7 +149,7 @@ def test_gemm_uses_the_cached_config(cache, monkeypatch):
   _abstract_gemm(program_id="p")
   _abstract_gemm(program_id="q")  # not in the cache: the heuristic default
   assert chosen[0] == cfg
-  assert chosen[1] == pk.default_config(256, 512, 128)
+  assert chosen[1] == pk.default_config(256, 512, 128, outputs=(EpilogueOutput("out"),))
 
 
 def test_tune_on_the_device(cache, kernel_impl):
@@ -193,8 +193,9 @@ def test_describe_workload_names_each_gemm(cache):
   autotune.store(problem.key, {"config": autotune.config_to_dict(tuned)})
   a = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
   b = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16)
+  DEFAULT = pk.default_config(256, 512, 128, outputs=(EpilogueOutput("out"),))
   lines = autotune.describe_workload(
       lambda a, b: (pk.gemm(a, b, num_sms=2, program_id="p"),
                     pk.gemm(a, b, num_sms=2, program_id="q")), a, b)
   assert lines == [f"256x512x128 nn p: {tuned.describe()} (tuned)",
-                   f"256x512x128 nn q: {pk.default_config(256, 512, 128).describe()} (default)"]
+                   f"256x512x128 nn q: {DEFAULT.describe()} (default)"]
