@@ -210,6 +210,10 @@ def recording() -> Iterator[dict]:
     _recorders.remove(found)
 
 
+def is_recording() -> bool:
+  return bool(_recorders)
+
+
 def record(problem: Problem) -> None:
   for found in _recorders:
     found.setdefault(problem.key.text(), problem)

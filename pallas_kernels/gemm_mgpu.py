@@ -707,13 +707,14 @@ def gemm(a: jax.Array, b: jax.Array, *,
     from pallas_kernels import autotune  # it imports this module
     key = autotune.problem_key(m, n, k, a.dtype, trans_a, trans_b, autotune.signature(
         program_id, input_kinds, input_dtypes, outputs, in_place, min_epi_tile_n))
-    autotune.record(autotune.Problem(
-        key=key, a=jax.ShapeDtypeStruct(a.shape, a.dtype),
-        b=jax.ShapeDtypeStruct(b.shape, b.dtype),
-        inputs={nm: (kind, jax.ShapeDtypeStruct(v.shape, v.dtype))
-                for nm, (kind, v) in inputs.items()},
-        epilogue=epilogue, outputs=outputs, trans_a=trans_a, trans_b=trans_b,
-        in_place=in_place, program_id=program_id, min_epi_tile_n=min_epi_tile_n))
+    if autotune.is_recording():
+      autotune.record(autotune.Problem(
+          key=key, a=jax.ShapeDtypeStruct(a.shape, a.dtype),
+          b=jax.ShapeDtypeStruct(b.shape, b.dtype),
+          inputs={nm: (kind, jax.ShapeDtypeStruct(v.shape, v.dtype))
+                  for nm, (kind, v) in inputs.items()},
+          epilogue=epilogue, outputs=outputs, trans_a=trans_a, trans_b=trans_b,
+          in_place=in_place, program_id=program_id, min_epi_tile_n=min_epi_tile_n))
     if config is None:
       config = autotune.lookup(key)
   if config is None:
