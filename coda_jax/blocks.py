@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as ref
 from coda_jax import stages as S
+from coda_jax.sharding import reduce_like, vary_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +86,9 @@ def _cast(params, dt):
 
 
 def _grads_like(grads, params):
-  return {k: grads[k].astype(params[k].dtype) for k in params}
+  # Under shard_map, a replicated weight's partial gradients are summed over the row
+  # shards here (coda_jax.sharding).
+  return {k: reduce_like(grads[k], params[k]).astype(params[k].dtype) for k in params}
 
 
 # ---- shared MLP half: out-proj + residual + norm, gate/up + GLU, down + residual + norm ----
@@ -143,7 +146,7 @@ def _pre_bwd(cfg, saved, dqkv):
   dz, c = S.rope_grad(dqkv, qkv, positions, cfg.freqs(), cfg.head_dim, x0.shape[1])
   dx0, n0, dg = S.norm_input_grad(dz, wqkv.astype(x0.dtype), x0, r0, c, g, None, cfg.impl)
   dw = S.weight_grad(n0, dz, cfg.impl, S.grad_dtype(wqkv))
-  return dx0, None, dg.astype(g.dtype), dw.astype(wqkv.dtype)
+  return dx0, None, reduce_like(dg, g).astype(g.dtype), reduce_like(dw, wqkv).astype(wqkv.dtype)
 
 
 _pre.defvjp(_pre_fwd, _pre_bwd)
@@ -231,7 +234,8 @@ def _post_bwd(cfg, saved, dloss):
                                      cfg.impl)
     return (S.weight_grad(n2, dlogits, cfg.impl, accumulate=dwlm), dg + dgc), dxa
 
-  init = (jnp.zeros(p["wlm"].shape, jnp.float32), jnp.zeros((d,), jnp.float32))
+  init = (vary_like(jnp.zeros(p["wlm"].shape, jnp.float32), x2),  # varies with the rows
+          vary_like(jnp.zeros((d,), jnp.float32), x2))
   (dwlm, dgf), dxa = jax.lax.scan(chunk, init,
                                   tuple(F.chunked(rows, x2, h2, r2, lse, targets, weight)))
   dx0, dy0, grads = _mlp_bwd(dxa.reshape(x2.shape), mlp_saved, p, params, cfg)

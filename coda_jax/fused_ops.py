@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from coda_jax import jnp_reference as ref
 from coda_jax import stages as S
 from coda_jax.primitives import ACTIVATIONS
+from coda_jax.sharding import reduce_like, vary_like
 
 _ACT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 REDUCTIONS = ("mean", "sum", "none")
@@ -118,7 +119,7 @@ def _residual_rmsnorm_bwd(eps, impl, saved, cts):
   dg = jnp.sum(dh.astype(jnp.float32) * xf, axis=0)
   dy = S.input_grad(dxt, w.astype(y.dtype), impl)
   dw = S.weight_grad(y, dxt, impl, S.grad_dtype(w))
-  return dy, dw.astype(w.dtype), dxt, dg.astype(g.dtype)
+  return dy, reduce_like(dw, w).astype(w.dtype), dxt, reduce_like(dg, g).astype(g.dtype)
 
 
 _residual_rmsnorm.defvjp(_residual_rmsnorm_fwd, _residual_rmsnorm_bwd)
@@ -150,7 +151,7 @@ def _residual_matmul_bwd(impl, saved, dx):
   y, w = saved
   dy = S.input_grad(dx, w.astype(y.dtype), impl)
   dw = S.weight_grad(y, dx, impl, S.grad_dtype(w))
-  return dy, dw.astype(w.dtype), dx
+  return dy, reduce_like(dw, w).astype(w.dtype), dx
 
 
 _residual_matmul.defvjp(_residual_matmul_fwd, _residual_matmul_bwd)
@@ -196,7 +197,7 @@ def _norm_gemm_grads(h, r, w, dz, dr, impl):
   dh = S.input_grad(dz, w.astype(h.dtype), impl, r=r)
   n = (h.astype(jnp.float32) * r[:, None]).astype(h.dtype)
   dw = S.weight_grad(n, dz, impl, S.grad_dtype(w))
-  return dh, dr, dw.astype(w.dtype)
+  return dh, dr, reduce_like(dw, w).astype(w.dtype)
 
 
 _rmsnorm_swiglu.defvjp(_rmsnorm_swiglu_fwd, _rmsnorm_swiglu_bwd)
@@ -319,9 +320,9 @@ def _lm_bwd(opts, impl, saved, dloss):
     n = (hc.astype(jnp.float32) * rc[:, None]).astype(hc.dtype)
     return S.weight_grad(n, dlogits, impl, accumulate=dw), (dh, zdz / rc)
 
-  dw0 = jnp.zeros(wlm.shape, jnp.float32)
+  dw0 = vary_like(jnp.zeros(wlm.shape, jnp.float32), h)  # varies with the rows' shards
   dw, (dh, dr) = jax.lax.scan(step, dw0, tuple(chunked(rows, h, r, lse, targets, weight)))
-  return dh.reshape(h.shape), dr.reshape(-1), dw.astype(wlm.dtype), None
+  return dh.reshape(h.shape), dr.reshape(-1), reduce_like(dw, wlm).astype(wlm.dtype), None
 
 
 _lm_head_loss.defvjp(_lm_fwd, _lm_bwd)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from coda_jax import primitives as P
+from coda_jax.sharding import vary_like
 
 log = logging.getLogger("coda_jax")
 IMPLS = ("auto", "mosaic", "interpret", "xla")
@@ -204,4 +205,7 @@ def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
                 config=config, in_place=in_place, program_id=program_id(program),
                 min_epi_tile_n=group,
                 interpret=pk.interpret_params() if impl == "interpret" else None)
+  # Under shard_map the Mosaic call's outputs carry no varying mesh axes: give them
+  # those of its inputs (coda_jax/sharding.py).
+  raw = {nm: vary_like(v, a, b, *operands.values()) for nm, v in raw.items()}
   return _finish(program, raw)

@@ -12,6 +12,7 @@ from coda_jax import primitives as P
 from coda_jax import jnp_reference as ref
 from coda_jax.grad_primitives import GatedGrad, RmsNormGrad, SoftmaxXentGrad
 from coda_jax.ops import gemm_epilogue
+from coda_jax.sharding import varying_axes
 
 
 def residual_norm(y, w, residual, g, eps, impl):
@@ -116,7 +117,10 @@ def grad_dtype(w):
 
 def weight_grad(a, dout, impl, dtype=jnp.float32, accumulate=None):
   """dW = a^T @ dout (fp32 accumulation, stored in ``dtype``); added in place to the
-  fp32 ``accumulate`` when given."""
+  fp32 ``accumulate`` when given. Under ``shard_map`` with the rows split, dW is one
+  shard's partial sum, still to be summed across shards: it stays fp32."""
+  if varying_axes(a):
+    dtype = jnp.float32
   if accumulate is None:
     return gemm_epilogue(a, dout, [P.Store("dw", dtype)], trans_a=True, impl=impl)["dw"]
   return gemm_epilogue(a, dout, [P.AddTile("acc"), P.Store("dw", jnp.float32)],
