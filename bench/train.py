@@ -14,6 +14,7 @@ to --out (default bench/results/<device>/).
 from __future__ import annotations
 
 import argparse
+import math
 import dataclasses
 import gc
 import statistics
@@ -51,6 +52,9 @@ def parse_args():
                  "(default: 1, or as many as the compiled step needs to fit the device)")
   p.add_argument("--eval-batches", type=int, default=8, help="held-out validation batches")
   p.add_argument("--out", type=Path, help="default bench/results/<device>/")
+  p.add_argument("--mesh", default=None, help="data parallel, e.g. data=2: the batch's rows "
+                 "split over that many devices, parameters and optimizer replicated "
+                 "(FSDP and tensor parallel axes are not implemented yet)")
   args = p.parse_args()
   for k, v in DEFAULTS.get(args.config, BIG).items():
     setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
@@ -92,6 +96,25 @@ def device_peak_bytes():
   return stats.get("peak_bytes_in_use") if stats else None
 
 
+def parse_mesh(spec: str | None):
+  """"data=2" -> a 1-axis jax mesh over the first 2 devices; None -> None."""
+  if not spec:
+    return None
+  axes = {}
+  for part in spec.split(","):
+    name, _, size = part.partition("=")
+    if not name or not size.isdigit() or int(size) < 1:
+      sys.exit(f"--mesh {spec!r}: expected axis=size[,axis=size], e.g. data=2")
+    axes[name] = int(size)
+  if set(axes) != {"data"}:
+    sys.exit(f"--mesh {spec!r}: only a 'data' axis (data parallel) is implemented; FSDP "
+             "and tensor parallelism are issue 11's next steps")
+  n = math.prod(axes.values())
+  if n > len(jax.devices()):
+    sys.exit(f"--mesh {spec!r} needs {n} devices; this host has {len(jax.devices())}")
+  return jax.make_mesh(tuple(axes.values()), tuple(axes), devices=jax.devices()[:n])
+
+
 def run_path(path, cfg, args, train_batches, val_batches):
   """Trains one path from scratch; everything it allocated is freed on return."""
   model = Llama(cfg, rngs=nnx.Rngs(args.seed), fused=path == "fused")
@@ -102,11 +125,17 @@ def run_path(path, cfg, args, train_batches, val_batches):
                             total_steps=args.steps)
   graphdef, state = train.init_state(model, tx)
   del model  # its arrays are the state's, which the first step donates
-  put = lambda batch: tuple(jax.device_put(x) for x in batch)
+  mesh = args.mesh_obj
+  rows = None if mesh is None else jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec("data"))
+  put = lambda batch: tuple(jax.device_put(x, rows) for x in batch)
+  if mesh is not None:  # parameters and optimizer state replicated on every device
+    state = jax.device_put(state, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))
   r["compile_s"] = 0.0
   k = args.micro_batches or 1
   while True:  # "auto": halve the micro-batch until the compiled step fits the device
-    step = train.make_train_step(graphdef, micro_batches=k)
+    step = train.make_train_step(graphdef, micro_batches=k, mesh=mesh)
     t0 = time.perf_counter()
     compiled = step.lower(state, *put(train_batches[0])).compile()
     r["compile_s"] += time.perf_counter() - t0
@@ -114,7 +143,7 @@ def run_path(path, cfg, args, train_batches, val_batches):
     r["compiled_peak_bytes"] = m and (m.argument_size_in_bytes + m.output_size_in_bytes +
                                       m.temp_size_in_bytes - m.alias_size_in_bytes)
     limit = device_limit_bytes()
-    if (args.micro_batches or not limit or not r["compiled_peak_bytes"]
+    if (args.micro_batches or mesh is not None or not limit or not r["compiled_peak_bytes"]
         or r["compiled_peak_bytes"] <= 0.95 * limit or 2 * k > args.batch
         or args.batch % (2 * k)):
       break
@@ -132,7 +161,7 @@ def run_path(path, cfg, args, train_batches, val_batches):
     r["step_s"].append(time.perf_counter() - t0)
     r["losses"].append(loss)
     bar.update(i + 1, loss, r["step_s"])
-  evaluate = train.make_eval_step(graphdef)
+  evaluate = train.make_eval_step(graphdef, mesh=mesh)
   r["val_loss"] = float(np.mean([evaluate(state, *put(b)) for b in val_batches]))
   r["device_peak_bytes"] = device_peak_bytes()
   del state, compiled, step, evaluate
@@ -171,7 +200,11 @@ def markdown(results, summary, args, cfg, data, prov):
         f"command: `{prov['command']}`", data.describe(),
         f"model: {cfg.param_count() / 1e6:,.1f}M parameters, d_model {cfg.d_model}, "
         f"vocab {cfg.vocab_size}; batch {args.batch} x {args.seq} tokens, {args.steps} "
-        f"AdamW steps, lr {args.lr:g} ({args.warmup_steps} warm-up), seed {args.seed}", "",
+        f"AdamW steps, lr {args.lr:g} ({args.warmup_steps} warm-up), seed {args.seed}",
+        (f"mesh: {args.mesh} ({results[0]['n_devices']} devices, data parallel; "
+         "tokens/s per device: " + ", ".join(
+             f"{r['path']} {r['tokens_per_s_per_device']:,.0f}" for r in results) + ")")
+        if args.mesh else "mesh: none (1 device)", "",
         "| path | runs on | micro-batches | compile s | step ms | tokens/s | final loss | "
         "val loss | compiled peak MiB | device peak MiB |", "|" + "---|" * 10]
   md += [f"| {r['path']} | {r['runs_on']} | {r['micro_batches']} | {r['compile_s']:.1f} | "
@@ -233,7 +266,8 @@ def plot(results, png, title):
 def main():
   args = parse_args()
   cfg = get_config(args.config, **({"n_layers": args.layers} if args.layers else {}))
-  name = f"train_{args.config}" + (f"_{cfg.n_layers}l" if args.layers else "")
+  name = (f"train_{args.config}" + (f"_{cfg.n_layers}l" if args.layers else "")
+          + (f"_{args.mesh.replace('=', '').replace(',', '_')}" if args.mesh else ""))
   try:
     data = corpus.load(args.batch, args.seq)
   except ValueError as e:
@@ -247,19 +281,37 @@ def main():
         f"{cfg.vocab_size}: {cfg.param_count() / 1e6:,.1f}M parameters\n"
         f"batch {args.batch} x seq {args.seq}, {args.steps} steps, paths {','.join(args.paths)}, "
         f"device {jax.devices()[0].device_kind}\n{data.describe()}", flush=True)
+  args.mesh_obj = parse_mesh(args.mesh)
+  n_devices = 1 if args.mesh_obj is None else args.mesh_obj.size
+  if args.mesh_obj is not None:
+    if args.batch % n_devices:
+      sys.exit(f"--batch {args.batch} is not divisible by the {n_devices} devices of "
+               f"--mesh {args.mesh}")
+    print(f"mesh {dict(args.mesh_obj.shape)}: tokens and targets split along the batch "
+          f"({args.batch // n_devices} rows of {args.seq} per device), parameters and "
+          f"optimizer state replicated; devices {[d.id for d in args.mesh_obj.devices.flat]}",
+          flush=True)
   results = [run_path(p, cfg, args, train_batches, val_batches) for p in args.paths]
   summary = summarize(results, args.batch * args.seq)
+  for r in results:
+    r["n_devices"], r["mesh"] = n_devices, args.mesh or "none"
+    r["tokens_per_s_per_device"] = r["tokens_per_s"] / n_devices
+  if args.mesh_obj is not None:
+    print("tokens/s per device: " + ", ".join(
+        f"{r['path']} {r['tokens_per_s_per_device']:,.0f}" for r in results), flush=True)
 
   prov = common.provenance()
   jsonable = lambda v: (v if isinstance(v, (int, float, str, bool, list, type(None)))
                         else getattr(v, "__name__", str(v)))  # dtypes by name, paths as str
-  run = dict(args={k: jsonable(v) for k, v in vars(args).items()}, corpus=data.describe(),
+  run = dict(args={k: jsonable(v) for k, v in vars(args).items() if k != "mesh_obj"},
+             corpus=data.describe(),
              model={k: jsonable(v) for k, v in dataclasses.asdict(cfg).items()})
   rows = [dict(op=f"train_step_{r['path']}", shape=f"{args.batch}x{args.seq}", **r, **prov)
           for r in results]
   if summary:
     by = {r["path"]: r for r in results}
-    rows.append(dict(op="train_step", shape=f"{args.batch}x{args.seq}",
+    rows.append(dict(op="train_step", shape=f"{args.batch}x{args.seq}", n_devices=n_devices,
+                     mesh=args.mesh or "none",
                      ours_ms=by["fused"]["median_step_ms"], baseline="reference (plain XLA)",
                      baseline_ms=by["reference"]["median_step_ms"], **summary, **prov))
   rows[-1].update(run)

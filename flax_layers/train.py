@@ -51,16 +51,72 @@ def init_state(model: nnx.Module, tx: optax.GradientTransformation):
   return nnx.split((model, optimizer))
 
 
-def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True):
+IGNORE_INDEX = -100  # Llama.loss skips these targets
+
+
+def data_parallel_loss(gdef, rest, mesh, data_axis: str):
+  """loss(params, tokens, targets) -> the mean loss over the whole batch, each device
+  running the model on its rows (``jax.shard_map``; parameters replicated). The sum of
+  the losses and the count of counted targets are summed across devices; gradients of
+  the replicated parameters come back summed by shard_map and the fused ops' backward
+  (coda_jax/sharding.py)."""
+  from jax.sharding import PartitionSpec as P
+
+  def local(params, tokens, targets):
+    model = nnx.merge(gdef, params, rest)
+    total = model.loss(tokens, targets, reduction="sum")
+    count = jnp.sum(targets != IGNORE_INDEX).astype(jnp.float32)
+    return jax.lax.psum(total, data_axis), jax.lax.psum(count, data_axis)
+
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(data_axis), P(data_axis)),
+                          out_specs=(P(), P()))
+
+  def loss(params, tokens, targets):
+    total, count = sharded(params, tokens, targets)
+    return total / jnp.maximum(count, 1.0)
+  return loss
+
+
+def check_mesh(mesh, data_axis: str, batch: int | None = None):
+  """Raises ValueError unless ``mesh`` has ``data_axis`` (dividing ``batch``)."""
+  if data_axis not in mesh.axis_names:
+    raise ValueError(f"data_axis={data_axis!r} is not an axis of the mesh "
+                     f"{dict(mesh.shape)}: name one of {list(mesh.axis_names)}")
+  extra = {a: n for a, n in mesh.shape.items() if a != data_axis and n > 1}
+  if extra:
+    raise ValueError(f"mesh axes {extra} besides {data_axis!r}: only data parallelism is "
+                     "implemented (FSDP and tensor parallelism: issue 11)")
+  if batch is not None and batch % mesh.shape[data_axis]:
+    raise ValueError(f"batch {batch} is not divisible by the {mesh.shape[data_axis]} "
+                     f"devices of mesh axis {data_axis!r}")
+
+
+def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, mesh=None,
+                    data_axis: str = "data"):
   """jit(step)(state, tokens, targets) -> (state, loss): one optimizer step on the mean
   loss. ``micro_batches`` > 1 splits the batch and accumulates gradients (fp32, in the
   parameters' dtype) over the pieces in a ``jax.lax.scan``, so activations of only one
   piece are live; the step's gradient is the mean of the pieces' (the full batch's when
-  each piece has as many counted targets). ``donate`` updates the state in place."""
+  each piece has as many counted targets). ``donate`` updates the state in place.
+
+  ``mesh``: data parallel over its ``data_axis``. Each device runs the model on its
+  share of the batch's rows, with the parameters and optimizer state replicated; the
+  loss is the mean over the whole batch. Pass tokens and targets sharded along the
+  batch (``NamedSharding(mesh, P(data_axis))``)."""
   if micro_batches < 1:
     raise ValueError(f"micro_batches={micro_batches} must be >= 1")
+  if mesh is not None:
+    check_mesh(mesh, data_axis)
+    if micro_batches != 1:
+      raise ValueError("micro_batches > 1 with a mesh is not supported yet: use more "
+                       "devices or a smaller batch")
 
   def grads_of(model, tokens, targets):
+    if mesh is not None:
+      check_mesh(mesh, data_axis, tokens.shape[0])
+      gdef, params, rest = nnx.split(model, nnx.Param, ...)
+      return jax.value_and_grad(data_parallel_loss(gdef, rest, mesh, data_axis))(
+          params, tokens, targets)
     if micro_batches == 1:
       return nnx.value_and_grad(lambda m: m.loss(tokens, targets))(model)
     if tokens.shape[0] % micro_batches:
@@ -88,13 +144,19 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True):
   return step
 
 
-def make_eval_step(graphdef):
-  """jit(fn)(state, tokens, targets) -> loss, no gradients."""
+def make_eval_step(graphdef, *, mesh=None, data_axis: str = "data"):
+  """jit(fn)(state, tokens, targets) -> loss, no gradients; data parallel with ``mesh``
+  as ``make_train_step``."""
+  if mesh is not None:
+    check_mesh(mesh, data_axis)
 
   @jax.jit
   def evaluate(state, tokens, targets):
     model, _ = nnx.merge(graphdef, state)
-    return model.loss(tokens, targets)
+    if mesh is None:
+      return model.loss(tokens, targets)
+    gdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return data_parallel_loss(gdef, rest, mesh, data_axis)(params, tokens, targets)
 
   return evaluate
 

@@ -74,6 +74,7 @@ CASES = {
 }
 
 mesh = jax.make_mesh((2,), ("data",))
+CASES_TRAIN = "train" in sys.argv[2:]
 rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32))
                          / jnp.linalg.norm(b.astype(jnp.float32)))
 for name, (loss, args, specs, argnums) in CASES.items():
@@ -87,3 +88,31 @@ for name, (loss, args, specs, argnums) in CASES.items():
   hlo = sharded.lower(*put).compile().as_text()
   print(f"CASE {name} {diff:.3e} all-gather={hlo.count('all-gather(')} "
         f"all-reduce={hlo.count('all-reduce(')}", flush=True)
+
+
+if CASES_TRAIN:  # the main job's data-parallel train step against one device
+  import numpy as np  # noqa: E402
+  from flax import nnx  # noqa: E402
+  from flax_layers import Llama, get_config, train  # noqa: E402
+  cfg_m = get_config("tiny")
+  tokens = jax.random.randint(jax.random.key(1), (4, 64), 0, cfg_m.vocab_size, jnp.int32)
+  targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(train.IGNORE_INDEX)
+  targets = targets.at[0, :40].set(train.IGNORE_INDEX)  # unequal counts per device
+  results = {}
+  for label, m in (("one", None), ("two", mesh)):
+    model = Llama(cfg_m, rngs=nnx.Rngs(0), fused=True)
+    graphdef, state = train.init_state(model, train.make_optimizer(1e-3, total_steps=4))
+    step = train.make_train_step(graphdef, mesh=m, donate=False)
+    rows = NamedSharding(mesh, P("data")) if m is not None else None
+    t, y = (jax.device_put(tokens, rows), jax.device_put(targets, rows)) if m else (tokens, targets)
+    losses = []
+    for _ in range(2):
+      state, loss = step(state, t, y)
+      losses.append(float(loss))
+    hlo = step.lower(state, t, y).compile().as_text()
+    results[label] = (losses, jax.tree.leaves(nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)), hlo)
+  (l1, p1, _), (l2, p2, hlo2) = results["one"], results["two"]
+  pdiff = max(rel(a, b) for a, b in zip(p2, p1))
+  print(f"TRAIN loss_diff={max(abs(a - b) for a, b in zip(l1, l2)):.3e} "
+        f"param_diff={pdiff:.3e} all-gather={hlo2.count('all-gather(')} "
+        f"all-reduce={hlo2.count('all-reduce(')} loss={l2[-1]:.4f}", flush=True)
