@@ -1,8 +1,12 @@
-"""Persistent, warp-specialised Hopper GEMM with a composable epilogue.
+"""Persistent, warp-specialised Hopper GEMM with a composable epilogue, in two schedules.
 
-One memory warpgroup streams A and B tiles through a ``stages``-deep TMA ring into
-shared memory; two compute warpgroups each own half of a CTA tile and issue wgmma into
-fp32 register accumulators. When a tile's K loop ends, each compute warpgroup walks its
+Cooperative (``_kernel_cooperative``, the default): one memory warpgroup streams A and B
+tiles through a ``stages``-deep TMA ring into shared memory; two compute warpgroups each
+own half of a CTA tile and issue wgmma into fp32 register accumulators.
+Ping-pong (``_kernel_pingpong``): the compute warpgroups own whole tiles in turn, so one
+warpgroup's epilogue runs under the other's mainloop (see ``Schedule``).
+
+In both, when a tile's K loop ends, each compute warpgroup walks its
 accumulator in (epi_tile_m, epi_tile_n) sub-tiles and calls the epilogue closure on each
 (see ``epilogue.py``), then TMA-stores what the closure wrote. Stores are left in flight
 while the next tile's mainloop starts; the memory warpgroup has already prefetched the
