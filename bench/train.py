@@ -55,6 +55,8 @@ def parse_args():
   p.add_argument("--mesh", default=None, help="data parallel, e.g. data=2: the batch's rows "
                  "split over that many devices, parameters and optimizer replicated "
                  "(FSDP and tensor parallel axes are not implemented yet)")
+  p.add_argument("--fsdp", action="store_true", help="with --mesh: split the parameters "
+                 "and optimizer state over the data axis (gathered once per step)")
   args = p.parse_args()
   for k, v in DEFAULTS.get(args.config, BIG).items():
     setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
@@ -129,9 +131,9 @@ def run_path(path, cfg, args, train_batches, val_batches):
   rows = None if mesh is None else jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec("data"))
   put = lambda batch: tuple(jax.device_put(x, rows) for x in batch)
-  if mesh is not None:  # parameters and optimizer state replicated on every device
-    state = jax.device_put(state, jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec()))
+  if mesh is not None:  # parameters and optimizer state replicated, or split (--fsdp)
+    state = jax.device_put(state, train.fsdp_shardings(state, mesh) if args.fsdp else
+                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   r["compile_s"] = 0.0
   k = args.micro_batches or 1
   while True:  # "auto": halve the micro-batch until the compiled step fits the device
@@ -201,8 +203,8 @@ def markdown(results, summary, args, cfg, data, prov):
         f"model: {cfg.param_count() / 1e6:,.1f}M parameters, d_model {cfg.d_model}, "
         f"vocab {cfg.vocab_size}; batch {args.batch} x {args.seq} tokens, {args.steps} "
         f"AdamW steps, lr {args.lr:g} ({args.warmup_steps} warm-up), seed {args.seed}",
-        (f"mesh: {args.mesh} ({results[0]['n_devices']} devices, data parallel; "
-         "tokens/s per device: " + ", ".join(
+        (f"mesh: {args.mesh} ({results[0]['n_devices']} devices, data parallel"
+         f"{', FSDP' if args.fsdp else ''}; tokens/s per device: " + ", ".join(
              f"{r['path']} {r['tokens_per_s_per_device']:,.0f}" for r in results) + ")")
         if args.mesh else "mesh: none (1 device)", "",
         "| path | runs on | micro-batches | compile s | step ms | tokens/s | final loss | "
@@ -267,7 +269,8 @@ def main():
   args = parse_args()
   cfg = get_config(args.config, **({"n_layers": args.layers} if args.layers else {}))
   name = (f"train_{args.config}" + (f"_{cfg.n_layers}l" if args.layers else "")
-          + (f"_{args.mesh.replace('=', '').replace(',', '_')}" if args.mesh else ""))
+          + (f"_{args.mesh.replace('=', '').replace(',', '_')}" if args.mesh else "")
+          + ("_fsdp" if args.fsdp else ""))
   try:
     data = corpus.load(args.batch, args.seq)
   except ValueError as e:
@@ -287,14 +290,19 @@ def main():
     if args.batch % n_devices:
       sys.exit(f"--batch {args.batch} is not divisible by the {n_devices} devices of "
                f"--mesh {args.mesh}")
+    state_layout = ("split over the devices (FSDP), parameters gathered once per step"
+                    if args.fsdp else "replicated")
     print(f"mesh {dict(args.mesh_obj.shape)}: tokens and targets split along the batch "
           f"({args.batch // n_devices} rows of {args.seq} per device), parameters and "
-          f"optimizer state replicated; devices {[d.id for d in args.mesh_obj.devices.flat]}",
-          flush=True)
+          f"optimizer state {state_layout}; devices "
+          f"{[d.id for d in args.mesh_obj.devices.flat]}", flush=True)
+  elif args.fsdp:
+    sys.exit("--fsdp needs --mesh data=N")
   results = [run_path(p, cfg, args, train_batches, val_batches) for p in args.paths]
   summary = summarize(results, args.batch * args.seq)
   for r in results:
-    r["n_devices"], r["mesh"] = n_devices, args.mesh or "none"
+    r["n_devices"] = n_devices
+    r["mesh"] = (args.mesh or "none") + (" fsdp" if args.fsdp else "")
     r["tokens_per_s_per_device"] = r["tokens_per_s"] / n_devices
   if args.mesh_obj is not None:
     print("tokens/s per device: " + ", ".join(

@@ -70,11 +70,34 @@ def data_parallel_loss(gdef, rest, mesh, data_axis: str):
 
   sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(data_axis), P(data_axis)),
                           out_specs=(P(), P()))
+  replicated = jax.sharding.NamedSharding(mesh, P())
 
   def loss(params, tokens, targets):
+    # FSDP: parameters stored split (fsdp_shardings) are gathered here, once per step;
+    # their gradients come back split like them. Replicated ones pass unchanged.
+    params = jax.tree.map(lambda v: jax.reshard(v, replicated), params)
     total, count = sharded(params, tokens, targets)
     return total / jnp.maximum(count, 1.0)
   return loss
+
+
+def fsdp_shardings(tree, mesh, data_axis: str = "data"):
+  """Shardings that split each array of ``tree`` (a train state: parameters and
+  optimizer moments) along its first dimension divisible by the ``data_axis`` size, and
+  replicate the rest (scalars, small vectors). ``jax.device_put(state, ...)`` them to
+  train FSDP-style with ``make_train_step(mesh=...)``: each device stores 1/N of the
+  state; the step gathers the parameters once and reduce-scatters their gradients."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  check_mesh(mesh, data_axis)
+  n = mesh.shape[data_axis]
+
+  def one(x):
+    shape = getattr(x, "shape", ())
+    for dim, size in enumerate(shape):
+      if size >= n and size % n == 0:
+        return NamedSharding(mesh, P(*([None] * dim), data_axis))
+    return NamedSharding(mesh, P())
+  return jax.tree.map(one, tree)
 
 
 def check_mesh(mesh, data_axis: str, batch: int | None = None):
@@ -100,9 +123,10 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, me
   each piece has as many counted targets). ``donate`` updates the state in place.
 
   ``mesh``: data parallel over its ``data_axis``. Each device runs the model on its
-  share of the batch's rows, with the parameters and optimizer state replicated; the
-  loss is the mean over the whole batch. Pass tokens and targets sharded along the
-  batch (``NamedSharding(mesh, P(data_axis))``)."""
+  share of the batch's rows; the loss is the mean over the whole batch. Pass tokens and
+  targets sharded along the batch (``NamedSharding(mesh, P(data_axis))``) and the state
+  replicated (data parallel) or split by ``fsdp_shardings`` (FSDP: the parameters are
+  gathered once per step, not per layer yet)."""
   if micro_batches < 1:
     raise ValueError(f"micro_batches={micro_batches} must be >= 1")
   if mesh is not None:

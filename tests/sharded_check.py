@@ -99,9 +99,13 @@ if CASES_TRAIN:  # the main job's data-parallel train step against one device
   targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(train.IGNORE_INDEX)
   targets = targets.at[0, :40].set(train.IGNORE_INDEX)  # unequal counts per device
   results = {}
-  for label, m in (("one", None), ("two", mesh)):
+  for label, m in (("one", None), ("two", mesh), ("fsdp", mesh)):
     model = Llama(cfg_m, rngs=nnx.Rngs(0), fused=True)
     graphdef, state = train.init_state(model, train.make_optimizer(1e-3, total_steps=4))
+    if label == "fsdp":
+      state = jax.device_put(state, train.fsdp_shardings(state, mesh))
+    elif label == "two":
+      state = jax.device_put(state, NamedSharding(mesh, P()))
     step = train.make_train_step(graphdef, mesh=m, donate=False)
     rows = NamedSharding(mesh, P("data")) if m is not None else None
     t, y = (jax.device_put(tokens, rows), jax.device_put(targets, rows)) if m else (tokens, targets)
@@ -109,9 +113,14 @@ if CASES_TRAIN:  # the main job's data-parallel train step against one device
     for _ in range(2):
       state, loss = step(state, t, y)
       losses.append(float(loss))
-    hlo = step.lower(state, t, y).compile().as_text()
-    results[label] = (losses, jax.tree.leaves(nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)), hlo)
-  (l1, p1, _), (l2, p2, hlo2) = results["one"], results["two"]
+    compiled = step.lower(state, t, y).compile()
+    results[label] = (losses, jax.tree.leaves(nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)),
+                      compiled.as_text(), compiled.memory_analysis().argument_size_in_bytes)
+  (l1, p1, _, _), (l2, p2, hlo2, arg2) = results["one"], results["two"]
+  l3, p3, hlo3, arg3 = results["fsdp"]
+  print(f"FSDP loss_diff={max(abs(a - b) for a, b in zip(l1, l3)):.3e} "
+        f"param_diff={max(rel(a, b) for a, b in zip(p3, p1)):.3e} "
+        f"arg_bytes_ratio={arg3 / arg2:.3f} all-gather={hlo3.count('all-gather(')}", flush=True)
   pdiff = max(rel(a, b) for a, b in zip(p2, p1))
   print(f"TRAIN loss_diff={max(abs(a - b) for a, b in zip(l1, l2)):.3e} "
         f"param_diff={pdiff:.3e} all-gather={hlo2.count('all-gather(')} "

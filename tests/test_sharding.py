@@ -40,6 +40,10 @@ def sharded_results():
   assert m, out.stdout
   cases["train_step"] = (float(m.group(1)), float(m.group(2)), int(m.group(3)),
                          int(m.group(4)))
+  m = re.search(r"FSDP loss_diff=(\S+) param_diff=(\S+) arg_bytes_ratio=(\S+) "
+                r"all-gather=(\d+)", out.stdout)
+  assert m, out.stdout
+  cases["fsdp"] = (float(m.group(1)), float(m.group(2)), float(m.group(3)), int(m.group(4)))
   return cases
 
 
@@ -60,6 +64,16 @@ def test_data_parallel_train_step(sharded_results):
   loss_diff, param_diff, gathers, reduces = sharded_results["train_step"]
   assert loss_diff < 1e-5 and param_diff < 1e-4, (loss_diff, param_diff)
   assert gathers == 0 and reduces >= 1
+
+
+def test_fsdp_train_step(sharded_results):
+  """The same steps with the state split by train.fsdp_shardings: the same loss and
+  parameters, half the argument bytes per device (compiled memory analysis: the
+  parameters and AdamW moments dominate), and the parameters gathered (all-gathers)."""
+  loss_diff, param_diff, arg_ratio, gathers = sharded_results["fsdp"]
+  assert loss_diff < 1e-5 and param_diff < 1e-4, (loss_diff, param_diff)
+  assert arg_ratio < 0.55, arg_ratio
+  assert gathers >= 1
 
 
 @pytest.mark.parametrize("name", ["residual_rmsnorm", "shifted_block", "post_block"])
