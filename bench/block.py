@@ -154,11 +154,7 @@ def gemms(s: Shape, backward: bool, key):
   return fn, args
 
 
-def rel_diff(got, want):
-  """Largest relative Frobenius difference over the leaves of two matching pytrees."""
-  norm = lambda v: jnp.linalg.norm(v.astype(f32))
-  return max(float(norm(a.astype(f32) - b.astype(f32)) / norm(b))
-             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+rel_diff = common.rel_diff
 
 
 def check_baseline():
@@ -187,11 +183,19 @@ def peak_bytes(fn, *args):
           - m.alias_size_in_bytes)
 
 
+def block_configs(s: Shape, impl="auto"):
+  """(shifted block, post-block) configs of our fused path at shape ``s``, as timed here
+  and as bench/tune_gemm.py traces them."""
+  return (blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, rope_theta=THETA, eps=EPS,
+                             swiglu_block=BLOCK, impl=impl),
+          blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, eps=EPS, swiglu_block=BLOCK,
+                             impl=impl))
+
+
 def run_shape(name, s: Shape, impl, measure, prov, key):
   x = make_inputs(s, key)
   std, pos, tgt = x["params"], x["positions"], x["targets"]
-  cfg = blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, rope_theta=THETA, eps=EPS,
-                           swiglu_block=BLOCK, impl=impl)
+  cfg, post_cfg = block_configs(s, impl)
   mine = ours_params(std, blocks.SHIFTED_KEYS)
   ours_block = lambda a, b, c, p: blocks.shifted_block(a, b, c, p, cfg)
   xla_block = xla_shifted_block(s)
@@ -253,8 +257,6 @@ def run_shape(name, s: Shape, impl, measure, prov, key):
     compare(op, ours, args, xla, args)
 
   if name in ("1b", "tiny"):
-    post_cfg = blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, eps=EPS, swiglu_block=BLOCK,
-                                  impl=impl)
     grad = lambda loss: jax.grad(loss, argnums=(0, 1, 3))
     std_post = {k: std[k] for k in ("wo", "g_mlp", "w_gate", "w_up", "w2", "g_final", "wlm")}
     compare("post_block_fwd_bwd",

@@ -71,6 +71,19 @@ def time_kernels(fn, *args, iterations: int = 30) -> tuple[float, list[tuple[str
   return statistics.median(totals), per_kernel
 
 
+@jax.jit
+def _leaf_rel_diff(got, want):
+  got, want = got.astype("float32"), want.astype("float32")
+  return jax.numpy.sqrt(jax.numpy.sum((got - want) ** 2) / jax.numpy.sum(want * want))
+
+
+def rel_diff(got, want) -> float:
+  """Largest relative Frobenius difference over the leaves of two matching pytrees, one
+  fused reduction per leaf (no fp32 copies of large outputs)."""
+  return max(float(_leaf_rel_diff(a, b))
+             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
 def write_results(benchmark: str, rows: list[dict], markdown: str,
                   out: Path | None = None) -> Path:
   """Writes <benchmark>.json and .md into ``out`` (default results/<device>/)."""

@@ -50,9 +50,7 @@ def block_problems(shape_name):
   s = bb.SHAPES[shape_name]
   x = jax.eval_shape(lambda: bb.make_inputs(s, jax.random.key(0)))
   std, pos, tgt = x["params"], x["positions"], x["targets"]
-  cfg = blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, rope_theta=bb.THETA, eps=bb.EPS,
-                           swiglu_block=bb.BLOCK)
-  post_cfg = blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, eps=bb.EPS, swiglu_block=bb.BLOCK)
+  cfg, post_cfg = bb.block_configs(s)
   mine = jax.eval_shape(lambda p: bb.ours_params(p, blocks.SHIFTED_KEYS), std)
   post = jax.eval_shape(lambda p: bb.ours_params(p, blocks.POST_KEYS), std)
   block = lambda a, b, c, p: blocks.shifted_block(a, b, c, p, cfg)

@@ -46,9 +46,4 @@ def vary_like(x, *refs):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def reduce_tree_like(cts, primals):
-  """``reduce_like`` leaf by leaf over matching trees (None cotangents stay None)."""
-  return jax.tree.map(reduce_like, cts, primals, is_leaf=lambda v: v is None)
-
-
-__all__ = ["reduce_like", "reduce_tree_like", "vary_like", "varying_axes"]
+__all__ = ["reduce_like", "vary_like", "varying_axes"]

@@ -194,6 +194,22 @@ class Problem:
   program_id: str | None
   min_epi_tile_n: int
 
+  @property
+  def input_kinds(self) -> dict:
+    return {nm: kind for nm, (kind, _) in self.inputs.items()}
+
+  @property
+  def input_dtypes(self) -> dict:
+    return {nm: v.dtype for nm, (_, v) in self.inputs.items()}
+
+  def default_config(self) -> g.GemmConfig:
+    """The heuristic config ``gemm`` falls back to (raises ValueError if none tiles)."""
+    k = self.key
+    return g.default_config(k.m, k.n, k.k, self.a.dtype, input_kinds=self.input_kinds,
+                            input_dtypes=self.input_dtypes, outputs=self.outputs,
+                            min_epi_tile_n=self.min_epi_tile_n, trans_a=k.trans_a,
+                            trans_b=k.trans_b)
+
 
 _recorders: list[dict] = []
 
@@ -225,13 +241,7 @@ def chosen_config(problem: Problem) -> tuple[g.GemmConfig, str]:
   tuned = lookup(problem.key)
   if tuned is not None:
     return tuned, "tuned"
-  k = problem.key
-  return g.default_config(
-      k.m, k.n, k.k, problem.a.dtype,
-      input_kinds={nm: kind for nm, (kind, _) in problem.inputs.items()},
-      input_dtypes={nm: v.dtype for nm, (_, v) in problem.inputs.items()},
-      outputs=problem.outputs, min_epi_tile_n=problem.min_epi_tile_n, trans_a=k.trans_a,
-      trans_b=k.trans_b), "default"
+  return problem.default_config(), "default"
 
 
 def describe_workload(fn: Callable, *args) -> list[str]:
@@ -335,19 +345,15 @@ def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] =
   """Times every candidate config of ``problem`` on the device; returns the cache
   record: the best config, its time, the heuristic default's time and what was
   skipped and why."""
-  kinds = {nm: kind for nm, (kind, _) in problem.inputs.items()}
-  dtypes = {nm: v.dtype for nm, (_, v) in problem.inputs.items()}
-  key = problem.key
+  kinds, key = problem.input_kinds, problem.key
   skipped = []
   if configs is None:
-    configs, skipped = candidates(key.m, key.n, key.k, problem.a.dtype, kinds, dtypes,
+    configs, skipped = candidates(key.m, key.n, key.k, problem.a.dtype, kinds,
+                                  problem.input_dtypes,
                                   problem.outputs, trans_a=key.trans_a, trans_b=key.trans_b,
                                   min_epi_tile_n=problem.min_epi_tile_n, extra=extra)
   try:
-    default = g.default_config(key.m, key.n, key.k, problem.a.dtype, input_kinds=kinds,
-                               input_dtypes=dtypes, outputs=problem.outputs,
-                               min_epi_tile_n=problem.min_epi_tile_n, trans_a=key.trans_a,
-                               trans_b=key.trans_b)
+    default = problem.default_config()
     if default not in configs:
       configs = [default] + list(configs)
   except ValueError as e:

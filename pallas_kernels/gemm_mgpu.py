@@ -261,7 +261,6 @@ def _split_b_too_narrow(config: GemmConfig, trans_b: bool) -> bool:
 
 
 def _check_tiling(m, n, k, config: GemmConfig, trans_a: bool, trans_b: bool):
-  config.check()
   if _split_b_too_narrow(config, trans_b):
     raise ValueError(f"tile_n={config.tile_n} with wg_dim=N and B stored (K, N): the "
                      "warpgroups' halves of B must be multiples of 64 columns")
@@ -434,6 +433,16 @@ class _Epilogue:
     return ref.at[pl.ds(r0, em), cols] if o.kind == epi.OutputKind.TILE else ref.at[r0 // em, cols]
 
 
+def _bind_refs(refs, input_names, outputs, in_place):
+  """The kernel's operand refs by name, and its output refs by name (an in-place output
+  is its operand's ref)."""
+  in_gmem = dict(zip(input_names, refs[:len(input_names)]))
+  fresh = [o.name for o in outputs if o.name not in in_place]
+  out_gmem = dict(zip(fresh, refs[len(input_names):]))
+  out_gmem.update({o: in_gmem[i] for o, i in in_place.items()})
+  return in_gmem, out_gmem
+
+
 def _operand_views(a_smem, b_smem, trans_a, trans_b, wg_m, wg_n):
   """wgmma operands from shared-memory tiles, transposed views where stored so."""
   a_op = a_smem.at[:, wg_m].transpose((1, 0)) if trans_a else a_smem.at[wg_m]
@@ -446,10 +455,7 @@ def _kernel_cooperative(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a
                         num_clusters):
   """Both compute warpgroups share each CTA tile and each pipeline stage."""
   del num_clusters  # nd_loop spreads the tiles over the grid
-  in_gmem = dict(zip(input_names, refs[:len(input_names)]))
-  fresh = [o.name for o in outputs if o.name not in in_place]
-  out_gmem = dict(zip(fresh, refs[len(input_names):]))
-  out_gmem.update({o: in_gmem[i] for o, i in in_place.items()})
+  in_gmem, out_gmem = _bind_refs(refs, input_names, outputs, in_place)
   dtype = a_gmem.dtype
   tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
   cm, cn = cfg.cta_tile
@@ -539,10 +545,7 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
   waited on by one warpgroup at every phase, and the automatic phase tracking holds.
   The owner releases a slot (the "consumed" barrier, cluster-wide when an operand is
   multicast) once the wgmma reading it has finished."""
-  in_gmem = dict(zip(input_names, refs[:len(input_names)]))
-  fresh = [o.name for o in outputs if o.name not in in_place]
-  out_gmem = dict(zip(fresh, refs[len(input_names):]))
-  out_gmem.update({o: in_gmem[i] for o, i in in_place.items()})
+  in_gmem, out_gmem = _bind_refs(refs, input_names, outputs, in_place)
   dtype = a_gmem.dtype
   tm, tn, tk, stages = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.stages
   cluster_tile_m, cluster_tile_n = cfg.cluster_tile
@@ -707,8 +710,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
                        f"shape and dtype, got {o} and a {kind.value} operand of {v.dtype}")
   if len(set(in_place.values())) != len(in_place):
     raise ValueError(f"in_place={in_place}: an operand can back one output only")
-  if interpret is None:
-    from pallas_kernels import autotune  # it imports this module
+  from pallas_kernels import autotune  # it imports this module
+  if interpret is None and (config is None or autotune.is_recording()):
     key = autotune.problem_key(m, n, k, a.dtype, trans_a, trans_b, autotune.signature(
         program_id, input_kinds, input_dtypes, outputs, in_place, min_epi_tile_n))
     if autotune.is_recording():
