@@ -52,11 +52,17 @@ def parse_args():
                  "(default: 1, or as many as the compiled step needs to fit the device)")
   p.add_argument("--eval-batches", type=int, default=8, help="held-out validation batches")
   p.add_argument("--out", type=Path, help="default bench/results/<device>/")
-  p.add_argument("--mesh", default=None, help="data parallel, e.g. data=2: the batch's rows "
-                 "split over that many devices, parameters and optimizer replicated "
-                 "(FSDP and tensor parallel axes are not implemented yet)")
+  p.add_argument("--mesh", default=None, help="e.g. data=2 (data parallel: the batch's rows "
+                 "split over 2 devices) or data=2,model=2 (plus Megatron tensor parallel "
+                 "over 'model': column-parallel wqkv/w13/wlm, row-parallel wo/w2)")
   p.add_argument("--fsdp", action="store_true", help="with --mesh: split the parameters "
-                 "and optimizer state over the data axis (gathered once per step)")
+                 "and optimizer state over the data axis (gathered once per step with "
+                 "--partitioner shard_map, per GEMM with jit)")
+  p.add_argument("--partitioner", choices=("shard_map", "jit"), default=None,
+                 help="shard_map: each device runs the model on its rows (data axis only; "
+                 "the default without a model axis); jit: plain jit, each fused GEMM split "
+                 "as its operands are sharded (coda_jax.partitioning; needed for a model "
+                 "axis)")
   args = p.parse_args()
   for k, v in DEFAULTS.get(args.config, BIG).items():
     setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
@@ -108,13 +114,14 @@ def parse_mesh(spec: str | None):
     if not name or not size.isdigit() or int(size) < 1:
       sys.exit(f"--mesh {spec!r}: expected axis=size[,axis=size], e.g. data=2")
     axes[name] = int(size)
-  if set(axes) != {"data"}:
-    sys.exit(f"--mesh {spec!r}: only a 'data' axis (data parallel) is implemented; FSDP "
-             "and tensor parallelism are issue 11's next steps")
+  if "data" not in axes or not set(axes) <= {"data", "model"}:
+    sys.exit(f"--mesh {spec!r}: axes 'data' (required) and 'model' (tensor parallel)")
   n = math.prod(axes.values())
   if n > len(jax.devices()):
     sys.exit(f"--mesh {spec!r} needs {n} devices; this host has {len(jax.devices())}")
-  return jax.make_mesh(tuple(axes.values()), tuple(axes), devices=jax.devices()[:n])
+  auto = (jax.sharding.AxisType.Auto,) * len(axes)  # shardings decided by the partitioner
+  return jax.make_mesh(tuple(axes.values()), tuple(axes), devices=jax.devices()[:n],
+                       axis_types=auto)
 
 
 def run_path(path, cfg, args, train_batches, val_batches):
@@ -131,13 +138,17 @@ def run_path(path, cfg, args, train_batches, val_batches):
   rows = None if mesh is None else jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec("data"))
   put = lambda batch: tuple(jax.device_put(x, rows) for x in batch)
-  if mesh is not None:  # parameters and optimizer state replicated, or split (--fsdp)
+  if mesh is not None and mesh.shape.get("model", 1) > 1:  # Megatron split over "model"
+    train.check_tensor_parallel(cfg, mesh)
+    state = jax.device_put(state, train.tensor_parallel_shardings(state, mesh))
+  elif mesh is not None:  # parameters and optimizer state replicated, or split (--fsdp)
     state = jax.device_put(state, train.fsdp_shardings(state, mesh) if args.fsdp else
                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   r["compile_s"] = 0.0
   k = args.micro_batches or 1
   while True:  # "auto": halve the micro-batch until the compiled step fits the device
-    step = train.make_train_step(graphdef, micro_batches=k, mesh=mesh)
+    step = train.make_train_step(graphdef, micro_batches=k, mesh=mesh,
+                                 partitioner=args.partitioner)
     t0 = time.perf_counter()
     compiled = step.lower(state, *put(train_batches[0])).compile()
     r["compile_s"] += time.perf_counter() - t0
@@ -163,7 +174,7 @@ def run_path(path, cfg, args, train_batches, val_batches):
     r["step_s"].append(time.perf_counter() - t0)
     r["losses"].append(loss)
     bar.update(i + 1, loss, r["step_s"])
-  evaluate = train.make_eval_step(graphdef, mesh=mesh)
+  evaluate = train.make_eval_step(graphdef, mesh=mesh, partitioner=args.partitioner)
   r["val_loss"] = float(np.mean([evaluate(state, *put(b)) for b in val_batches]))
   r["device_peak_bytes"] = device_peak_bytes()
   del state, compiled, step, evaluate
@@ -203,7 +214,7 @@ def markdown(results, summary, args, cfg, data, prov):
         f"model: {cfg.param_count() / 1e6:,.1f}M parameters, d_model {cfg.d_model}, "
         f"vocab {cfg.vocab_size}; batch {args.batch} x {args.seq} tokens, {args.steps} "
         f"AdamW steps, lr {args.lr:g} ({args.warmup_steps} warm-up), seed {args.seed}",
-        (f"mesh: {args.mesh} ({results[0]['n_devices']} devices, data parallel"
+        (f"mesh: {args.mesh} ({results[0]['n_devices']} devices, {args.partitioner}"
          f"{', FSDP' if args.fsdp else ''}; tokens/s per device: " + ", ".join(
              f"{r['path']} {r['tokens_per_s_per_device']:,.0f}" for r in results) + ")")
         if args.mesh else "mesh: none (1 device)", "",
@@ -270,7 +281,8 @@ def main():
   cfg = get_config(args.config, **({"n_layers": args.layers} if args.layers else {}))
   name = (f"train_{args.config}" + (f"_{cfg.n_layers}l" if args.layers else "")
           + (f"_{args.mesh.replace('=', '').replace(',', '_')}" if args.mesh else "")
-          + ("_fsdp" if args.fsdp else ""))
+          + ("_fsdp" if args.fsdp else "")
+          + ("_jit" if args.mesh and args.partitioner == "jit" else ""))
   try:
     data = corpus.load(args.batch, args.seq)
   except ValueError as e:
@@ -286,15 +298,29 @@ def main():
         f"device {jax.devices()[0].device_kind}\n{data.describe()}", flush=True)
   args.mesh_obj = parse_mesh(args.mesh)
   n_devices = 1 if args.mesh_obj is None else args.mesh_obj.size
+  tp = 1 if args.mesh_obj is None else args.mesh_obj.shape.get("model", 1)
+  if args.partitioner is None:
+    args.partitioner = "jit" if tp > 1 else "shard_map"
   if args.mesh_obj is not None:
-    if args.batch % n_devices:
-      sys.exit(f"--batch {args.batch} is not divisible by the {n_devices} devices of "
-               f"--mesh {args.mesh}")
-    state_layout = ("split over the devices (FSDP), parameters gathered once per step"
-                    if args.fsdp else "replicated")
-    print(f"mesh {dict(args.mesh_obj.shape)}: tokens and targets split along the batch "
-          f"({args.batch // n_devices} rows of {args.seq} per device), parameters and "
-          f"optimizer state {state_layout}; devices "
+    n_data = args.mesh_obj.shape["data"]
+    if args.batch % n_data:
+      sys.exit(f"--batch {args.batch} is not divisible by the {n_data} devices of mesh "
+               f"axis 'data' (--mesh {args.mesh})")
+    if tp > 1 and args.partitioner != "jit":
+      sys.exit("--mesh with a 'model' axis needs --partitioner jit")
+    if tp > 1 and args.fsdp:
+      sys.exit("--fsdp with a 'model' axis is not supported")
+    if tp > 1:
+      state_layout = ("split Megatron-style over 'model' (wqkv, w13, wlm by columns; wo, w2 "
+                      "by rows), the rest replicated")
+    elif args.fsdp:
+      state_layout = ("split over the devices (FSDP), parameters gathered "
+                      + ("once per step" if args.partitioner == "shard_map" else "per GEMM"))
+    else:
+      state_layout = "replicated"
+    print(f"mesh {dict(args.mesh_obj.shape)} ({args.partitioner}): tokens and targets split "
+          f"along the batch over 'data' ({args.batch // n_data} rows of {args.seq} per data "
+          f"shard), parameters and optimizer state {state_layout}; devices "
           f"{[d.id for d in args.mesh_obj.devices.flat]}", flush=True)
   elif args.fsdp:
     sys.exit("--fsdp needs --mesh data=N")
@@ -303,6 +329,7 @@ def main():
   for r in results:
     r["n_devices"] = n_devices
     r["mesh"] = (args.mesh or "none") + (" fsdp" if args.fsdp else "")
+    r["partitioner"] = args.partitioner if args.mesh else "none"
     r["tokens_per_s_per_device"] = r["tokens_per_s"] / n_devices
   if args.mesh_obj is not None:
     print("tokens/s per device: " + ", ".join(

@@ -238,7 +238,7 @@ def _post_bwd(cfg, saved, dloss):
           vary_like(jnp.zeros((d,), jnp.float32), x2))
   (dwlm, dgf), dxa = jax.lax.scan(chunk, init,
                                   tuple(F.chunked(rows, x2, h2, r2, lse, targets, weight)))
-  dx0, dy0, grads = _mlp_bwd(dxa.reshape(x2.shape), mlp_saved, p, params, cfg)
+  dx0, dy0, grads = _mlp_bwd(F.unchunked(dxa), mlp_saved, p, params, cfg)
   grads.update(g_final=dgf, wlm=dwlm)
   return dx0, dy0, None, _grads_like(grads, params)
 

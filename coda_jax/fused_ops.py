@@ -268,7 +268,15 @@ def rmsnorm_lm_head_loss(h, r, wlm, targets, *, ignore_index: int = -100,
 
 
 def chunked(rows, *arrays):
-  return [a.reshape(-1, rows, *a.shape[1:]) for a in arrays]
+  """(M, ...) arrays as (M / rows, rows, ...) chunks of strided rows: chunk c holds rows
+  c, c + C, c + 2C, ... (C chunks). When the rows are split over devices, every chunk
+  is then split the same way, and a loop over chunks needs no communication."""
+  return [a.reshape(rows, -1, *a.shape[1:]).swapaxes(0, 1) for a in arrays]
+
+
+def unchunked(x):
+  """The inverse of ``chunked``: (C, rows, ...) -> (C * rows, ...)."""
+  return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -281,7 +289,7 @@ def lm_head_lse(h, r, wlm, targets, rows, impl):
   w = wlm.astype(h.dtype)
   step = lambda args: S.lm_head_stats(*args[:2], w, args[2], impl)
   lse, tgt = jax.lax.map(step, tuple(chunked(rows, h, r, targets)))
-  return lse.reshape(-1), tgt.reshape(-1)
+  return unchunked(lse), unchunked(tgt)
 
 
 def loss_from_stats(lse, tgt, targets, ignore_index, reduction):
@@ -322,7 +330,7 @@ def _lm_bwd(opts, impl, saved, dloss):
 
   dw0 = vary_like(jnp.zeros(wlm.shape, jnp.float32), h)  # varies with the rows' shards
   dw, (dh, dr) = jax.lax.scan(step, dw0, tuple(chunked(rows, h, r, lse, targets, weight)))
-  return dh.reshape(h.shape), dr.reshape(-1), reduce_like(dw, wlm).astype(wlm.dtype), None
+  return unchunked(dh), unchunked(dr), reduce_like(dw, wlm).astype(wlm.dtype), None
 
 
 _lm_head_loss.defvjp(_lm_fwd, _lm_bwd)

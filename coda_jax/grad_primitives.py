@@ -139,5 +139,8 @@ class SoftmaxXentGrad(Primitive):
     env.store(self.zdz, jnp.sum(d * x, axis=1))
     return d
 
+  def column_index_operands(self):
+    return (self.targets,)
+
   def finish(self, raw):
     return {self.zdz: jnp.sum(raw[self.zdz], axis=0)}

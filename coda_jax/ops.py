@@ -2,49 +2,30 @@
 
     outs = gemm_epilogue(a, b, program, operands, trans_a=False, trans_b=False)
 
-Dispatch (``impl``):
-  "auto"      the compiled Mosaic GPU kernel on an sm90 (Hopper) GPU when the shape tiles;
-              otherwise the XLA reference. Which one runs is logged once per reason.
-  "mosaic"    the compiled kernel; errors if it cannot run.
-  "interpret" the same kernel through Mosaic GPU's interpreter on CPU (tests).
-  "xla"       the pure-jnp reference: fp32 GEMM, then the program on the full matrix.
-The environment variable CODA_JAX_IMPL overrides "auto" (e.g. CODA_JAX_IMPL=interpret).
+``impl`` names the implementations to try, in order (``coda_jax.dispatch``): "auto"
+(the compiled kernel on an sm90 GPU where the shape tiles, else the XLA program;
+``CODA_JAX_IMPL`` overrides it), "mosaic", "interpret", "xla", or a sequence of these.
+With more than one device the call is partitioned per shard (``coda_jax.partitioning``).
 
 Outputs are returned finished: ``Store`` outputs as stored, ``RowSum`` as (M,),
 ``ColSum`` as (N,), ``RowLogSumExp`` as (M,) log-sum-exp under its own name.
 """
 from __future__ import annotations
 
-import logging
 import math
-import os
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from coda_jax import dispatch
+from coda_jax import partitioning
 from coda_jax import primitives as P
+from coda_jax.dispatch import kernels_available
 from coda_jax.sharding import vary_like
 
-log = logging.getLogger("coda_jax")
-IMPLS = ("auto", "mosaic", "interpret", "xla")
-_announced: set[str] = set()
-
-
-def _announce(msg: str) -> None:
-  if msg not in _announced:
-    _announced.add(msg)
-    log.warning("coda_jax: %s", msg)
-
-
-def kernels_available() -> bool:
-  """True when the default device is an sm90 (Hopper) GPU, where "auto" runs the kernels."""
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError:
-    return False
-  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+IMPLS = ("auto",) + dispatch.NAMES
 
 
 def scalar_operand(value, n: int) -> jax.Array:
@@ -101,44 +82,15 @@ def _problem(a, b, trans_a, trans_b):
                            dtypes=(jnp.bfloat16, jnp.float16, jnp.float32))
 
 
-class _MatrixEnv:
-  """``Env`` over whole matrices, for the reference."""
-
-  def __init__(self, operands, shape):
-    self.operands = operands
-    self.shape = shape
-    self.stored: dict[str, jax.Array] = {}
-
-  def column_ids(self):
-    return jax.lax.broadcasted_iota(jnp.int32, self.shape, 1)
-
-  def load(self, name):
-    return self.operands[name]
-
-  def store(self, name, value):
-    self.stored[name] = value
-
-
 def reference(a, b, program, operands, *, trans_a=False, trans_b=False, round_to=None):
   """The semantics of ``gemm_epilogue`` in jnp. With ``round_to`` (e.g. bfloat16) every
   intermediate is rounded as an unfused XLA graph in that dtype would round it."""
   m, n, _ = _problem(a, b, trans_a, trans_b)
   inputs, outputs, _ = _declared(program, m, n)
   _check_epilogue_operands(inputs, operands, m, n)
-  a2 = a.T if trans_a else a
-  b2 = b.T if trans_b else b
-  x = jnp.matmul(a2, b2, preferred_element_type=jnp.float32,
-                 precision=jax.lax.Precision.HIGHEST)
-  if round_to is not None:
-    x = x.astype(round_to).astype(jnp.float32)
-  env = _MatrixEnv(operands, x.shape)
-  P.run_program(program, x, env, round_to=round_to)
-  return _finish(program, {o.name: env.stored[o.name][None] if o.kind != pk.OutputKind.TILE
-                           else env.stored[o.name].astype(o.dtype) for o in outputs})
-
-
-def _finish(program, raw):
-  return {name: v for prim in program for name, v in prim.finish(raw).items()}
+  call = dispatch.Call(program=tuple(program), inputs=tuple(inputs.items()), outputs=outputs,
+                       column_group=1, trans_a=trans_a, trans_b=trans_b)
+  return dispatch.IMPLEMENTATIONS["xla"].run(call, a, b, operands, round_to=round_to)
 
 
 def program_id(program: Sequence[P.Primitive]) -> str:
@@ -172,40 +124,19 @@ def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
   memory. The values are the same with or without it."""
   operands = dict(operands or {})
   program = tuple(program)
-  if impl not in IMPLS:
-    raise ValueError(f"impl={impl!r}: one of {IMPLS}")
-  if impl == "auto":
-    impl = os.environ.get("CODA_JAX_IMPL", "auto")
-    if impl not in IMPLS:
-      raise ValueError(f"CODA_JAX_IMPL={impl!r}: one of {IMPLS}")
+  names = dispatch.resolve(impl)
   m, n, k = _problem(a, b, trans_a, trans_b)
   inputs, outputs, group = _declared(program, m, n)
   _check_epilogue_operands(inputs, operands, m, n)
-  if impl == "auto":
-    if not kernels_available():
-      _announce("no sm90 GPU: running the XLA reference path")
-      impl = "xla"
-    elif a.dtype == jnp.float32:
-      _announce("float32 operands: running the XLA reference path")
-      impl = "xla"
-    else:
-      try:
-        kernel_config(a, b, program, operands, trans_a=trans_a, trans_b=trans_b)
-        impl = "mosaic"
-      except ValueError as e:
-        _announce(f"shape ({m}, {n}, {k}) does not tile ({e}): running the XLA reference path")
-        impl = "xla"
-  if impl == "xla":
-    return reference(a, b, program, operands, trans_a=trans_a, trans_b=trans_b)
-  def epilogue(tile, acc):
-    P.run_program(program, acc, tile)
-
-  raw = pk.gemm(a, b, inputs={nm: (kind, operands[nm]) for nm, kind in inputs.items()},
-                epilogue=epilogue, outputs=outputs, trans_a=trans_a, trans_b=trans_b,
-                config=config, in_place=in_place, program_id=program_id(program),
-                min_epi_tile_n=group,
-                interpret=pk.interpret_params() if impl == "interpret" else None)
+  call = dispatch.Call(program=program, inputs=tuple(inputs.items()), outputs=outputs,
+                       column_group=group, trans_a=trans_a, trans_b=trans_b, config=config,
+                       in_place=tuple(sorted((in_place or {}).items())),
+                       program_id=program_id(program))
+  if jax.device_count() == 1:
+    out = dispatch.run(call, a, b, operands, names)
+  else:  # split per shard where the operands are sharded (a no-op when they are not)
+    sc = partitioning.ShardedCall(call, tuple(operands), names)
+    out = partitioning.call(sc, a, b, *operands.values())
   # Under shard_map the Mosaic call's outputs carry no varying mesh axes: give them
   # those of its inputs (coda_jax/sharding.py).
-  raw = {nm: vary_like(v, a, b, *operands.values()) for nm, v in raw.items()}
-  return _finish(program, raw)
+  return {nm: vary_like(v, a, b, *operands.values()) for nm, v in out.items()}

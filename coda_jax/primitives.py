@@ -53,6 +53,18 @@ class Primitive:
     """User-facing results from this step's raw kernel outputs (partials reduced)."""
     return {}
 
+  def column_index_operands(self) -> tuple[str, ...]:
+    """Row operands holding column indices (compared with ``Env.column_ids``): a call
+    on a column shard must shift them by the shard's first column."""
+    return ()
+
+  def combine_over_shards(self) -> dict[str, str]:
+    """How each finished output of a call split over shards combines into the whole:
+    "sum" for a partial sum (row sums over column shards, column sums over row shards),
+    "logsumexp" for a log-sum-exp. Tile outputs are not listed: they are split."""
+    return {o.name: "sum" for o in self.outputs(1)
+            if o.kind in (OutputKind.ROW_PARTIAL, OutputKind.COL_PARTIAL)}
+
 
 # ---- scale -----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +250,9 @@ class RowLogSumExp(Primitive):
   def finish(self, raw):
     return {self.name: finish_lse(raw[self.name + "_max"], raw[self.name + "_sumexp"])}
 
+  def combine_over_shards(self):
+    return {self.name: "logsumexp"}
+
 
 @dataclasses.dataclass(frozen=True)
 class ColSum(Primitive):
@@ -274,6 +289,9 @@ class PickColumn(Primitive):
     hit = env.column_ids() == env.load(self.index)[:, None]
     env.store(self.name, jnp.sum(jnp.where(hit, x, 0.0), axis=1))
     return x
+
+  def column_index_operands(self):
+    return (self.index,)
 
   def finish(self, raw):
     return {self.name: jnp.sum(raw[self.name], axis=0)}

@@ -100,22 +100,69 @@ def fsdp_shardings(tree, mesh, data_axis: str = "data"):
   return jax.tree.map(one, tree)
 
 
-def check_mesh(mesh, data_axis: str, batch: int | None = None):
-  """Raises ValueError unless ``mesh`` has ``data_axis`` (dividing ``batch``)."""
+COLUMN_PARALLEL = ("wqkv", "w13", "wlm")  # split along their output columns
+ROW_PARALLEL = ("wo", "w2")  # split along their input rows
+
+
+def tensor_parallel_shardings(tree, mesh, model_axis: str = "model"):
+  """Megatron-style shardings for a ``Llama`` train state (parameters and optimizer
+  moments alike, by name): ``wqkv``, ``w13`` and ``wlm`` split along their columns over
+  ``model_axis`` (column parallel; ``wlm``: a vocabulary-parallel LM head), ``wo`` and
+  ``w2`` along their rows (row parallel); everything else replicated. Use with
+  ``make_train_step(partitioner="jit")``. Check the model first with
+  ``check_tensor_parallel``."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  if model_axis not in mesh.axis_names:
+    raise ValueError(f"model_axis={model_axis!r} is not an axis of the mesh "
+                     f"{dict(mesh.shape)}: name one of {list(mesh.axis_names)}")
+
+  def one(path, x):
+    names = {str(getattr(k, "key", getattr(k, "name", k))) for k in path}
+    ndim = len(getattr(x, "shape", ()))
+    if ndim >= 2 and names & set(COLUMN_PARALLEL):
+      return NamedSharding(mesh, P(*([None] * (ndim - 1)), model_axis))
+    if ndim >= 2 and names & set(ROW_PARALLEL):
+      return NamedSharding(mesh, P(*([None] * (ndim - 2)), model_axis, None))
+    return NamedSharding(mesh, P())
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def check_tensor_parallel(config, mesh, model_axis: str = "model"):
+  """Raises ValueError naming the axis and the sizes unless ``mesh``'s ``model_axis``
+  divides the query and key/value heads, the vocabulary and the MLP's pair blocks."""
+  n = mesh.shape.get(model_axis, 1)
+  for what, size in (("n_q_heads", config.n_q_heads), ("n_kv_heads", config.n_kv_heads),
+                     ("vocab_size", config.vocab_size),
+                     ("ffn_dim / swiglu_block", config.ffn_dim // config.swiglu_block)):
+    if size % n:
+      raise ValueError(f"mesh axis {model_axis!r} of size {n} does not divide {what}={size}")
+  if config.tie_embeddings and n > 1:
+    raise ValueError(f"mesh axis {model_axis!r} of size {n}: tensor parallelism with tied "
+                     "embeddings is not supported (the head reads the replicated embedding)")
+
+
+def check_mesh(mesh, data_axis: str, batch: int | None = None, *,
+               other_axes: bool = False):
+  """Raises ValueError unless ``mesh`` has ``data_axis`` (dividing ``batch``) and, unless
+  ``other_axes``, no other axis of size > 1."""
   if data_axis not in mesh.axis_names:
     raise ValueError(f"data_axis={data_axis!r} is not an axis of the mesh "
                      f"{dict(mesh.shape)}: name one of {list(mesh.axis_names)}")
   extra = {a: n for a, n in mesh.shape.items() if a != data_axis and n > 1}
-  if extra:
-    raise ValueError(f"mesh axes {extra} besides {data_axis!r}: only data parallelism is "
-                     "implemented (FSDP and tensor parallelism: issue 11)")
+  if extra and not other_axes:
+    raise ValueError(f"mesh axes {extra} besides {data_axis!r}: the shard_map train step "
+                     "is data parallel only; use partitioner='jit' with "
+                     "tensor_parallel_shardings for a model axis")
   if batch is not None and batch % mesh.shape[data_axis]:
     raise ValueError(f"batch {batch} is not divisible by the {mesh.shape[data_axis]} "
                      f"devices of mesh axis {data_axis!r}")
 
 
+PARTITIONERS = ("shard_map", "jit")
+
+
 def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, mesh=None,
-                    data_axis: str = "data"):
+                    data_axis: str = "data", partitioner: str = "shard_map"):
   """jit(step)(state, tokens, targets) -> (state, loss): one optimizer step on the mean
   loss. ``micro_batches`` > 1 splits the batch and accumulates gradients (fp32, in the
   parameters' dtype) over the pieces in a ``jax.lax.scan``, so activations of only one
@@ -126,20 +173,29 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, me
   share of the batch's rows; the loss is the mean over the whole batch. Pass tokens and
   targets sharded along the batch (``NamedSharding(mesh, P(data_axis))``) and the state
   replicated (data parallel) or split by ``fsdp_shardings`` (FSDP: the parameters are
-  gathered once per step, not per layer yet)."""
+  gathered once per step, not per layer yet).
+
+  ``partitioner``: "shard_map" (above) or "jit": the step is jitted as written and the
+  arrays' own shardings decide the split (``coda_jax.partitioning`` splits each fused
+  GEMM: rows over ``data_axis``, ``tensor_parallel_shardings``' weights over a model
+  axis, FSDP-split weights gathered per GEMM, i.e. per layer)."""
   if micro_batches < 1:
     raise ValueError(f"micro_batches={micro_batches} must be >= 1")
+  if partitioner not in PARTITIONERS:
+    raise ValueError(f"partitioner={partitioner!r}: one of {PARTITIONERS}")
+  shard_map_mesh = mesh if partitioner == "shard_map" else None
   if mesh is not None:
-    check_mesh(mesh, data_axis)
+    check_mesh(mesh, data_axis, other_axes=partitioner == "jit")
     if micro_batches != 1:
       raise ValueError("micro_batches > 1 with a mesh is not supported yet: use more "
                        "devices or a smaller batch")
 
   def grads_of(model, tokens, targets):
     if mesh is not None:
-      check_mesh(mesh, data_axis, tokens.shape[0])
+      check_mesh(mesh, data_axis, tokens.shape[0], other_axes=partitioner == "jit")
+    if shard_map_mesh is not None:
       gdef, params, rest = nnx.split(model, nnx.Param, ...)
-      return jax.value_and_grad(data_parallel_loss(gdef, rest, mesh, data_axis))(
+      return jax.value_and_grad(data_parallel_loss(gdef, rest, shard_map_mesh, data_axis))(
           params, tokens, targets)
     if micro_batches == 1:
       return nnx.value_and_grad(lambda m: m.loss(tokens, targets))(model)
@@ -168,16 +224,19 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, me
   return step
 
 
-def make_eval_step(graphdef, *, mesh=None, data_axis: str = "data"):
-  """jit(fn)(state, tokens, targets) -> loss, no gradients; data parallel with ``mesh``
-  as ``make_train_step``."""
+def make_eval_step(graphdef, *, mesh=None, data_axis: str = "data",
+                   partitioner: str = "shard_map"):
+  """jit(fn)(state, tokens, targets) -> loss, no gradients; sharded with ``mesh`` and
+  ``partitioner`` as ``make_train_step``."""
+  if partitioner not in PARTITIONERS:
+    raise ValueError(f"partitioner={partitioner!r}: one of {PARTITIONERS}")
   if mesh is not None:
-    check_mesh(mesh, data_axis)
+    check_mesh(mesh, data_axis, other_axes=partitioner == "jit")
 
   @jax.jit
   def evaluate(state, tokens, targets):
     model, _ = nnx.merge(graphdef, state)
-    if mesh is None:
+    if mesh is None or partitioner == "jit":
       return model.loss(tokens, targets)
     gdef, params, rest = nnx.split(model, nnx.Param, ...)
     return data_parallel_loss(gdef, rest, mesh, data_axis)(params, tokens, targets)

@@ -82,9 +82,10 @@ def signature(program_id: str | None, input_kinds: dict, input_dtypes: dict,
           f"group={min_epi_tile_n}").replace("|", "/")
 
 
-def problem_key(m, n, k, dtype, trans_a, trans_b, sig: str) -> ProblemKey:
-  dev = jax.devices()[0]
-  return ProblemKey(device_kind=dev.device_kind, jax_version=jax.__version__, m=m, n=n,
+def problem_key(m, n, k, dtype, trans_a, trans_b, sig: str,
+                device_kind: str | None = None) -> ProblemKey:
+  device_kind = device_kind or jax.devices()[0].device_kind
+  return ProblemKey(device_kind=device_kind, jax_version=jax.__version__, m=m, n=n,
                     k=k, trans_a=trans_a, trans_b=trans_b, dtype=jnp.dtype(dtype).name,
                     signature=sig)
 

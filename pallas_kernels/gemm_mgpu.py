@@ -662,7 +662,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
          in_place: dict[str, str] | None = None,
          config: GemmConfig | None = None, num_sms: int | None = None,
          interpret=None, program_id: str | None = None,
-         min_epi_tile_n: int = 1) -> dict[str, jax.Array]:
+         min_epi_tile_n: int = 1, device_kind: str | None = None) -> dict[str, jax.Array]:
   """Runs ``a @ b`` (operands optionally transposed) with an epilogue program.
 
   Args:
@@ -683,6 +683,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
       computes; its operands and outputs are part of the key anyway).
     min_epi_tile_n: the epilogue sub-tile width must be a multiple of this (a pairwise
       epilogue's pair block); used where ``config`` is chosen here.
+    device_kind: the tuning cache's device key; default that of ``jax.devices()[0]``.
   Returns:
     dict of output name to array, shapes per ``epilogue.output_shape``.
   """
@@ -713,7 +714,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
   from pallas_kernels import autotune  # it imports this module
   if interpret is None and (config is None or autotune.is_recording()):
     key = autotune.problem_key(m, n, k, a.dtype, trans_a, trans_b, autotune.signature(
-        program_id, input_kinds, input_dtypes, outputs, in_place, min_epi_tile_n))
+        program_id, input_kinds, input_dtypes, outputs, in_place, min_epi_tile_n),
+        device_kind=device_kind)
     if autotune.is_recording():
       autotune.record(autotune.Problem(
           key=key, a=jax.ShapeDtypeStruct(a.shape, a.dtype),

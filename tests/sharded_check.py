@@ -7,17 +7,23 @@ import os
 import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + \
-    " --xla_force_host_platform_device_count=2"
+    " --xla_force_host_platform_device_count=4"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from coda_jax import blocks, fused_ops as F, layout  # noqa: E402
 
 IMPL = sys.argv[1] if len(sys.argv) > 1 else "xla"
-M, D, F_, HQ, HKV, HD, V = 256, 128, 192, 4, 2, 32, 320
+# On a GPU (2 devices: the tensor-parallel mesh is then data=1 x model=2) the sizes tile
+# the kernels: every local GEMM runs through Mosaic GPU.
+ON_GPU = jax.devices()[0].platform == "gpu"
+M, D, F_, HQ, HKV, HD, V = ((2048, 256, 512, 4, 2, 64, 1024) if ON_GPU else
+                            (256, 128, 192, 4, 2, 32, 320))
+TP_DATA = 2 if len(jax.devices()) >= 4 else 1
 QKV = (HQ + 2 * HKV) * HD
 bf = jnp.bfloat16
 ks = iter(jax.random.split(jax.random.key(0), 32))
@@ -64,6 +70,10 @@ CASES = {
     "rmsnorm_lm_head_loss": (
         lambda h, r, w, t: F.rmsnorm_lm_head_loss(h, r, w, t, reduction="sum", impl=IMPL),
         (h, r, wlm, tgt), (R, R, W, R), (0, 1, 2)),
+    "lm_head_loss_chunked": (
+        lambda h, r, w, t: F.rmsnorm_lm_head_loss(h, r, w, t, reduction="sum", chunk_rows=M // 4,
+                                                  impl=IMPL),
+        (h, r, wlm, tgt), (R, R, W, R), (0, 1, 2)),
     "shifted_block": (
         lambda x, y, p, prm, c1, c2: sum(dot(o, c) for o, c in zip(
             blocks.shifted_block(x, y, p, prm, cfg), (c1, c2))),
@@ -73,25 +83,77 @@ CASES = {
         (x0, y, tgt, post_params), (R, R, R, W), (0, 1, 3)),
 }
 
-mesh = jax.make_mesh((2,), ("data",))
+mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
 CASES_TRAIN = "train" in sys.argv[2:]
+MODES = [m for m in ("shard_map", "jit", "auto") if m in sys.argv[2:]] or ["shard_map"]
 rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32))
                          / jnp.linalg.norm(b.astype(jnp.float32)))
-for name, (loss, args, specs, argnums) in CASES.items():
-  one = jax.jit(jax.grad(loss, argnums=argnums))(*args)
-  put = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-  sharded = jax.jit(jax.grad(jax.shard_map(lambda *a: jax.lax.psum(loss(*a), "data"),
-                                           mesh=mesh, in_specs=specs, out_specs=P()),
-                             argnums=argnums))
-  two = sharded(*put)
-  diff = max(rel(a, b) for a, b in zip(jax.tree.leaves(two), jax.tree.leaves(one)))
-  hlo = sharded.lower(*put).compile().as_text()
-  print(f"CASE {name} {diff:.3e} all-gather={hlo.count('all-gather(')} "
-        f"all-reduce={hlo.count('all-reduce(')}", flush=True)
+# Tensor parallel on a (data=2, model=2) mesh: column-parallel wqkv, w13 and wlm (the
+# vocabulary), row-parallel wo, w2; the attention output y arrives split by heads.
+COL, ROW, Y = P(None, "model"), P("model", None), P("data", "model")
+TP_BLOCK = {"wo": ROW, "g_mlp": W, "w13": COL, "w2": ROW, "g_attn": W, "wqkv": COL}
+TP_POST = {"wo": ROW, "g_mlp": W, "w13": COL, "w2": ROW, "g_final": W, "wlm": COL}
+TP_CASES = {
+    "tp_rmsnorm_swiglu": CASES["rmsnorm_swiglu"][:2] + ((R, R, COL, Y), (0, 1, 2)),
+    "tp_lm_head_loss": CASES["lm_head_loss_chunked"][:2] + ((R, R, COL, R), (0, 1, 2)),
+    "tp_shifted_block": CASES["shifted_block"][:2] + ((R, Y, R, TP_BLOCK, R, Y), (0, 1, 3)),
+    "tp_post_block": CASES["post_block"][:2] + ((R, Y, R, TP_POST), (0, 1, 3)),
+}
+
+
+def collectives(hlo):
+  return " ".join(f"{op}={hlo.count(op + '(')}" for op in
+                  ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+                   "collective-permute"))
+
+
+def largest_reduce(hlo):
+  """Elements of the largest array any all-reduce of ``hlo`` sums."""
+  import re
+  sizes = [0]
+  for line in hlo.splitlines():
+    if " all-reduce(" in line or " all-reduce-start(" in line:
+      lhs = line.split(" all-reduce")[0].split("=", 1)[-1]
+      for dims in re.findall(r"\w+\[([\d,]*)\]", lhs):
+        sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
+  return max(sizes)
+
+
+def put_tree(mesh, args, specs):
+  return [jax.tree.map(lambda a, s=s: jax.device_put(a, NamedSharding(mesh, s)), a)
+          if not isinstance(s, dict) else
+          {k: jax.device_put(v, NamedSharding(mesh, s[k])) for k, v in a.items()}
+          for a, s in zip(args, specs)]
+
+
+Auto, Explicit = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit
+for mode in MODES:
+  cases = dict(CASES)
+  if mode != "shard_map":
+    types = (Explicit if mode == "jit" else Auto,)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2], axis_types=types)
+    mesh_tp = jax.make_mesh((TP_DATA, 2), ("data", "model"), axis_types=types * 2,
+                            devices=jax.devices()[:2 * TP_DATA])
+    cases.update(TP_CASES)
+  for name, (loss, args, specs, argnums) in cases.items():
+    one = jax.jit(jax.grad(loss, argnums=argnums))(*args)
+    put = put_tree(mesh_tp if name.startswith("tp_") else mesh, args, specs)
+    if mode == "shard_map":
+      sharded = jax.jit(jax.grad(jax.shard_map(lambda *a: jax.lax.psum(loss(*a), "data"),
+                                               mesh=mesh, in_specs=specs, out_specs=P()),
+                                 argnums=argnums))
+    else:  # plain jit of the same loss (explicit or auto axes): coda_jax.partitioning
+      sharded = jax.jit(jax.grad(loss, argnums=argnums))
+    two = sharded(*put)
+    diff = max(rel(a, b) for a, b in zip(jax.tree.leaves(two), jax.tree.leaves(one)))
+    hlo = sharded.lower(*put).compile().as_text()
+    fwd = "" if mode == "shard_map" else jax.jit(loss).lower(*put).compile().as_text()
+    print(f"CASE {mode} {name} {diff:.3e} {collectives(hlo)} "
+          f"largest_reduce={largest_reduce(hlo)} forward_largest_reduce="
+          f"{largest_reduce(fwd)}", flush=True)
 
 
 if CASES_TRAIN:  # the main job's data-parallel train step against one device
-  import numpy as np  # noqa: E402
   from flax import nnx  # noqa: E402
   from flax_layers import Llama, get_config, train  # noqa: E402
   cfg_m = get_config("tiny")
@@ -99,15 +161,25 @@ if CASES_TRAIN:  # the main job's data-parallel train step against one device
   targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(train.IGNORE_INDEX)
   targets = targets.at[0, :40].set(train.IGNORE_INDEX)  # unequal counts per device
   results = {}
-  for label, m in (("one", None), ("two", mesh), ("fsdp", mesh)):
+  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+  auto = (jax.sharding.AxisType.Auto,)
+  mesh_jit = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2], axis_types=auto)
+  mesh_tp = jax.make_mesh((TP_DATA, 2), ("data", "model"), axis_types=auto * 2,
+                          devices=jax.devices()[:2 * TP_DATA])
+  runs = (("one", None, "shard_map"), ("two", mesh, "shard_map"), ("fsdp", mesh, "shard_map"),
+          ("jit", mesh_jit, "jit"), ("jit_fsdp", mesh_jit, "jit"), ("tp", mesh_tp, "jit"))
+  for label, m, partitioner in runs:
     model = Llama(cfg_m, rngs=nnx.Rngs(0), fused=True)
     graphdef, state = train.init_state(model, train.make_optimizer(1e-3, total_steps=4))
-    if label == "fsdp":
-      state = jax.device_put(state, train.fsdp_shardings(state, mesh))
-    elif label == "two":
-      state = jax.device_put(state, NamedSharding(mesh, P()))
-    step = train.make_train_step(graphdef, mesh=m, donate=False)
-    rows = NamedSharding(mesh, P("data")) if m is not None else None
+    if label in ("fsdp", "jit_fsdp"):
+      state = jax.device_put(state, train.fsdp_shardings(state, m))
+    elif label == "tp":
+      train.check_tensor_parallel(cfg_m, m)
+      state = jax.device_put(state, train.tensor_parallel_shardings(state, m))
+    elif m is not None:
+      state = jax.device_put(state, NamedSharding(m, P()))
+    step = train.make_train_step(graphdef, mesh=m, donate=False, partitioner=partitioner)
+    rows = NamedSharding(m, P("data")) if m is not None else None
     t, y = (jax.device_put(tokens, rows), jax.device_put(targets, rows)) if m else (tokens, targets)
     losses = []
     for _ in range(2):
@@ -116,6 +188,30 @@ if CASES_TRAIN:  # the main job's data-parallel train step against one device
     compiled = step.lower(state, t, y).compile()
     results[label] = (losses, jax.tree.leaves(nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)),
                       compiled.as_text(), compiled.memory_analysis().argument_size_in_bytes)
+  # Tensor-parallel gradients of the loss, fused and reference, against one device: the
+  # sharded reference (XLA's own partitioning of the plain jnp model) sets the scale.
+  grads = {}
+  for fused in (True, False):
+    for label in ("one", "tp"):
+      model = Llama(cfg_m, rngs=nnx.Rngs(0), fused=fused)
+      gdef, params, rest = nnx.split(model, nnx.Param, ...)
+      t, y = tokens, targets
+      if label == "tp":
+        params = jax.device_put(params, train.tensor_parallel_shardings(params, mesh_tp))
+        rows = NamedSharding(mesh_tp, P("data"))
+        t, y = jax.device_put(tokens, rows), jax.device_put(targets, rows)
+      grads[fused, label] = jax.jit(jax.grad(
+          lambda p, t, y, gdef=gdef, rest=rest: nnx.merge(gdef, p, rest).loss(t, y)))(
+              params, t, y)
+  gdiff = {f: max(rel(a, b) for a, b in zip(jax.tree.leaves(grads[f, "tp"]),
+                                            jax.tree.leaves(grads[f, "one"])))
+           for f in (True, False)}
+  print(f"GRADTP fused={gdiff[True]:.3e} reference={gdiff[False]:.3e}", flush=True)
+  for label in ("jit", "jit_fsdp", "tp"):
+    (l1, p1, _, _), (lx, px, hlox, argx) = results["one"], results[label]
+    print(f"TRAINJIT {label} loss_diff={max(abs(a - b) for a, b in zip(l1, lx)):.3e} "
+          f"param_diff={max(rel(a, b) for a, b in zip(px, p1)):.3e} "
+          f"arg_bytes_ratio={argx / results['jit'][3]:.3f} {collectives(hlox)}", flush=True)
   (l1, p1, _, _), (l2, p2, hlo2, arg2) = results["one"], results["two"]
   l3, p3, hlo3, arg3 = results["fsdp"]
   print(f"FSDP loss_diff={max(abs(a - b) for a, b in zip(l1, l3)):.3e} "
@@ -125,3 +221,20 @@ if CASES_TRAIN:  # the main job's data-parallel train step against one device
   print(f"TRAIN loss_diff={max(abs(a - b) for a, b in zip(l1, l2)):.3e} "
         f"param_diff={pdiff:.3e} all-gather={hlo2.count('all-gather(')} "
         f"all-reduce={hlo2.count('all-reduce(')} loss={l2[-1]:.4f}", flush=True)
+
+
+if "errors" in sys.argv[2:] and len(jax.devices()) >= 4:  # splits the kernels cannot run are refused, never replicated
+  for types in (Explicit, Auto):
+    mesh4 = jax.make_mesh((1, 4), ("data", "model"), axis_types=(types,) * 2)
+    put4 = lambda x, s: jax.device_put(x, NamedSharding(mesh4, s))
+    # 2F = 384 columns over 4 devices: 96 per device, not whole 64-column SwiGLU pairs.
+    try:
+      jax.jit(lambda h, r, w: F.rmsnorm_swiglu(h, r, w, impl=IMPL))(
+          put4(h, P()), put4(r, P()), put4(w13, P(None, "model")))
+      print(f"ERRORCASE {types.name} swiglu_pairs none", flush=True)
+    except Exception as e:  # noqa: BLE001 (the auto partitioner wraps it)
+      msg = str(e)
+      ok = ("not a multiple of the program's column group 64" in msg if types == Explicit
+            else "not divisible by axis_size=4" in msg)
+      print(f"ERRORCASE {types.name} swiglu_pairs {'ok' if ok else 'wrong'}: "
+            f"{msg.splitlines()[0][:200]}", flush=True)

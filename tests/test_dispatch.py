@@ -8,7 +8,7 @@ import pytest
 
 import coda_jax as cj
 import pallas_kernels
-from coda_jax import ops
+from coda_jax import dispatch, ops
 from helpers import assert_within_baseline, gemm_inputs, normal, rel_err
 
 PROGRAM = [cj.ScaleRow("r"), cj.Store("y"), cj.RowSum("s", square=True)]
@@ -30,7 +30,7 @@ def kernel_calls(monkeypatch):
     return real(*args, **kw)
   monkeypatch.setattr(pallas_kernels, "gemm", spy)
   monkeypatch.delenv("CODA_JAX_IMPL", raising=False)
-  monkeypatch.setattr(ops, "_announced", set())  # see every fallback message again
+  monkeypatch.setattr(dispatch, "_announced", set())  # see every fallback message again
   return calls
 
 
@@ -103,3 +103,31 @@ def test_env_does_not_override_explicit_impl(problem, kernel_calls, monkeypatch)
   assert_same(cj.gemm_epilogue(a, b, PROGRAM, ops_, impl="xla"),
               cj.reference(a, b, PROGRAM, ops_))
   assert kernel_calls == []
+
+
+def test_impl_sequence_is_tried_in_order(problem, kernel_calls):
+  a, b, ops_ = problem
+  # float32 operands: neither kernel implementation can run them, the XLA one can.
+  a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+  assert_same(cj.gemm_epilogue(a32, b32, PROGRAM, ops_, impl=("mosaic", "interpret", "xla")),
+              cj.reference(a32, b32, PROGRAM, ops_))
+  assert kernel_calls == []
+
+
+def test_no_implementation_lists_every_reason(problem, kernel_calls):
+  a, b, ops_ = problem
+  a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+  with pytest.raises(ValueError) as e:
+    cj.gemm_epilogue(a32, b32, PROGRAM, ops_, impl=("mosaic", "interpret"))
+  assert "mosaic:" in str(e.value) and "interpret: float32" in str(e.value)
+
+
+@pytest.mark.parametrize("bad", ["cuda", ("xla", "triton"), ()])
+def test_bad_impl_names(problem, bad):
+  a, b, ops_ = problem
+  with pytest.raises(ValueError, match="impl="):
+    cj.gemm_epilogue(a, b, PROGRAM, ops_, impl=bad)
+
+
+def test_target_device_is_a_local_device():
+  assert dispatch.target_device() in jax.local_devices()

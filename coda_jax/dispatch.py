@@ -1,0 +1,259 @@
+"""How one GEMM-epilogue call runs: the one place that picks the implementation.
+
+Every fused op, block and layer reaches the kernels through ``ops.gemm_epilogue``, and
+``gemm_epilogue`` hands the call here (after ``partitioning`` has split it per shard when
+its operands are sharded). An *implementation* either runs the call or says why it
+cannot. The caller names a list of them; they are tried in order and the first that can
+run, runs. When none can, the error lists every implementation with its reason.
+
+Implementations:
+  "mosaic"     the compiled Mosaic GPU kernel (``pallas_kernels.gemm``): needs an sm90
+               GPU, 16-bit operands and a shape that tiles.
+  "interpret"  the same kernel through Mosaic GPU's CPU interpreter (tests).
+  "xla"        the jnp semantics: an fp32 GEMM, then the program on the whole matrix.
+
+``impl`` (the argument every public op takes) names them: one name, a sequence of
+names tried in order, or "auto" = ("mosaic", "xla"). ``CODA_JAX_IMPL`` replaces "auto"
+(e.g. ``CODA_JAX_IMPL=interpret`` runs a whole model through the interpreter). Which
+implementation ran, and why an earlier one did not, is logged once per reason.
+
+The kernel's persistent grid is sized from the SM count of the device the call runs
+on (``target_device``), and the tuning cache is keyed by that device's kind.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as pk
+from coda_jax import primitives as P
+
+log = logging.getLogger("coda_jax")
+NAMES = ("mosaic", "interpret", "xla")
+AUTO = ("mosaic", "xla")
+_announced: set[str] = set()
+
+
+def announce(msg: str) -> None:
+  """Logs ``msg`` once per process (the reason a fallback ran, for example)."""
+  if msg not in _announced:
+    _announced.add(msg)
+    log.warning("coda_jax: %s", msg)
+
+
+class Unsupported(Exception):
+  """An implementation cannot run this call; the message says why."""
+
+
+def resolve(impl: str | Sequence[str]) -> tuple[str, ...]:
+  """``impl`` as the ordered tuple of implementation names to try."""
+  names = (impl,) if isinstance(impl, str) else tuple(impl)
+  if not names:
+    raise ValueError("impl=(): name at least one implementation")
+  if names == ("auto",):
+    env = os.environ.get("CODA_JAX_IMPL", "auto")
+    if env != "auto":
+      if env not in NAMES:
+        raise ValueError(f"CODA_JAX_IMPL={env!r}: one of {('auto',) + NAMES}")
+      return (env,)
+    return AUTO
+  for nm in names:
+    if nm not in NAMES:
+      raise ValueError(f"impl={impl!r}: {nm!r} is not one of {('auto',) + NAMES}")
+  return names
+
+
+def target_device() -> jax.Device:
+  """The device a kernel launched now runs on: JAX's default device (every local device
+  of one kind on a host; a mix of GPU models is refused, since a kernel's grid and tuning
+  are sized for one)."""
+  dev = jax.config.jax_default_device
+  if dev is None or isinstance(dev, str):
+    dev = jax.local_devices(backend=dev)[0] if isinstance(dev, str) else jax.local_devices()[0]
+  kinds = {(d.device_kind, getattr(d, "core_count", None)) for d in jax.local_devices(
+      backend=dev.platform)}
+  if len(kinds) > 1:
+    raise ValueError(f"local {dev.platform} devices of different kinds {sorted(kinds)}: "
+                     "coda_jax sizes one kernel for all of them; restrict the process to "
+                     "one kind (CUDA_VISIBLE_DEVICES)")
+  return dev
+
+
+def kernels_available() -> bool:
+  """True when the target device is an sm90 (Hopper) GPU, where "mosaic" can run."""
+  try:
+    dev = target_device()
+  except (RuntimeError, ValueError):
+    return False
+  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One local GEMM-epilogue problem, already validated by ``ops.gemm_epilogue``.
+
+  Attributes:
+    program: the epilogue steps.
+    inputs: operand name -> kind, as the program reads them.
+    outputs: the declared kernel outputs.
+    column_group: columns that must share an epilogue sub-tile (pair blocks).
+    trans_a, trans_b: operand orders.
+    config: kernel tuning, or None for the tuning cache / heuristic.
+    in_place: (output, operand) pairs written in place.
+    program_id: the program's name in the tuning cache.
+  """
+  program: tuple
+  inputs: tuple[tuple[str, pk.InputKind], ...]
+  outputs: tuple[pk.EpilogueOutput, ...]
+  column_group: int
+  trans_a: bool = False
+  trans_b: bool = False
+  config: pk.GemmConfig | None = None
+  in_place: tuple[tuple[str, str], ...] = ()
+  program_id: str = ""
+
+  def __post_init__(self):
+    if self.column_group < 1:
+      raise ValueError(f"column_group={self.column_group} must be >= 1")
+    names = {nm for nm, _ in self.inputs}
+    for out, src in self.in_place:
+      if src not in names:
+        raise ValueError(f"in_place {out!r} <- {src!r}: not an operand of the program")
+
+
+class _MatrixEnv:
+  """``primitives.Env`` over whole matrices, for the XLA implementation."""
+
+  def __init__(self, operands, shape):
+    self.operands = operands
+    self.shape = shape
+    self.stored: dict[str, jax.Array] = {}
+
+  def column_ids(self):
+    return jax.lax.broadcasted_iota(jnp.int32, self.shape, 1)
+
+  def load(self, name):
+    return self.operands[name]
+
+  def store(self, name, value):
+    self.stored[name] = value
+
+
+def finish(program, raw: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """The user-facing outputs from raw kernel outputs (partials reduced)."""
+  return {name: v for prim in program for name, v in prim.finish(raw).items()}
+
+
+def apply_program(x: jax.Array, program, operands: dict[str, jax.Array], outputs,
+                  round_to=None) -> dict[str, jax.Array]:
+  """``program`` on a whole fp32 matrix ``x``: the finished outputs. ``round_to`` rounds
+  every intermediate as an unfused XLA graph in that dtype would."""
+  env = _MatrixEnv(operands, x.shape)
+  P.run_program(program, x, env, round_to=round_to)
+  return finish(program, {o.name: env.stored[o.name][None] if o.kind != pk.OutputKind.TILE
+                          else env.stored[o.name].astype(o.dtype) for o in outputs})
+
+
+def _xla_check(call, a, b, operands):
+  return None
+
+
+def _xla_run(call, a, b, operands, round_to=None):
+  a2 = a.T if call.trans_a else a
+  b2 = b.T if call.trans_b else b
+  x = jnp.matmul(a2, b2, preferred_element_type=jnp.float32,
+                 precision=jax.lax.Precision.HIGHEST)
+  if round_to is not None:
+    x = x.astype(round_to).astype(jnp.float32)
+  return apply_program(x, call.program, operands, call.outputs, round_to=round_to)
+
+
+def _kernel_config(call, a, b, operands):
+  m, n, k = pk.check_operands(a, b, call.trans_a, call.trans_b)
+  return pk.default_config(m, n, k, a.dtype, input_kinds=dict(call.inputs),
+                           input_dtypes={nm: operands[nm].dtype for nm, _ in call.inputs},
+                           outputs=call.outputs, min_epi_tile_n=call.column_group,
+                           trans_a=call.trans_a, trans_b=call.trans_b)
+
+
+def _mosaic_check(call, a, b, operands):
+  if not kernels_available():
+    raise Unsupported("no sm90 GPU (Hopper) here")
+  if a.dtype not in (jnp.bfloat16, jnp.float16):
+    raise Unsupported(f"{a.dtype} operands (the kernel takes bfloat16 or float16)")
+  if call.config is None:
+    try:
+      _kernel_config(call, a, b, operands)
+    except ValueError as e:
+      m, n, k = pk.check_operands(a, b, call.trans_a, call.trans_b, dtypes=(a.dtype,))
+      raise Unsupported(f"shape ({m}, {n}, {k}) does not tile ({e})") from None
+
+
+def _interpret_check(call, a, b, operands):
+  if a.dtype not in (jnp.bfloat16, jnp.float16):
+    raise Unsupported(f"{a.dtype} operands (the kernel takes bfloat16 or float16)")
+
+
+def _kernel_run(call, a, b, operands, interpret=None):
+  def epilogue(tile, acc):
+    P.run_program(call.program, acc, tile)
+  device = target_device()
+  raw = pk.gemm(a, b, inputs={nm: (kind, operands[nm]) for nm, kind in call.inputs},
+                epilogue=epilogue, outputs=call.outputs, trans_a=call.trans_a,
+                trans_b=call.trans_b, config=call.config, in_place=dict(call.in_place),
+                program_id=call.program_id, min_epi_tile_n=call.column_group,
+                num_sms=None if interpret is not None else device.core_count,
+                device_kind=device.device_kind, interpret=interpret)
+  return finish(call.program, raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """``check(call, a, b, operands)`` raises ``Unsupported`` when it cannot run;
+  ``run`` returns the finished outputs."""
+  name: str
+  check: Callable[..., Any]
+  run: Callable[..., dict]
+
+
+IMPLEMENTATIONS = {
+    "mosaic": Implementation("mosaic", _mosaic_check, _kernel_run),
+    "interpret": Implementation(
+        "interpret", _interpret_check,
+        lambda call, a, b, ops: _kernel_run(call, a, b, ops, interpret=pk.interpret_params())),
+    "xla": Implementation("xla", _xla_check, _xla_run),
+}
+
+
+def choose(call: Call, a, b, operands, impl) -> Implementation:
+  """The first implementation in ``impl`` that can run ``call``; a ValueError listing
+  each one's reason when none can."""
+  names = resolve(impl)
+  reasons = []
+  for nm in names:
+    chosen = IMPLEMENTATIONS[nm]
+    try:
+      chosen.check(call, a, b, operands)
+    except Unsupported as e:
+      reasons.append(f"{nm}: {e}")
+      continue
+    if reasons:
+      announce(f"ran {nm} ({'; '.join(reasons)})")
+    return chosen
+  raise ValueError(f"no implementation in impl={names} can run this call: "
+                   + "; ".join(reasons))
+
+
+def run(call: Call, a, b, operands, impl) -> dict[str, jax.Array]:
+  """Runs ``call`` on local arrays with the first implementation that can."""
+  return choose(call, a, b, operands, impl).run(call, a, b, operands)
+
+
+__all__ = ["AUTO", "Call", "IMPLEMENTATIONS", "Implementation", "NAMES", "Unsupported",
+           "announce", "apply_program", "choose", "finish", "kernels_available", "resolve",
+           "run", "target_device"]

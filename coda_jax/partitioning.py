@@ -1,0 +1,286 @@
+"""The per-shard rule of a GEMM-epilogue call: how it runs when its operands are sharded.
+
+Every fused op reaches the kernels through ``ops.gemm_epilogue``, so one rule, here,
+makes every op, block and layer run on sharded arrays under ``jax.jit``: the call is a
+``jax.experimental.custom_partitioning`` function. XLA's partitioner (Shardy) hands it
+the shardings of its operands; the rule below decides the local problem, and each
+device runs the kernel on its own tiles. Why ``custom_partitioning`` and not
+``shard_map``: under ``jax.jit`` with ``NamedSharding`` inputs the shardings are known
+only to the partitioner, after tracing; a ``shard_map`` has to be written by the caller
+with the specs spelled out (that path works too: inside a ``shard_map`` the call is
+local and ``coda_jax.sharding`` gives the gradients their mesh axes).
+
+The three dimensions of ``a @ b`` (M rows, N columns, K contraction) are read from the
+operands' shardings:
+
+* **M sharded (data parallel).** Row and tile operands and outputs stay split with the
+  rows. Column partial sums (``ColSum``: dg, db) are ``psum``-ed over M's mesh axes:
+  N floats.
+* **N sharded (column parallel: Megatron's wqkv, w13; a vocabulary-parallel LM head).**
+  Column and tile operands and outputs stay split with the columns. Row partials made
+  by the epilogue are combined across the column shards: row sums (the RMSNorm
+  backward's zdz term, the picked target logit) by ``psum``, log-sum-exps by a max and
+  a ``psum`` of rescaled sums: M floats each, never the (M, N) activations. Column-index
+  operands (targets) are shifted by the shard's first column. A shard must hold whole
+  column groups (a SwiGLU or RoPE pair block), or the call is refused.
+* **K sharded (row parallel: Megatron's wo, w2; every weight gradient, whose
+  contraction runs over the rows).** The local product is a partial sum: the kernel
+  stores it in fp32, it is ``psum``-ed over K's mesh axes, and the epilogue program
+  runs after the sum in XLA (an epilogue is not linear in the accumulator in general).
+  This is the one activation-sized reduction of Megatron's row-parallel layer, and the
+  weight-gradient all-reduce of data parallelism.
+
+A weight sharded along a dimension the rule does not split (FSDP's storage layout) is
+gathered just before the call: per layer, as FSDP does. A mesh axis that does not
+divide its dimension raises a ``ValueError`` naming the axis and the sizes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+import pallas_kernels as pk
+from coda_jax import dispatch
+from coda_jax import primitives as P
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedCall:
+  """A ``dispatch.Call`` with the names of its operands in argument order and the
+  implementations to try (static under ``custom_partitioning``)."""
+  call: dispatch.Call
+  operand_names: tuple[str, ...]
+  impl: tuple[str, ...]
+
+  def kinds(self):
+    return dict(self.call.inputs)
+
+
+def _axes(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec_dims(shape) -> list[tuple[str, ...]]:
+  sharding = shape.sharding
+  if not isinstance(sharding, NamedSharding):
+    raise ValueError(
+        f"coda_jax.gemm_epilogue got a {type(sharding).__name__} operand sharding; the "
+        "per-shard rule needs NamedSharding (shard inputs with a jax.sharding.Mesh, or call "
+        "under jax.set_mesh)")
+  spec = tuple(sharding.spec) + (None,) * (len(shape.shape) - len(sharding.spec))
+  return [_axes(e) for e in spec]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The mesh axes that split each GEMM dimension (empty: not split)."""
+  m: tuple[str, ...]
+  n: tuple[str, ...]
+  k: tuple[str, ...]
+
+
+def _size(mesh, axes) -> int:
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def choose_layout(sc: ShardedCall, mesh, arg_shapes) -> Layout:
+  """The split of (M, N, K) for operands arriving with ``arg_shapes``' shardings: M and K
+  as ``a`` is split, N as ``b`` is (less axes already used). Raises ValueError on a split
+  the kernels cannot run."""
+  call = sc.call
+  a_dims, b_dims = _spec_dims(arg_shapes[0]), _spec_dims(arg_shapes[1])
+  a_m, a_k = (a_dims[1], a_dims[0]) if call.trans_a else (a_dims[0], a_dims[1])
+  b_n = b_dims[0] if call.trans_b else b_dims[1]
+  layout = Layout(m=a_m, k=a_k, n=tuple(x for x in b_n if x not in a_m + a_k))
+  m, n, k = pk.check_operands(jax.ShapeDtypeStruct(arg_shapes[0].shape, arg_shapes[0].dtype),
+                              jax.ShapeDtypeStruct(arg_shapes[1].shape, arg_shapes[1].dtype),
+                              call.trans_a, call.trans_b, dtypes=(arg_shapes[0].dtype,))
+  for dim, size, axes in (("M (rows)", m, layout.m), ("N (columns)", n, layout.n),
+                          ("K (contraction)", k, layout.k)):
+    parts = _size(mesh, axes)
+    if size % parts:
+      raise ValueError(f"coda_jax.gemm_epilogue: {dim}={size} is split over mesh axes "
+                       f"{axes} of size {parts}, which does not divide it; pick a mesh or "
+                       "shape where it does (or replicate that dimension)")
+  parts = _size(mesh, layout.n)
+  if parts > 1 and (n // parts) % call.column_group:
+    raise ValueError(f"coda_jax.gemm_epilogue: N={n} split over mesh axes {layout.n} gives "
+                     f"{n // parts} columns per shard, not a multiple of the program's column "
+                     f"group {call.column_group} (a pair block must stay on one device)")
+  return layout
+
+
+def _arg_specs(sc: ShardedCall, layout: Layout):
+  m, n, k = (layout.m or None), (layout.n or None), (layout.k or None)
+  a = PartitionSpec(k, m) if sc.call.trans_a else PartitionSpec(m, k)
+  b = PartitionSpec(n, k) if sc.call.trans_b else PartitionSpec(k, n)
+  kinds = sc.kinds()
+  ops = []
+  for nm in sc.operand_names:
+    kind = kinds[nm]
+    ops.append(PartitionSpec(m) if kind == pk.InputKind.ROW else
+               PartitionSpec(n) if kind == pk.InputKind.COL else PartitionSpec(m, n))
+  return (a, b, *ops)
+
+
+def finished_kinds(call: dispatch.Call) -> dict[str, tuple[str, float]]:
+  """Each finished output's name -> ("tile" | "row" | "col", width relative to N)."""
+  raw = {o.name: o for o in call.outputs}
+  kinds = {o.name: ("tile", o.width) for o in call.outputs if o.kind == pk.OutputKind.TILE}
+  for prim in call.program:
+    for name in prim.combine_over_shards():
+      o = raw.get(name)
+      kinds[name] = (("col", o.width) if o is not None and o.kind == pk.OutputKind.COL_PARTIAL
+                     else ("row", 1))
+  return kinds
+
+
+def _result_specs(sc: ShardedCall, layout: Layout):
+  m, n = (layout.m or None), (layout.n or None)
+  return {name: PartitionSpec(m, n) if kind == "tile" else
+          PartitionSpec(n) if kind == "col" else PartitionSpec(m)
+          for name, (kind, _) in finished_kinds(sc.call).items()}
+
+
+def _combine(sc: ShardedCall, layout: Layout, out: dict) -> dict:
+  kinds = finished_kinds(sc.call)
+  for prim in sc.call.program:
+    for name, how in prim.combine_over_shards().items():
+      axes = layout.m if kinds[name][0] == "col" else layout.n
+      if not axes:
+        continue
+      if how == "sum":
+        out[name] = jax.lax.psum(out[name], axes)
+      elif how == "logsumexp":
+        mx = jax.lax.pmax(jax.lax.stop_gradient(out[name]), axes)
+        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+        out[name] = mx + jnp.log(jax.lax.psum(jnp.exp(out[name] - mx), axes))
+      else:
+        raise ValueError(f"{type(prim).__name__}.combine_over_shards: unknown {how!r}")
+  return out
+
+
+def local_call(sc: ShardedCall, layout: Layout, n_local: int, a, b, *values):
+  """What one device runs: its tiles through ``dispatch``, then the row/column partials
+  combined across shards."""
+  call = sc.call
+  operands = dict(zip(sc.operand_names, values))
+  if layout.n:
+    offset = jax.lax.axis_index(layout.n) * n_local
+    for prim in call.program:
+      for nm in prim.column_index_operands():
+        operands[nm] = operands[nm] - offset.astype(operands[nm].dtype)
+  if layout.k:
+    acc_call = dispatch.Call(program=(P.Store("acc", jnp.float32),), inputs=(),
+                             outputs=(pk.EpilogueOutput("acc", dtype=jnp.float32),),
+                             column_group=1, trans_a=call.trans_a, trans_b=call.trans_b,
+                             program_id=repr(P.Store("acc", jnp.float32)))
+    acc = dispatch.run(acc_call, a, b, {}, sc.impl)["acc"]
+    acc = jax.lax.psum(acc, layout.k)
+    # (in_place only saves memory; here the program runs in XLA after the sum)
+    out = dispatch.apply_program(acc, call.program, operands, call.outputs)
+  else:
+    out = dispatch.run(call, a, b, operands, sc.impl)
+  return _combine(sc, layout, dict(out))
+
+
+def _whole(sc, a, b, *values):  # one device, or every mesh axis manual: no split
+  return dispatch.run(sc.call, a, b, dict(zip(sc.operand_names, values)), sc.impl)
+
+
+def _partition(sc, mesh, arg_shapes, result_shape):
+  layout = choose_layout(sc, mesh, arg_shapes)
+  arg_specs = _arg_specs(sc, layout)
+  result_specs = _result_specs(sc, layout)
+  n = arg_shapes[1].shape[0 if sc.call.trans_b else 1]
+  n_local = n // _size(mesh, layout.n)
+
+  def lower(a, b, *values):
+    return local_call(sc, layout, n_local, a, b, *values)
+  named = lambda spec: NamedSharding(mesh, spec)
+  return (mesh, lower, {k: named(v) for k, v in result_specs.items()},
+          tuple(named(s) for s in arg_specs))
+
+
+def _infer(sc, mesh, arg_shapes, result_shape):
+  layout = choose_layout(sc, mesh, arg_shapes)
+  return {k: NamedSharding(mesh, v)
+          for k, v in _result_specs(sc, layout).items()}
+
+
+def _rule(sc, mesh, value_types, result_types):
+  """The einsum-like Shardy rule: factors m, k (a reduction factor) and n, written
+  (g c) when the program has column groups of width c (only g, whole groups, may be
+  split); a column dimension of width N * w is then (g c') with c' = c * w."""
+  del mesh, result_types
+  call = sc.call
+  sizes, need = {}, []
+  if call.column_group > 1:
+    sizes["g"] = list(value_types[1].shape)[0 if call.trans_b else 1] // call.column_group
+
+  def cols(width):
+    if call.column_group == 1:
+      return "n"
+    c = int(call.column_group * width)
+    sizes[f"c{c}"] = c
+    if f"c{c}" not in need:
+      need.append(f"c{c}")
+    return f"(g c{c})"
+  a = "k m" if call.trans_a else "m k"
+  b = f"{cols(1)} k" if call.trans_b else f"k {cols(1)}"
+  kinds = sc.kinds()
+  ops = ["m" if kinds[nm] == pk.InputKind.ROW else cols(1) if kinds[nm] == pk.InputKind.COL
+         else f"m {cols(2 if kinds[nm] == pk.InputKind.WIDE_TILE else 1)}"
+         for nm in sc.operand_names]
+  res = []
+  for name, (kind, width) in sorted(finished_kinds(call).items()):  # a dict's leaf order
+    res.append(f"m {cols(width)}" if kind == "tile" else cols(width) if kind == "col" else "m")
+  rule = ", ".join([a, b, *ops]) + " -> " + ", ".join(res)
+  return rule, dict(reduction_factors=("k",), need_replication_factors=tuple(need), **sizes)
+
+
+_partitioned = custom_partitioning(_whole, static_argnums=(0,))
+_partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer,
+                           sharding_rule=_rule)
+
+
+def explicit_mesh(*arrays):
+  """The mesh of the first array whose type carries an explicit sharding (jax's
+  "sharding in types", ``AxisType.Explicit``), else None."""
+  for x in arrays:
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty:
+      continue
+    if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+      return mesh
+  return None
+
+
+def call(sc: ShardedCall, a, b, *values) -> dict:
+  """Runs ``sc`` split per shard as its operands are sharded.
+
+  Explicitly sharded operands (their types carry the mesh) go through ``jax.shard_map``
+  with the layout read from the types; others through ``custom_partitioning``, whose
+  rule XLA's partitioner runs with the shardings it chose. The rule is the same."""
+  mesh = explicit_mesh(a, b, *values)
+  if mesh is None:
+    return _partitioned(sc, a, b, *values)
+  arrays = (a, b, *values)
+  layout = choose_layout(sc, mesh, [jax.typeof(x) for x in arrays])
+  arg_specs = _arg_specs(sc, layout)
+  arrays = [jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(arrays, arg_specs)]
+  n = b.shape[0 if sc.call.trans_b else 1]
+  fn = jax.shard_map(lambda *xs: local_call(sc, layout, n // _size(mesh, layout.n), *xs),
+                     mesh=mesh, in_specs=arg_specs, out_specs=_result_specs(sc, layout),
+                     check_vma=False)
+  return fn(*arrays)
+
+
+__all__ = ["Layout", "ShardedCall", "call", "choose_layout", "explicit_mesh", "local_call"]
