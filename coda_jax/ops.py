@@ -22,7 +22,7 @@ import pallas_kernels as pk
 from coda_jax import dispatch
 from coda_jax import partitioning
 from coda_jax import primitives as P
-from coda_jax.dispatch import kernels_available
+from coda_jax.dispatch import kernels_available  # noqa: F401 (re-exported)
 from coda_jax.sharding import vary_like
 
 IMPLS = ("auto",) + dispatch.NAMES

@@ -8,7 +8,7 @@ import pytest
 
 import coda_jax as cj
 import pallas_kernels
-from coda_jax import dispatch, ops
+from coda_jax import dispatch
 from helpers import assert_within_baseline, gemm_inputs, normal, rel_err
 
 PROGRAM = [cj.ScaleRow("r"), cj.Store("y"), cj.RowSum("s", square=True)]

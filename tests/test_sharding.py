@@ -49,9 +49,12 @@ TP = ["tp_rmsnorm_swiglu", "tp_lm_head_loss", "tp_shifted_block", "tp_post_block
 def sharded_results():
   """name -> (max relative gradient difference from one device, all-gathers,
   all-reduces) for each case of sharded_check.py (XLA path)."""
+  # CPU devices even on a GPU host: these check the rule through the XLA programs (the
+  # kernels on 2 GPUs: `python tests/sharded_check.py mosaic shard_map jit auto`).
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, os.path.join(HERE, "sharded_check.py"), "xla",
                         "train", "shard_map", "jit", "auto", "errors"], capture_output=True,
-                       text=True,
+                       text=True, env=env,
                        timeout=1500)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   cases = {}
