@@ -27,7 +27,9 @@ import jax.numpy as jnp
 
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as ref
-from coda_jax import stages as S
+from coda_jax import block_gemms as S
+from coda_jax import dispatch
+from coda_jax import primitives as P
 from coda_jax.sharding import reduce_like, vary_like
 
 
@@ -44,7 +46,23 @@ class BlockConfig:
   ignore_index: int = -100
   reduction: str = "mean"
   lm_chunk_rows: int | None = None
-  impl: str = "auto"
+  impl: str | tuple[str, ...] = "auto"  # implementations to try (coda_jax.dispatch)
+
+  def __post_init__(self):
+    F.check_heads(self.n_q_heads, self.n_kv_heads, self.head_dim)
+    if self.reduction not in F.REDUCTIONS:
+      raise ValueError(f"reduction={self.reduction!r}: one of {F.REDUCTIONS}")
+    if self.activation not in P.ACTIVATIONS:
+      raise ValueError(f"activation={self.activation!r}: one of {sorted(P.ACTIVATIONS)}")
+    if self.swiglu_block <= 0 or self.swiglu_block % 8:
+      raise ValueError(f"swiglu_block={self.swiglu_block} must be a positive multiple of 8")
+    if not self.eps > 0:
+      raise ValueError(f"eps={self.eps} must be positive")
+    if self.lm_chunk_rows is not None and self.lm_chunk_rows <= 0:
+      raise ValueError(f"lm_chunk_rows={self.lm_chunk_rows} must be positive (or None)")
+    if not isinstance(self.impl, str):
+      object.__setattr__(self, "impl", tuple(self.impl))  # hashable: a static argument
+    dispatch.resolve(self.impl)  # raises on an unknown implementation name
 
   @property
   def qkv_width(self) -> int:

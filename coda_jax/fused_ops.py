@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax import jnp_reference as ref
-from coda_jax import stages as S
+from coda_jax import block_gemms as S
 from coda_jax.primitives import ACTIVATIONS
 from coda_jax.sharding import reduce_like, vary_like
 

@@ -76,7 +76,7 @@ MUTATIONS = [
         "the gradient through r, -(dr r^3 / D) x, is deleted"),
     # ---- fused ops and losses -----------------------------------------------------------
     Mutation(
-        "lm_row_chunks_miscount", "coda_jax/stages.py",
+        "lm_row_chunks_miscount", "coda_jax/block_gemms.py",
         "  for rows in range(256, m, 256):", "  for rows in range(512, m, 256):",
         ("tests/test_losses.py", "-k", "default_chunking"),
         "the default LM-head chunking skips the smallest chunk size"),
@@ -87,7 +87,7 @@ MUTATIONS = [
         ("tests/test_losses.py",),
         "the LM-head backward loses the last row chunk's gradient"),
     Mutation(
-        "rope_bwd_sign", "coda_jax/stages.py",
+        "rope_bwd_sign", "coda_jax/block_gemms.py",
         "dz = ref.rotate(dqkv, positions, -freqs, head_dim // 2)",
         "dz = ref.rotate(dqkv, positions, freqs, head_dim // 2)",
         ("tests/test_fused_ops.py", "-k", "qkv_rope"),
@@ -104,7 +104,7 @@ MUTATIONS = [
         ("tests/test_fused_ops.py", "-k", "float32_activations"),
         "float32 activations silently pass through bf16"),
     Mutation(
-        "r_from_stored_x", "coda_jax/stages.py",
+        "r_from_stored_x", "coda_jax/block_gemms.py",
         '  r = jax.lax.rsqrt(out["ss"] / w.shape[1] + eps)',
         '  r = ref.rms_scale(out["x"], eps)',
         ("tests/test_fused_ops.py", "-k", "fp16_residual"),

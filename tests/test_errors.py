@@ -1,4 +1,6 @@
 """Bad inputs fail early with a ValueError that names the problem."""
+import re
+
 import jax.numpy as jnp
 import pytest
 
@@ -282,3 +284,26 @@ def test_epilogue_store_wrong_shape(ab, interpret):
   with pytest.raises(ValueError, match=r"stores 'out' with shape \(64, 32\), expected \(64, 64\)"):
     pk.gemm(*ab, epilogue=lambda t, acc: t.store("out", acc[:, :32]), config=SMALL,
             interpret=interpret)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(head_dim=24), "head_dim=24 must be a positive multiple of 16"),
+    (dict(n_kv_heads=3), "n_q_heads=4 must be a multiple of n_kv_heads=3"),
+    (dict(reduction="max"), "reduction='max'"),
+    (dict(activation="relu"), "activation='relu'"),
+    (dict(swiglu_block=12), "swiglu_block=12 must be a positive multiple of 8"),
+    (dict(eps=0.0), "eps=0.0 must be positive"),
+    (dict(lm_chunk_rows=0), "lm_chunk_rows=0 must be positive"),
+    (dict(impl="cuda"), "impl='cuda'"),
+])
+def test_block_config_checks_itself(kwargs, match):
+  from coda_jax import blocks
+  args = dict(n_q_heads=4, n_kv_heads=2, head_dim=32) | kwargs
+  with pytest.raises(ValueError, match=re.escape(match)):
+    blocks.BlockConfig(**args)
+
+
+def test_block_config_impl_sequence_is_hashable():
+  from coda_jax import blocks
+  cfg = blocks.BlockConfig(4, 2, 32, impl=["mosaic", "xla"])
+  assert cfg.impl == ("mosaic", "xla") and hash(cfg)

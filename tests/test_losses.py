@@ -14,7 +14,7 @@ import pytest
 
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as R
-from coda_jax import stages as S
+from coda_jax import block_gemms as S
 from helpers import assert_within_baseline, normal, spread_rows
 
 D, V = 192, 384  # distinct from each other and from the row counts
