@@ -23,7 +23,7 @@ from coda_jax import dispatch
 from coda_jax import partitioning
 from coda_jax import primitives as P
 from coda_jax.dispatch import kernels_available  # noqa: F401 (re-exported)
-from coda_jax.sharding import vary_like
+from coda_jax.sharding import vary_like, varying_axes
 
 IMPLS = ("auto",) + dispatch.NAMES
 
@@ -128,9 +128,13 @@ def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
   m, n, k = _problem(a, b, trans_a, trans_b)
   inputs, outputs, group = _declared(program, m, n)
   _check_epilogue_operands(inputs, operands, m, n)
+  # in_place saves memory only. A mutable buffer cannot cross a shard boundary: JAX
+  # refuses Refs that vary over manual mesh axes (inside shard_map) and effects inside
+  # custom_partitioning, so split calls write a fresh output instead.
+  sharded = jax.device_count() > 1 or any(varying_axes(x) for x in (a, b, *operands.values()))
   call = dispatch.Call(program=program, inputs=tuple(inputs.items()), outputs=outputs,
                        column_group=group, trans_a=trans_a, trans_b=trans_b, config=config,
-                       in_place=tuple(sorted((in_place or {}).items())),
+                       in_place=() if sharded else tuple(sorted((in_place or {}).items())),
                        program_id=program_id(program))
   if jax.device_count() == 1:
     out = dispatch.run(call, a, b, operands, names)

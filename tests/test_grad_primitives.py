@@ -11,7 +11,7 @@ import pytest
 import pallas_kernels as pk
 
 import coda_jax as cj
-from coda_jax import ops
+from coda_jax import dispatch, ops
 from coda_jax.grad_primitives import GatedGrad, RmsNormGrad, SoftmaxXentGrad
 from coda_jax.primitives import Gated, PickColumn
 from helpers import (assert_within_baseline, gated_pairs, gemm_inputs, normal, rel_err,
@@ -22,7 +22,7 @@ FORMULA_RTOL = 1e-5  # fp32 formula vs fp32 autodiff of the same math
 
 
 def _env(operands, shape):
-  return ops._MatrixEnv(operands, shape)
+  return dispatch._MatrixEnv(operands, shape)
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
