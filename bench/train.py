@@ -59,10 +59,10 @@ def parse_args():
                  "and optimizer state over the data axis (gathered once per step with "
                  "--partitioner shard_map, per GEMM with jit)")
   p.add_argument("--partitioner", choices=("shard_map", "jit"), default=None,
-                 help="shard_map: each device runs the model on its rows (data axis only; "
-                 "the default without a model axis); jit: plain jit, each fused GEMM split "
-                 "as its operands are sharded (coda_jax.partitioning; needed for a model "
-                 "axis)")
+                 help="jit (default): plain jit, each fused GEMM split as its operands are "
+                 "sharded (coda_jax.partitioning); shard_map: each device runs the whole "
+                 "model on its rows (data axis only; segfaulted with the kernels on 2 H200s, "
+                 "see bench/NOTES.md)")
   args = p.parse_args()
   for k, v in DEFAULTS.get(args.config, BIG).items():
     setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
@@ -300,7 +300,7 @@ def main():
   n_devices = 1 if args.mesh_obj is None else args.mesh_obj.size
   tp = 1 if args.mesh_obj is None else args.mesh_obj.shape.get("model", 1)
   if args.partitioner is None:
-    args.partitioner = "jit" if tp > 1 else "shard_map"
+    args.partitioner = "jit"
   if args.mesh_obj is not None:
     n_data = args.mesh_obj.shape["data"]
     if args.batch % n_data:

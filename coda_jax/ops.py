@@ -22,7 +22,7 @@ import pallas_kernels as pk
 from coda_jax import dispatch
 from coda_jax import partitioning
 from coda_jax import primitives as P
-from coda_jax.dispatch import kernels_available  # noqa: F401 (re-exported)
+from coda_jax.dispatch import kernels_available
 from coda_jax.sharding import vary_like, varying_axes
 
 IMPLS = ("auto",) + dispatch.NAMES
@@ -144,3 +144,7 @@ def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
   # Under shard_map the Mosaic call's outputs carry no varying mesh axes: give them
   # those of its inputs (coda_jax/sharding.py).
   return {nm: vary_like(v, a, b, *operands.values()) for nm, v in out.items()}
+
+
+__all__ = ["IMPLS", "gemm_epilogue", "kernel_config", "kernels_available", "program_id",
+           "reference", "scalar_operand"]

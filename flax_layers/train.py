@@ -162,23 +162,25 @@ PARTITIONERS = ("shard_map", "jit")
 
 
 def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, mesh=None,
-                    data_axis: str = "data", partitioner: str = "shard_map"):
+                    data_axis: str = "data", partitioner: str = "jit"):
   """jit(step)(state, tokens, targets) -> (state, loss): one optimizer step on the mean
   loss. ``micro_batches`` > 1 splits the batch and accumulates gradients (fp32, in the
   parameters' dtype) over the pieces in a ``jax.lax.scan``, so activations of only one
   piece are live; the step's gradient is the mean of the pieces' (the full batch's when
   each piece has as many counted targets). ``donate`` updates the state in place.
 
-  ``mesh``: data parallel over its ``data_axis``. Each device runs the model on its
-  share of the batch's rows; the loss is the mean over the whole batch. Pass tokens and
-  targets sharded along the batch (``NamedSharding(mesh, P(data_axis))``) and the state
-  replicated (data parallel) or split by ``fsdp_shardings`` (FSDP: the parameters are
-  gathered once per step, not per layer yet).
+  ``mesh``: the step runs sharded; the loss is the mean over the whole batch. Pass tokens
+  and targets sharded along the batch (``NamedSharding(mesh, P(data_axis))``) and the
+  state replicated (data parallel), split by ``fsdp_shardings`` (FSDP) or by
+  ``tensor_parallel_shardings`` (Megatron, over a model axis).
 
-  ``partitioner``: "shard_map" (above) or "jit": the step is jitted as written and the
-  arrays' own shardings decide the split (``coda_jax.partitioning`` splits each fused
-  GEMM: rows over ``data_axis``, ``tensor_parallel_shardings``' weights over a model
-  axis, FSDP-split weights gathered per GEMM, i.e. per layer)."""
+  ``partitioner``: "jit" (default): the step is jitted as written and the arrays' own
+  shardings decide the split (``coda_jax.partitioning`` splits each fused GEMM: rows
+  over ``data_axis``, tensor-parallel weights over the model axis, FSDP-split weights
+  gathered per GEMM, i.e. per layer). "shard_map": data parallel only; each device runs
+  the whole model on its rows inside ``jax.shard_map`` and FSDP parameters are gathered
+  once per step. On 2 H200s the Llama-3.2-1B step segfaulted on this path with the
+  kernels (bench/NOTES.md, issue 11); it is tested on CPU devices only."""
   if micro_batches < 1:
     raise ValueError(f"micro_batches={micro_batches} must be >= 1")
   if partitioner not in PARTITIONERS:
@@ -225,7 +227,7 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, me
 
 
 def make_eval_step(graphdef, *, mesh=None, data_axis: str = "data",
-                   partitioner: str = "shard_map"):
+                   partitioner: str = "jit"):
   """jit(fn)(state, tokens, targets) -> loss, no gradients; sharded with ``mesh`` and
   ``partitioner`` as ``make_train_step``."""
   if partitioner not in PARTITIONERS:

@@ -273,6 +273,30 @@ MUTATIONS = [
         "        t = 2 * i + wg\n        mi, ni = _tile_origin(cluster_id + (t ^ 1) * num_clusters,",
         ("tests/test_gemm_mainloop.py", "-k", "configs and pingpong"),
         why="each warpgroup must store the tile whose stages it consumed"),
+    # ---- the per-shard rule (coda_jax/partitioning.py) -----------------------------------
+    Mutation(
+        "shard_lse_summed", "coda_jax/partitioning.py",
+        "        out[name] = mx + jnp.log(jax.lax.psum(jnp.exp(out[name] - mx), axes))",
+        "        out[name] = jax.lax.psum(out[name], axes)",
+        ("tests/test_sharding.py",),
+        "log-sum-exps of vocabulary shards added instead of combined"),
+    Mutation(
+        "shard_targets_not_shifted", "coda_jax/partitioning.py",
+        "        operands[nm] = operands[nm] - offset.astype(operands[nm].dtype)",
+        "        operands[nm] = operands[nm]",
+        ("tests/test_sharding.py",),
+        "on a column shard the targets index local columns as if they were global"),
+    Mutation(
+        "shard_partials_over_wrong_axes", "coda_jax/partitioning.py",
+        '      axes = layout.m if kinds[name][0] == "col" else layout.n',
+        '      axes = layout.n if kinds[name][0] == "col" else layout.m',
+        ("tests/test_sharding.py",),
+        "row partials summed over the row shards, column partials over the column shards"),
+    Mutation(
+        "shard_contraction_not_summed", "coda_jax/partitioning.py",
+        "    acc = jax.lax.psum(acc, layout.k)\n", "",
+        ("tests/test_sharding.py",),
+        "a split contraction's partial products are not summed before the epilogue"),
 ]
 
 

@@ -166,7 +166,7 @@ if CASES_TRAIN:  # the main job's data-parallel train step against one device
   mesh_jit = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2], axis_types=auto)
   mesh_tp = jax.make_mesh((TP_DATA, 2), ("data", "model"), axis_types=auto * 2,
                           devices=jax.devices()[:2 * TP_DATA])
-  runs = (("one", None, "shard_map"), ("two", mesh, "shard_map"), ("fsdp", mesh, "shard_map"),
+  runs = (("one", None, "jit"), ("two", mesh, "shard_map"), ("fsdp", mesh, "shard_map"),
           ("jit", mesh_jit, "jit"), ("jit_fsdp", mesh_jit, "jit"), ("tp", mesh_tp, "jit"))
   for label, m, partitioner in runs:
     model = Llama(cfg_m, rngs=nnx.Rngs(0), fused=True)
