@@ -173,7 +173,8 @@ def _xla_run(call, a, b, operands, round_to=None):
   return apply_program(x, call.program, operands, call.outputs, round_to=round_to)
 
 
-def _kernel_config(call, a, b, operands):
+def kernel_config(call, a, b, operands) -> pk.GemmConfig:
+  """The heuristic tuning of the kernel for ``call`` (ValueError if it cannot tile)."""
   m, n, k = pk.check_operands(a, b, call.trans_a, call.trans_b)
   return pk.default_config(m, n, k, a.dtype, input_kinds=dict(call.inputs),
                            input_dtypes={nm: operands[nm].dtype for nm, _ in call.inputs},
@@ -188,7 +189,7 @@ def _mosaic_check(call, a, b, operands):
     raise Unsupported(f"{a.dtype} operands (the kernel takes bfloat16 or float16)")
   if call.config is None:
     try:
-      _kernel_config(call, a, b, operands)
+      kernel_config(call, a, b, operands)
     except ValueError as e:
       m, n, k = pk.check_operands(a, b, call.trans_a, call.trans_b, dtypes=(a.dtype,))
       raise Unsupported(f"shape ({m}, {n}, {k}) does not tile ({e})") from None
@@ -255,5 +256,6 @@ def run(call: Call, a, b, operands, impl) -> dict[str, jax.Array]:
 
 
 __all__ = ["AUTO", "Call", "IMPLEMENTATIONS", "Implementation", "NAMES", "Unsupported",
-           "announce", "apply_program", "choose", "finish", "kernels_available", "resolve",
+           "announce", "apply_program", "choose", "finish", "kernel_config", "kernels_available",
+           "resolve",
            "run", "target_device"]

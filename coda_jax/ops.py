@@ -102,12 +102,11 @@ def kernel_config(a, b, program, operands, *, trans_a=False, trans_b=False) -> p
   """The heuristic kernel tuning for this problem and program (raises ValueError if the
   shape cannot tile). ``pallas_kernels.gemm`` prefers a measured config from the tuning
   cache where it has one (``pallas_kernels.autotune``)."""
-  m, n, k = _problem(a, b, trans_a, trans_b)
+  m, n, _ = _problem(a, b, trans_a, trans_b)
   inputs, outputs, group = _declared(tuple(program), m, n)
-  return pk.default_config(m, n, k, a.dtype, input_kinds=dict(inputs),
-                           input_dtypes={nm: operands[nm].dtype for nm in inputs},
-                           outputs=outputs, min_epi_tile_n=group, trans_a=trans_a,
-                           trans_b=trans_b)
+  call = dispatch.Call(program=tuple(program), inputs=tuple(inputs.items()), outputs=outputs,
+                       column_group=group, trans_a=trans_a, trans_b=trans_b)
+  return dispatch.kernel_config(call, a, b, operands)
 
 
 def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
