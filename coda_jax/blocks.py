@@ -29,6 +29,7 @@ from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as ref
 from coda_jax import block_gemms as S
 from coda_jax import dispatch
+from coda_jax import layout
 from coda_jax import primitives as P
 from coda_jax.sharding import reduce_like, vary_like
 
@@ -40,6 +41,7 @@ class BlockConfig:
   n_kv_heads: int
   head_dim: int
   rope_theta: float = 500000.0
+  rope_scaling: layout.RopeScaling | None = None  # Llama 3.1/3.2's frequency scaling
   eps: float = 1e-5
   swiglu_block: int = 32  # pair block of w13's layout (layout.gate_up_to_blocked)
   activation: str = "silu"
@@ -69,7 +71,8 @@ class BlockConfig:
     return (self.n_q_heads + 2 * self.n_kv_heads) * self.head_dim
 
   def freqs(self):
-    return ref.qkv_freqs(self.n_q_heads, self.n_kv_heads, self.head_dim, self.rope_theta)
+    return ref.qkv_freqs(self.n_q_heads, self.n_kv_heads, self.head_dim, self.rope_theta,
+                         self.rope_scaling)
 
 
 SHIFTED_KEYS = ("wo", "g_mlp", "w13", "w2", "g_attn", "wqkv")

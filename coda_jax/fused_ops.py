@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax import jnp_reference as ref
+from coda_jax import layout
 from coda_jax import block_gemms as S
 from coda_jax.primitives import ACTIVATIONS
 from coda_jax.sharding import reduce_like, vary_like
@@ -205,7 +206,8 @@ _rmsnorm_swiglu.defvjp(_rmsnorm_swiglu_fwd, _rmsnorm_swiglu_bwd)
 
 # ---- RMSNorm row scale + QKV GEMM + RoPE -------------------------------------------------
 def rmsnorm_qkv_rope(h, r, wqkv, positions, *, n_q_heads: int, n_kv_heads: int,
-                     head_dim: int, theta: float = 500000.0, impl: str = "auto"):
+                     head_dim: int, theta: float = 500000.0,
+                     rope_scaling: layout.RopeScaling | None = None, impl: str = "auto"):
   """h (..., D), r (...), wqkv (D, (Hq + 2 Hkv) * head_dim) as [q | k | v] rotate-half
   heads, positions (...) int -> qkv (..., (Hq + 2 Hkv) * head_dim), RoPE'd q and k."""
   check_act("h", h)
@@ -217,7 +219,7 @@ def rmsnorm_qkv_rope(h, r, wqkv, positions, *, n_q_heads: int, n_kv_heads: int,
   lead = h.shape[:-1]
   qkv = _rmsnorm_qkv_rope(flat_rows(h), r.reshape(-1).astype(jnp.float32), wqkv,
                           positions.reshape(-1).astype(jnp.int32),
-                          (n_q_heads, n_kv_heads, head_dim, float(theta)), impl)
+                          (n_q_heads, n_kv_heads, head_dim, float(theta), rope_scaling), impl)
   return qkv.reshape(*lead, -1)
 
 

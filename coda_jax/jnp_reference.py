@@ -58,11 +58,13 @@ def rotate(x: jax.Array, positions: jax.Array, freqs: jax.Array, block: int) -> 
   return (x4 * jnp.cos(t) + sign * partner * jnp.sin(t)).reshape(x.shape).astype(x.dtype)
 
 
-def qkv_freqs(n_q_heads: int, n_kv_heads: int, head_dim: int, theta: float) -> jax.Array:
+def qkv_freqs(n_q_heads: int, n_kv_heads: int, head_dim: int, theta: float,
+              rope_scaling: layout.RopeScaling | None = None) -> jax.Array:
   """Per-column RoPE frequencies of a fused [q | k | v] projection (v columns get 0)."""
   heads = n_q_heads + 2 * n_kv_heads
   v_heads = range(n_q_heads + n_kv_heads, heads)
-  return layout.rope_freqs(heads * head_dim, head_dim, theta, passthrough_heads=tuple(v_heads))
+  return layout.rope_freqs(heads * head_dim, head_dim, theta, passthrough_heads=tuple(v_heads),
+                           scaling=rope_scaling)
 
 
 def residual_rmsnorm(y, w, residual, g, eps=1e-5):
@@ -86,10 +88,11 @@ def rmsnorm_swiglu(h, r, w13, block=32, activation="silu"):
 
 
 def rmsnorm_qkv_rope(h, r, wqkv, positions, *, n_q_heads, n_kv_heads, head_dim,
-                     theta=500000.0):
+                     theta=500000.0, rope_scaling=None):
   """RoPE(r * (h @ wqkv)) on q and k heads; v unrotated."""
   z = _row_scale(h @ wqkv.astype(h.dtype), r)
-  return rotate(z, positions, qkv_freqs(n_q_heads, n_kv_heads, head_dim, theta), head_dim // 2)
+  freqs = qkv_freqs(n_q_heads, n_kv_heads, head_dim, theta, rope_scaling)
+  return rotate(z, positions, freqs, head_dim // 2)
 
 
 def cross_entropy(logits, targets, ignore_index=-100, reduction="mean"):
@@ -113,12 +116,12 @@ def rmsnorm_lm_head_loss(h, r, wlm, targets, ignore_index=-100, reduction="mean"
 
 
 def pre_block(x0, g_attn, wqkv, positions, *, n_q_heads, n_kv_heads, head_dim,
-              theta=500000.0, eps=1e-5):
+              theta=500000.0, rope_scaling=None, eps=1e-5):
   """Embedding output -> the first layer's RoPE'd QKV."""
   r = rms_scale(x0, eps)
   return rmsnorm_qkv_rope(x0 * g_attn.astype(x0.dtype), r, wqkv, positions,
                           n_q_heads=n_q_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                          theta=theta)
+                          theta=theta, rope_scaling=rope_scaling)
 
 
 def mlp_half(x0, y0, wo, g_mlp, w13, w2, g_next, *, block=32, activation="silu", eps=1e-5):
@@ -129,12 +132,13 @@ def mlp_half(x0, y0, wo, g_mlp, w13, w2, g_next, *, block=32, activation="silu",
 
 
 def shifted_block(x0, y0, positions, params, *, n_q_heads, n_kv_heads, head_dim,
-                  theta=500000.0, eps=1e-5, block=32, activation="silu"):
+                  theta=500000.0, rope_scaling=None, eps=1e-5, block=32, activation="silu"):
   """Attention output -> the next layer's RoPE'd QKV: returns (x2, qkv)."""
   x2, h2, r2 = mlp_half(x0, y0, params["wo"], params["g_mlp"], params["w13"], params["w2"],
                         params["g_attn"], block=block, activation=activation, eps=eps)
   qkv = rmsnorm_qkv_rope(h2, r2, params["wqkv"], positions, n_q_heads=n_q_heads,
-                         n_kv_heads=n_kv_heads, head_dim=head_dim, theta=theta)
+                         n_kv_heads=n_kv_heads, head_dim=head_dim, theta=theta,
+                         rope_scaling=rope_scaling)
   return x2, qkv
 
 

@@ -14,6 +14,9 @@ order, which leaves every attention score q . k unchanged. ``shifted_params`` an
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -43,15 +46,57 @@ def blocked_to_gate_up(w: jax.Array, block: int) -> jax.Array:
                           chunks[..., 1, :].reshape(*lead, -1)], axis=-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama 3.1/3.2's RoPE frequency scaling (``rope_type: "llama3"`` in a Hugging Face
+  config), for contexts beyond the one the model was first trained at.
+
+  With wavelength w = 2 pi / f of a base frequency f and L = ``original_context``:
+  w > L / ``low_freq_factor`` (slow rotations): f / ``factor``; w < L /
+  ``high_freq_factor`` (fast ones): f unchanged; between them, f times a linear blend of
+  1 / factor and 1 in s = (L / w - low_freq_factor) / (high_freq_factor -
+  low_freq_factor): (1 - s) / factor + s.
+  """
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_context: int
+
+  def __post_init__(self):
+    if not self.factor >= 1:
+      raise ValueError(f"RopeScaling.factor={self.factor} must be >= 1")
+    if not 0 < self.low_freq_factor < self.high_freq_factor:
+      raise ValueError(f"RopeScaling: need 0 < low_freq_factor={self.low_freq_factor} < "
+                       f"high_freq_factor={self.high_freq_factor}")
+    if self.original_context <= 0:
+      raise ValueError(f"RopeScaling.original_context={self.original_context} must be "
+                       "positive")
+
+  def apply(self, inv_freqs: jax.Array) -> jax.Array:
+    """The scaled frequencies (fp32) of base frequencies ``inv_freqs``."""
+    f = inv_freqs.astype(jnp.float32)
+    wavelength = 2 * math.pi / f
+    ratio = self.original_context / wavelength  # context lengths per wavelength
+    s = jnp.clip((ratio - self.low_freq_factor)
+                 / (self.high_freq_factor - self.low_freq_factor), 0.0, 1.0)
+    return f * ((1 - s) / self.factor + s)
+
+
+def rope_inv_freqs(head_dim: int, theta: float, scaling: RopeScaling | None = None):
+  """The head_dim / 2 rotation frequencies theta**(-2j / head_dim), scaled if asked."""
+  inv = theta ** (-jnp.arange(head_dim // 2, dtype=jnp.float32) * 2 / head_dim)
+  return inv if scaling is None else scaling.apply(inv)
+
+
 def rope_freqs(n: int, head_dim: int, theta: float = 10000.0,
-               passthrough_heads=()) -> jax.Array:
+               passthrough_heads=(), scaling: RopeScaling | None = None) -> jax.Array:
   """The (n,) ``freqs`` operand of ``Rotate(block=head_dim // 2)`` for rotate-half heads:
-  columns j and j + head_dim/2 of each head both get theta**(-2j / head_dim). Heads
-  listed in ``passthrough_heads`` get 0 and pass unrotated (V heads of a fused QKV)."""
+  columns j and j + head_dim/2 of each head both get theta**(-2j / head_dim) (with
+  ``scaling`` applied). Heads listed in ``passthrough_heads`` get 0 and pass unrotated
+  (V heads of a fused QKV)."""
   if head_dim % 2 or n % head_dim:
     raise ValueError(f"rope_freqs: head_dim={head_dim} must be even and divide n={n}")
-  half = head_dim // 2
-  inv = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2 / head_dim)
+  inv = rope_inv_freqs(head_dim, theta, scaling)
   per_head = jnp.tile(jnp.concatenate([inv, inv]), (n // head_dim, 1))
   rotated = ~jnp.isin(jnp.arange(n // head_dim), jnp.asarray(passthrough_heads, jnp.int32))
   return (per_head * rotated[:, None]).reshape(n)

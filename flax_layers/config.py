@@ -8,6 +8,12 @@ from typing import Any
 import jax.numpy as jnp
 
 from coda_jax.blocks import BlockConfig
+from coda_jax.layout import RopeScaling
+
+# Llama 3.1 and 3.2 checkpoints: {"rope_type": "llama3", "factor": 32.0 (3.2; 8.0 for 3.1),
+# "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+LLAMA_3_2_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_context=8192)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,8 +22,8 @@ class LlamaConfig:
 
   ``dtype`` is the compute dtype of activations (bfloat16 or float16 for the kernels);
   ``param_dtype`` the stored parameters' (float32: the optimizer's master copy).
-  RoPE uses plain ``rope_theta`` frequencies: Llama 3.1/3.2's long-context frequency
-  scaling is not applied. ``attention_impl`` is passed to ``jax.nn.dot_product_attention``;
+  RoPE frequencies are ``rope_theta``'s, scaled by ``rope_scaling`` where set (Llama
+  3.1/3.2's "llama3" scaling, ``coda_jax.layout.RopeScaling``). ``attention_impl`` is passed to ``jax.nn.dot_product_attention``;
   None picks "cudnn" on a GPU for 16-bit activations and "xla" elsewhere.
   """
   vocab_size: int
@@ -28,6 +34,7 @@ class LlamaConfig:
   head_dim: int
   ffn_dim: int
   rope_theta: float = 500000.0
+  rope_scaling: RopeScaling | None = None
   eps: float = 1e-5
   tie_embeddings: bool = False
   dtype: Any = jnp.bfloat16
@@ -63,12 +70,73 @@ class LlamaConfig:
   def qkv_width(self) -> int:
     return (self.n_q_heads + 2 * self.n_kv_heads) * self.head_dim
 
+  @classmethod
+  def from_hf_config(cls, hf: dict, **overrides) -> "LlamaConfig":
+    """A config from a Hugging Face Llama ``config.json`` (as a dict): sizes, eps,
+    ``rope_theta``, ``rope_scaling`` ("llama3" or none) and tied embeddings.
+    ``overrides`` set the fields HF does not carry (dtype, impl, ...).
+
+    Raises:
+      ValueError: a model type, activation or RoPE scaling this model does not implement
+        (it would compute different logits), or a missing size.
+    """
+    if hf.get("model_type", "llama") != "llama":
+      raise ValueError(f"model_type={hf['model_type']!r}: only Llama checkpoints are supported")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "gelu_pytorch_tanh"):
+      raise ValueError(f"hidden_act={act!r}: silu (or gelu_pytorch_tanh) only")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                           "num_attention_heads", "intermediate_size") if k not in hf]
+    if missing:
+      raise ValueError(f"Hugging Face config lacks {missing}")
+    scaling = hf.get("rope_scaling")
+    rope = None
+    if scaling:
+      kind = scaling.get("rope_type", scaling.get("type"))
+      if kind == "llama3":
+        rope = RopeScaling(factor=float(scaling["factor"]),
+                           low_freq_factor=float(scaling["low_freq_factor"]),
+                           high_freq_factor=float(scaling["high_freq_factor"]),
+                           original_context=int(scaling["original_max_position_embeddings"]))
+      elif kind != "default":
+        raise ValueError(f"rope_scaling type {kind!r}: only 'llama3' (or none) is implemented")
+    heads = hf["num_attention_heads"]
+    fields = dict(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"], n_q_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        ffn_dim=hf["intermediate_size"], rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_scaling=rope, eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        activation="silu" if act == "silu" else "gelu")
+    return cls(**(fields | overrides))
+
+  def to_hf_config(self) -> dict:
+    """This config as a Hugging Face Llama ``config.json`` dict."""
+    rope = None if self.rope_scaling is None else {
+        "rope_type": "llama3", "factor": self.rope_scaling.factor,
+        "low_freq_factor": self.rope_scaling.low_freq_factor,
+        "high_freq_factor": self.rope_scaling.high_freq_factor,
+        "original_max_position_embeddings": self.rope_scaling.original_context}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": self.vocab_size, "hidden_size": self.d_model,
+            "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_q_heads,
+            "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.ffn_dim, "rope_theta": self.rope_theta,
+            "rope_scaling": rope, "rms_norm_eps": self.eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu" if self.activation == "silu" else "gelu_pytorch_tanh",
+            "attention_bias": False, "mlp_bias": False,
+            "torch_dtype": jnp.dtype(self.param_dtype).name}
+
   def replace(self, **changes) -> "LlamaConfig":
     return dataclasses.replace(self, **changes)
 
   def block_config(self) -> BlockConfig:
     return BlockConfig(n_q_heads=self.n_q_heads, n_kv_heads=self.n_kv_heads,
-                       head_dim=self.head_dim, rope_theta=self.rope_theta, eps=self.eps,
+                       head_dim=self.head_dim, rope_theta=self.rope_theta,
+                       rope_scaling=self.rope_scaling, eps=self.eps,
                        swiglu_block=self.swiglu_block, activation=self.activation,
                        impl=self.impl)
 
@@ -85,7 +153,7 @@ CONFIGS = {
                         head_dim=64, ffn_dim=512, rope_theta=10000.0),
     "llama-3.2-1b": LlamaConfig(vocab_size=128256, d_model=2048, n_layers=16, n_q_heads=32,
                                 n_kv_heads=8, head_dim=64, ffn_dim=8192,
-                                tie_embeddings=True),
+                                rope_scaling=LLAMA_3_2_ROPE, tie_embeddings=True),
     "llama-3-8b": LlamaConfig(vocab_size=128256, d_model=4096, n_layers=32, n_q_heads=32,
                               n_kv_heads=8, head_dim=128, ffn_dim=14336),
 }

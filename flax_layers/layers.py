@@ -55,13 +55,14 @@ def swiglu(h, r, w13, block, activation, fused, impl="auto"):
   return y.reshape(*h.shape[:-1], -1)
 
 
-def qkv_rope(h, r, wqkv, positions, heads, theta, fused, impl="auto"):
+def qkv_rope(h, r, wqkv, positions, heads, theta, fused, impl="auto", rope_scaling=None):
   n_q, n_kv, hd = heads
   if fused:
     return F.rmsnorm_qkv_rope(h, r, wqkv, positions, n_q_heads=n_q, n_kv_heads=n_kv,
-                              head_dim=hd, theta=theta, impl=impl)
+                              head_dim=hd, theta=theta, rope_scaling=rope_scaling, impl=impl)
   qkv = ref.rmsnorm_qkv_rope(F.flat_rows(h), r.reshape(-1), wqkv, positions.reshape(-1),
-                             n_q_heads=n_q, n_kv_heads=n_kv, head_dim=hd, theta=theta)
+                             n_q_heads=n_q, n_kv_heads=n_kv, head_dim=hd, theta=theta,
+                             rope_scaling=rope_scaling)
   return qkv.reshape(*h.shape[:-1], -1)
 
 
@@ -133,10 +134,11 @@ class QKVProjection(nnx.Module):
   """
 
   def __init__(self, d_model: int, n_q_heads: int, n_kv_heads: int, head_dim: int, *,
-               rope_theta: float = 500000.0, eps: float = 1e-5, param_dtype=jnp.float32,
-               init_std: float = 0.02, fused: bool = True, impl: str = "auto",
-               rngs: nnx.Rngs):
+               rope_theta: float = 500000.0, rope_scaling=None, eps: float = 1e-5,
+               param_dtype=jnp.float32, init_std: float = 0.02, fused: bool = True,
+               impl: str = "auto", rngs: nnx.Rngs):
     width = (n_q_heads + 2 * n_kv_heads) * head_dim
+    self.rope_scaling = rope_scaling  # coda_jax.layout.RopeScaling or None
     self.norm = _ones((d_model,), param_dtype)
     self.wqkv = _normal(rngs, (d_model, width), init_std, param_dtype)
     self.heads, self.rope_theta, self.eps = (n_q_heads, n_kv_heads, head_dim), rope_theta, eps
@@ -145,7 +147,7 @@ class QKVProjection(nnx.Module):
   def __call__(self, x, positions):
     h, r = norm_stats(x, self.norm[...], self.eps)
     return qkv_rope(h, r, self.wqkv[...], positions, self.heads, self.rope_theta, self.fused,
-                    self.impl)
+                    self.impl, self.rope_scaling)
 
 
 class OutProjection(nnx.Module):

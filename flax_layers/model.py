@@ -44,7 +44,8 @@ class LlamaBlock(nnx.Module):
     common = dict(param_dtype=c.param_dtype, init_std=c.init_std, fused=fused, impl=c.impl,
                   rngs=rngs)
     self.attn = Lyr.QKVProjection(c.d_model, c.n_q_heads, c.n_kv_heads, c.head_dim,
-                                  rope_theta=c.rope_theta, eps=c.eps, **common)
+                                  rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
+                                  eps=c.eps, **common)
     self.out = Lyr.OutProjection(c.q_width, c.d_model, **common)
     self.mlp = Lyr.FusedMLP(c.d_model, c.ffn_dim, block=c.swiglu_block,
                             activation=c.activation, eps=c.eps, **common)
@@ -68,7 +69,8 @@ def heads(c: LlamaConfig):
 def block_forward(p, x, positions, c: LlamaConfig, fused: bool):
   """One layer, op by op (the fused ops where ``fused``): (B, T, D) -> (B, T, D)."""
   h, r = Lyr.norm_stats(x, p["g_attn"], c.eps)
-  qkv = Lyr.qkv_rope(h, r, p["wqkv"], positions, heads(c), c.rope_theta, fused, c.impl)
+  qkv = Lyr.qkv_rope(h, r, p["wqkv"], positions, heads(c), c.rope_theta, fused, c.impl,
+                     c.rope_scaling)
   y = Lyr.causal_attention(qkv, heads(c), c.attention_impl)
   x1, h1, r1 = Lyr.residual_rmsnorm(y, p["wo"], x, p["g_mlp"], c.eps, fused, c.impl)
   y1 = Lyr.swiglu(h1, r1, p["w13"], c.swiglu_block, c.activation, fused, c.impl)
@@ -80,7 +82,7 @@ class _ReferenceBlocks:
 
   def __init__(self, c: LlamaConfig):
     self.kw = dict(n_q_heads=c.n_q_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                   theta=c.rope_theta, eps=c.eps)
+                   theta=c.rope_theta, rope_scaling=c.rope_scaling, eps=c.eps)
     self.mlp = dict(eps=c.eps, block=c.swiglu_block, activation=c.activation)
 
   def pre_block(self, x0, positions, g_attn, wqkv):
