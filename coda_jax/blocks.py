@@ -237,7 +237,8 @@ def _post_fwd(x0, y0, targets, params, cfg, keep_z=True):
   p = _cast(params, x0.dtype)
   (x2, h2, r2), mlp_saved = _mlp_fwd(x0, y0, p, p["g_final"], cfg, keep_z)
   lse, tgt = F.lm_head_lse(h2, r2, p["wlm"], targets, cfg.lm_chunk_rows, cfg.impl)
-  loss = F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction)
+  loss = F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction,
+                           params["wlm"].shape[1])
   return loss, (params, targets, x2, h2, r2, lse, mlp_saved)
 
 
@@ -245,7 +246,8 @@ def _post_bwd(cfg, saved, dloss):
   params, targets, x2, h2, r2, lse, mlp_saved = saved
   p = _cast(params, x2.dtype)
   d, rows = x2.shape[1], cfg.lm_chunk_rows
-  weight = F.loss_row_weights(dloss, targets, cfg.ignore_index, cfg.reduction)
+  weight = F.loss_row_weights(dloss, targets, cfg.ignore_index, cfg.reduction,
+                              params["wlm"].shape[1])
 
   def chunk(carry, args):
     dwlm, dg = carry

@@ -253,8 +253,9 @@ def rmsnorm_lm_head_loss(h, r, wlm, targets, *, ignore_index: int = -100,
 
   Logits exist only tile by tile in the kernel: the forward keeps (V / 64, rows) fp32
   partials of the log-sum-exp, the backward recomputes logits chunk by chunk (at most
-  ``chunk_rows`` rows, default sized so a chunk's bf16 dlogits fit in 1 GiB). Targets
-  outside [0, V) other than ``ignore_index`` contribute log-sum-exp alone."""
+  ``chunk_rows`` rows, default sized so a chunk's bf16 dlogits fit in 1 GiB). A target
+  outside [0, V) other than ``ignore_index`` makes its row's loss NaN (and a mean or
+  sum NaN), as in ``jnp_reference.cross_entropy``; that row passes no gradient."""
   check_act("h", h)
   check_weight("wlm", wlm, (h.shape[-1], wlm.shape[-1]))
   check_rows("r", r, h.shape[:-1], "float")
@@ -294,33 +295,42 @@ def lm_head_lse(h, r, wlm, targets, rows, impl):
   return unchunked(lse), unchunked(tgt)
 
 
-def loss_from_stats(lse, tgt, targets, ignore_index, reduction):
+def out_of_range(targets, vocab, ignore_index):
+  """Targets that are neither in [0, vocab) nor ``ignore_index``: their loss is NaN."""
+  return (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+
+
+def loss_from_stats(lse, tgt, targets, ignore_index, reduction, vocab):
   valid = targets != ignore_index
   losses = jnp.where(valid, lse - tgt, 0.0)
+  losses = jnp.where(out_of_range(targets, vocab, ignore_index), jnp.nan, losses)
   if reduction == "none":
     return losses
   total = jnp.sum(losses)
   return total if reduction == "sum" else total / jnp.maximum(jnp.sum(valid), 1)
 
 
-def loss_row_weights(dloss, targets, ignore_index, reduction):
-  """d loss / d (lse_m - logit_m) per row, times the incoming cotangent."""
-  valid = (targets != ignore_index).astype(jnp.float32)
-  if reduction == "mean":
-    return valid * dloss / jnp.maximum(jnp.sum(valid), 1)
+def loss_row_weights(dloss, targets, ignore_index, reduction, vocab):
+  """d loss / d (lse_m - logit_m) per row, times the incoming cotangent (0 for rows whose
+  loss is NaN: an out-of-range target passes no gradient, as in the reference)."""
+  valid = ((targets != ignore_index)
+           & ~out_of_range(targets, vocab, ignore_index)).astype(jnp.float32)
+  if reduction == "mean":  # the mean's denominator counts every non-ignored target
+    return valid * dloss / jnp.maximum(jnp.sum(targets != ignore_index), 1)
   return valid * dloss  # "sum": scalar dloss; "none": per row
 
 
 def _lm_fwd(h, r, wlm, targets, opts, impl):
   ignore_index, reduction, rows = opts
   lse, tgt = lm_head_lse(h, r, wlm, targets, rows, impl)
-  return loss_from_stats(lse, tgt, targets, ignore_index, reduction), (h, r, wlm, targets, lse)
+  return (loss_from_stats(lse, tgt, targets, ignore_index, reduction, wlm.shape[1]),
+          (h, r, wlm, targets, lse))
 
 
 def _lm_bwd(opts, impl, saved, dloss):
   ignore_index, reduction, rows = opts
   h, r, wlm, targets, lse = saved
-  weight = loss_row_weights(dloss, targets, ignore_index, reduction)
+  weight = loss_row_weights(dloss, targets, ignore_index, reduction, wlm.shape[1])
   w = wlm.astype(h.dtype)
 
   def step(dw, args):

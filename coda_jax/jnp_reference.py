@@ -99,10 +99,14 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean"):
   """Token cross-entropy in fp32; ``ignore_index`` targets count neither in the sum
   nor in the mean's denominator."""
   logits = logits.astype(jnp.float32)
+  vocab = logits.shape[-1]
   valid = targets != ignore_index
+  bad = valid & ((targets < 0) | (targets >= vocab))  # neither a class nor ignored: NaN
   lse = jax.nn.logsumexp(logits, axis=-1)
-  picked = jnp.take_along_axis(logits, jnp.where(valid, targets, 0)[:, None], axis=-1)[:, 0]
+  safe = jnp.where(valid & ~bad, targets, 0)
+  picked = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
   losses = jnp.where(valid, lse - picked, 0.0)
+  losses = jnp.where(bad, jnp.nan, losses)
   if reduction == "none":
     return losses
   total = jnp.sum(losses)

@@ -18,6 +18,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from coda_jax import blocks
@@ -153,7 +154,15 @@ class Llama(nnx.Module):
                                    tokens.shape)
     elif positions.shape != tokens.shape:
       raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.dtype)
+    if not isinstance(tokens, jax.core.Tracer):  # checkable now: refuse bad ids
+      bad = np.asarray((tokens < 0) | (tokens >= self.config.vocab_size))
+      if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"token id {int(np.asarray(tokens)[at])} at {at} is outside "
+                         f"[0, vocab_size={self.config.vocab_size})")
+    # Under jit the ids cannot be checked: an id outside [0, V) reads a NaN embedding
+    # (jnp.take's "fill" mode), so that token's row, and the loss, become NaN.
+    x = jnp.take(self.embed[...], tokens, axis=0, mode="fill").astype(self.config.dtype)
     return x, positions
 
   def _head_weight(self, dtype):
@@ -165,7 +174,9 @@ class Llama(nnx.Module):
 
     Args:
       tokens: (B, T) int token ids.
-      targets: (B, T) int; ``-100`` (ignore_index) entries are skipped.
+      targets: (B, T) int; ``-100`` (ignore_index) entries are skipped. A target outside
+        [0, V) that is not ``-100`` makes that token's loss NaN (so a mean or sum is NaN),
+        on the fused and the reference path alike; it passes no gradient.
       positions: (B, T) int RoPE positions; default ``arange(T)`` per row.
       reduction: "mean" over the counted targets, "sum", or "none" (per token).
 

@@ -587,3 +587,19 @@ def test_weight_decay_skips_the_model_norms():
   for name in matrices:
     np.testing.assert_allclose(after[name], before[name] * (1 - lr * wd), rtol=1e-6,
                                err_msg=name)
+
+
+def test_token_ids_outside_the_vocabulary():
+  """Checked where they can be (concrete ids: ValueError naming the id and place); under
+  jit, where they cannot, the documented result: the token reads a NaN embedding and the
+  loss is NaN, never a silently clamped id."""
+  from flax_layers import Llama, get_config
+  cfg = get_config("tiny")
+  model = Llama(cfg, rngs=nnx.Rngs(0), fused=False)
+  tokens = jnp.zeros((2, 16), jnp.int32).at[1, 3].set(cfg.vocab_size)
+  with pytest.raises(ValueError, match=r"token id 256 at \(1, 3\) is outside "
+                                       r"\[0, vocab_size=256\)"):
+    model.loss(tokens, tokens)
+  gdef, state = nnx.split(model)
+  loss = jax.jit(lambda s, t: nnx.merge(gdef, s).loss(t, jnp.zeros_like(t)))(state, tokens)
+  assert np.isnan(float(loss))

@@ -6,7 +6,8 @@ truth, bf16 logits for the unfused baseline) for jax.grad. Tolerance rule as els
 
 The docstring's contract: ``ignore_index`` rows count neither in the sum nor in the
 mean's denominator and get zero gradient; any other target outside [0, V) (e.g. -100
-when ignore_index is not -100, or V + 3) contributes its log-sum-exp alone and counts."""
+when ignore_index is not -100, or V + 3) makes its row's loss NaN on the fused and the
+reference path alike, and passes no gradient (test_out_of_range_targets_are_nan)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,18 +24,18 @@ EPS = 1e-5
 
 def _inputs(key, m, d, v, ignore_index, dt=jnp.bfloat16):
   """(h, r) of a residual stream with per-row std 5-50, wlm, and targets that contain
-  ignore_index, the vocabulary's ends 0 and V - 1, -100 and V + 3 (out of range)."""
+  ignore_index and the vocabulary's ends 0 and V - 1 (out-of-range ones: their own test)."""
   ks = jax.random.split(key, 4)
   xs = spread_rows(ks[0], (m, d))
   g = 1 + 0.1 * normal(ks[1], (d,))
   t = np.array(jax.random.randint(ks[3], (m,), 0, v))
-  t[1::6], t[2::6], t[3::6], t[4::6], t[5::11] = ignore_index, -100, 0, v - 1, v + 3
+  t[1::6], t[3::6], t[4::6] = ignore_index, 0, v - 1
   return dict(h=(xs * g).astype(dt), r=R.rms_scale(xs, EPS),
               wlm=normal(ks[2], (d, v), dt) * d ** -0.5, tgt=jnp.asarray(t, jnp.int32))
 
 
 def ce_rows_f64(h, r, wlm, targets, ignore_index):
-  """Per-row cross-entropy in float64: lse(logits) - logits[t] (t in [0, V)), lse alone
+  """Per-row cross-entropy in float64: lse(logits) - logits[t] (t in [0, V)), NaN
   (t outside), 0 (t == ignore_index). Returns (losses, valid)."""
   logits = (np.asarray(h, np.float64) @ np.asarray(wlm, np.float64)
             * np.asarray(r, np.float64)[:, None])
@@ -44,7 +45,7 @@ def ce_rows_f64(h, r, wlm, targets, ignore_index):
   inside = (t >= 0) & (t < logits.shape[1])
   picked = np.where(inside, logits[np.arange(len(t)), np.clip(t, 0, logits.shape[1] - 1)], 0)
   valid = t != ignore_index
-  return np.where(valid, lse - picked, 0.0), valid
+  return np.where(valid & ~inside, np.nan, np.where(valid, lse - picked, 0.0)), valid
 
 
 def reduce_f64(losses, valid, reduction):
@@ -174,3 +175,41 @@ def test_default_chunking_three_chunks(key, monkeypatch):
   assert chunks and set(chunks) == {256}, chunks  # one call per trace (forward, grad)
   assert m // chunks[0] == 3
   assert sorted(set(kernel_rows)) == [("lm_head_stats", 256), ("xent_logits_grad", 256)]
+
+
+@pytest.mark.parametrize("ignore_index", [-100, 0])
+def test_out_of_range_targets_are_nan(key, kernel_impl, ignore_index):
+  """Targets V, V + 3 and -5 (and -100 when it is not the ignore index): that row's loss
+  is NaN on the fused path (kernel and XLA program) and on the reference, the other rows
+  are unchanged, a mean is NaN, and the gradient equals the one with those rows ignored
+  (no gradient from a NaN row, none in the others)."""
+  m = 128
+  x = _inputs(key, m, D, V, ignore_index)
+  bad_t = np.asarray(x["tgt"]).copy()
+  bad_rows = np.zeros(m, bool)
+  for row, t in ((5, V), (17, V + 3), (40, -5), (77, -100 if ignore_index != -100 else -7)):
+    bad_t[row], bad_rows[row] = t, True
+  bad = jnp.asarray(bad_t, jnp.int32)
+  skipped = jnp.asarray(np.where(bad_rows, ignore_index, bad_t), jnp.int32)
+  args = (x["h"], x["r"], x["wlm"])
+  ct = normal(jax.random.fold_in(key, 1), (m,))
+
+  def per_row(impl, targets):
+    if impl == "reference":
+      return lambda h, r, w: R.rmsnorm_lm_head_loss(h, r, w, targets, ignore_index, "none")
+    return lambda h, r, w: F.rmsnorm_lm_head_loss(h, r, w, targets, ignore_index=ignore_index,
+                                                  reduction="none", impl=impl)
+  for impl in ("reference", "xla", kernel_impl):
+    got = np.asarray(per_row(impl, bad)(*args))
+    assert np.all(np.isnan(got[bad_rows])), impl
+    clean = np.asarray(per_row(impl, skipped)(*args))
+    np.testing.assert_allclose(got[~bad_rows], clean[~bad_rows], rtol=1e-6, err_msg=impl)
+    if impl != "reference":
+      mean = F.rmsnorm_lm_head_loss(*args, bad, ignore_index=ignore_index, impl=impl)
+      assert np.isnan(float(mean)), impl
+    g_bad = jax.grad(lambda *a: jnp.sum(per_row(impl, bad)(*a) * ct), (0, 1, 2))(*args)
+    g_skip = jax.grad(lambda *a: jnp.sum(per_row(impl, skipped)(*a) * ct), (0, 1, 2))(*args)
+    for nm, a, b in zip(("dh", "dr", "dwlm"), g_bad, g_skip):
+      assert np.all(np.isfinite(np.asarray(a, np.float32))), (impl, nm)
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                 rtol=1e-5, atol=1e-6, err_msg=f"{impl} {nm}")
