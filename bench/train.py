@@ -76,22 +76,38 @@ def parse_args():
   return args
 
 
+class _Lines:
+  """A stream for tqdm off a terminal: each redraw becomes one line of the log."""
+
+  def write(self, text):
+    for part in text.split("\r"):
+      if part.strip():
+        sys.stderr.write(part.rstrip("\n") + "\n")
+
+  def flush(self):
+    sys.stderr.flush()
+
+
 class Progress:
-  """A progress line on stderr: rewritten in place on a terminal, else one every ~10%."""
+  """The steps' progress bar (tqdm, on stderr): steps, loss, tokens/s and the time left.
+  Off a terminal (a log) it writes a line every ~10% of the steps."""
 
   def __init__(self, label, total, tokens_per_step):
-    self.label, self.total, self.tokens = label, total, tokens_per_step
-    self.tty, self.shown = sys.stderr.isatty(), 0
+    from tqdm import tqdm
+    tty = sys.stderr.isatty()
+    self.label, self.tokens = label, tokens_per_step
+    self.bar = tqdm(total=total, desc=label, unit="step", file=sys.stderr if tty else _Lines(),
+                    dynamic_ncols=tty, mininterval=0.5 if tty else 0,
+                    miniters=1 if tty else max(1, total // 10),
+                    bar_format="{desc} {n_fmt}/{total_fmt} |{bar:20}| [{elapsed}<{remaining}]")
 
   def update(self, i, loss, times):
     recent = statistics.median(times[1:][-10:] or times)  # times[0] ran right after compile
-    line = (f"{self.label}: step {i}/{self.total} loss {loss:.4f} "
-            f"{self.tokens / recent:,.0f} tokens/s ETA {recent * (self.total - i):.0f}s")
-    if self.tty:
-      print(f"\r{line:<79}", end="\n" if i == self.total else "", file=sys.stderr, flush=True)
-    elif i * 10 >= (self.shown + 1) * self.total:
-      self.shown = i * 10 // self.total
-      print(line, file=sys.stderr, flush=True)
+    self.bar.set_description_str(
+        f"{self.label}: loss {loss:.4f}, {self.tokens / recent:,.0f} tokens/s,", refresh=False)
+    self.bar.update(i - self.bar.n)
+    if i == self.bar.total:
+      self.bar.close()
 
 
 def device_limit_bytes():

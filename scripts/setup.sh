@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv with Python >= 3.12 and installs coda-jax with its test and bench extras
-# (jax/jaxlib pinned to 0.11.2, the GPU host's version). Idempotent; prints the python.
+# (jax/jaxlib pinned to 0.11.2, the GPU host's version), plus the "cuda" extra (jax's
+# CUDA 13 plugin of the same version) when nvidia-smi sees a GPU. Idempotent; prints the
+# python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 find_python() {
@@ -24,10 +26,19 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $py ($("$py" --version))" >&2
   "$py" -m venv .venv
 fi
-stamp=.venv/.coda-jax-installed
+# An NVIDIA GPU gets the CUDA build of the pinned jax (the "cuda" extra); without it pip
+# would install a CPU-only jaxlib, and everything would quietly run the XLA fallback.
+extras="test,bench"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  extras="test,bench,cuda"
+  echo "setup: NVIDIA GPU found ($(nvidia-smi -L | head -1)): installing jax with CUDA 13" >&2
+else
+  echo "setup: no NVIDIA GPU: installing the CPU jax (kernels run through the interpreter in tests)" >&2
+fi
+stamp=.venv/.coda-jax-installed-${extras//,/-}
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >&2
-  .venv/bin/python -m pip install -q -e ".[test,bench]" >&2
+  .venv/bin/python -m pip install -q -e ".[$extras]" >&2
   touch "$stamp"
 fi
 echo "$(pwd)/.venv/bin/python"
