@@ -1,13 +1,28 @@
 """Standard Llama checkpoints in and out: Hugging Face ``LlamaForCausalLM`` state-dict names
 and layouts ((out, in) matrices, rotate-half q/k), converted once to and from the kernel
-layout that ``Llama`` stores (``coda_jax.layout``)."""
+layout that ``Llama`` stores (``coda_jax.layout``).
+
+``load_hf_checkpoint(dir)`` / ``save_hf_checkpoint(model, dir)`` read and write a whole
+Hugging Face checkpoint directory: ``config.json`` plus ``model.safetensors``, or shards
+``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``.
+"""
 from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from coda_jax import layout
+from flax_layers.config import LlamaConfig
 from flax_layers.model import Llama
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 _LAYER = {"wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
           "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
@@ -80,3 +95,108 @@ def load_hf_state_dict(model: Llama, state_dict, *, rope: str = "rotate_half") -
     put(getattr(getattr(model.layers, mod), name), jnp.stack([l[k] for l in layers]),
         f"layers' {k}")
   return model
+
+
+class _LazyTensors:
+  """A read-only mapping name -> numpy array over a checkpoint's safetensors files, each
+  tensor read from disk only when asked for (tensor by tensor, never a whole file)."""
+
+  def __init__(self, directory: Path, weight_map: dict[str, str]):
+    from safetensors import safe_open
+    self._files = {name: safe_open(os.fspath(directory / name), framework="numpy")
+                   for name in sorted(set(weight_map.values()))}
+    self._where = weight_map
+
+  def __contains__(self, name):
+    return name in self._where
+
+  def __iter__(self):
+    return iter(self._where)
+
+  def __len__(self):
+    return len(self._where)
+
+  def __getitem__(self, name):
+    return self._files[self._where[name]].get_tensor(name)
+
+
+def _weight_map(directory: Path) -> dict[str, str]:
+  index = directory / INDEX_FILE
+  if index.exists():
+    return dict(json.loads(index.read_text())["weight_map"])
+  single = directory / SINGLE_FILE
+  if single.exists():
+    from safetensors import safe_open
+    with safe_open(os.fspath(single), framework="numpy") as f:
+      return {k: SINGLE_FILE for k in f.keys()}
+  raise ValueError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} (a Hugging Face "
+                   "checkpoint directory holds one of them)")
+
+
+def load_hf_checkpoint(directory, *, fused: bool = True, rope: str = "rotate_half",
+                       seed: int = 0, **config_overrides) -> Llama:
+  """A ``Llama`` from a Hugging Face checkpoint directory.
+
+  Args:
+    directory: holds ``config.json`` and ``model.safetensors`` or sharded safetensors with
+      ``model.safetensors.index.json``.
+    fused: the model's path (kernels or the plain-jnp reference).
+    rope: "rotate_half" (Hugging Face's q/k order) or "interleaved" (Meta's).
+    seed: initializes the parameters before they are overwritten (none is left unset).
+    **config_overrides: fields of ``LlamaConfig`` that Hugging Face does not carry
+      (``dtype``, ``param_dtype``, ``impl``, ...).
+
+  Returns:
+    The model, its parameters cast to ``param_dtype``.
+
+  Raises:
+    ValueError: no config or weights, a config this model cannot run
+      (``LlamaConfig.from_hf_config``), or tensors that do not match it.
+  """
+  directory = Path(directory)
+  if not (directory / CONFIG_FILE).exists():
+    raise ValueError(f"{directory}: no {CONFIG_FILE}")
+  config = LlamaConfig.from_hf_config(json.loads((directory / CONFIG_FILE).read_text()),
+                                      **config_overrides)
+  tensors = _LazyTensors(directory, _weight_map(directory))
+  model = Llama(config, fused=fused, rngs=nnx.Rngs(seed))
+  return load_hf_state_dict(model, tensors, rope=rope)
+
+
+def save_hf_checkpoint(model: Llama, directory, *, rope: str = "rotate_half",
+                       max_shard_bytes: int = 5 << 30, dtype=None) -> list[Path]:
+  """Writes ``model`` as a Hugging Face checkpoint directory that ``transformers``'
+  ``LlamaForCausalLM.from_pretrained`` reads: ``config.json`` and safetensors (one file,
+  or shards of at most ``max_shard_bytes`` with an index). ``dtype`` casts the tensors
+  (default: the parameters' dtype). Returns the files written."""
+  directory = Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  from safetensors.numpy import save_file
+  state = to_hf_state_dict(model, rope=rope)
+  if dtype is not None:
+    state = {k: v.astype(jnp.dtype(dtype)) for k, v in state.items()}
+  shards, size = [[]], 0
+  for name in hf_keys(model.config):
+    nbytes = state[name].nbytes
+    if shards[-1] and size + nbytes > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(name)
+    size += nbytes
+  config = model.config.to_hf_config()
+  config["torch_dtype"] = jnp.dtype(dtype or model.config.param_dtype).name
+  written = [directory / CONFIG_FILE]
+  written[0].write_text(json.dumps(config, indent=2) + "\n")
+  names = ([SINGLE_FILE] if len(shards) == 1 else
+           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  for fname, keys in zip(names, shards):
+    save_file({k: np.ascontiguousarray(state[k]) for k in keys}, os.fspath(directory / fname),
+              metadata={"format": "pt"})
+    written.append(directory / fname)
+  if len(shards) > 1:
+    total = sum(v.nbytes for v in state.values())
+    index = {"metadata": {"total_size": total},
+             "weight_map": {k: f for f, keys in zip(names, shards) for k in keys}}
+    written.append(directory / INDEX_FILE)
+    written[-1].write_text(json.dumps(index, indent=2) + "\n")
+  return written
