@@ -17,6 +17,7 @@ import argparse
 import math
 import dataclasses
 import gc
+import json
 import statistics
 import sys
 import time
@@ -28,7 +29,7 @@ from flax import nnx
 
 from bench import common, corpus
 from coda_jax import ops
-from flax_layers import CONFIGS, Llama, get_config, train
+from flax_layers import CONFIGS, Llama, LlamaConfig, get_config, load_hf_checkpoint, train
 
 WARMUP = 3  # steps left out of the timing: the first runs right after compilation
 SMOOTH = 9  # width of the moving average the reference's noise is measured against
@@ -38,8 +39,7 @@ DEFAULTS = {"tiny": dict(batch=8, seq=128, steps=200, lr=1e-3)}  # ~3 min, both 
 
 def parse_args():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--config", choices=sorted(CONFIGS),
-                 default="llama-3.2-1b" if ops.kernels_available() else "tiny",
+  p.add_argument("--config", choices=sorted(CONFIGS), default=None,
                  help="default llama-3.2-1b on an sm90 GPU, else tiny")
   p.add_argument("--layers", type=int, help="override the config's n_layers")
   for flag, kind in (("batch", int), ("seq", int), ("steps", int), ("lr", float)):
@@ -63,7 +63,30 @@ def parse_args():
                  "sharded (coda_jax.partitioning); shard_map: each device runs the whole "
                  "model on its rows (data axis only; segfaulted with the kernels on 2 H200s, "
                  "see bench/NOTES.md)")
+  p.add_argument("--checkpoint-dir", type=Path, help="save the training state (parameters, "
+                 "optimizer, step; the step is the data position) with orbax under "
+                 "DIR/<path>/<step>")
+  p.add_argument("--save-every", type=int, help="with --checkpoint-dir: steps between "
+                 "saves (default steps/10); the last step is always saved")
+  p.add_argument("--resume", action="store_true", help="continue each path from the "
+                 "newest checkpoint in --checkpoint-dir (bit for bit: the same batches "
+                 "follow)")
+  p.add_argument("--stop-after", type=int, help="stop after this step (saving it), as an "
+                 "interrupted run would; --resume continues")
+  p.add_argument("--init-from", type=Path, help="start from a Hugging Face checkpoint "
+                 "directory (config.json + safetensors): its config replaces --config")
+  p.add_argument("--compile-cache", default=str(Path.home() / ".cache/coda_jax/xla"),
+                 help="JAX's persistent compilation cache ('none' turns it off); the run "
+                 "reports the first compile and a warm one served from the cache")
   args = p.parse_args()
+  if args.init_from is not None and args.config is not None:
+    p.error("--init-from takes the model's config from the checkpoint: drop --config")
+  if args.init_from is not None:
+    args.config = f"hf-{args.init_from.resolve().name}"  # names the results
+  elif args.config is None:
+    args.config = "llama-3.2-1b" if ops.kernels_available() else "tiny"
+  if (args.resume or args.stop_after or args.save_every) and args.checkpoint_dir is None:
+    p.error("--resume, --stop-after and --save-every need --checkpoint-dir")
   for k, v in DEFAULTS.get(args.config, BIG).items():
     setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
   if args.warmup_steps is None:
@@ -73,7 +96,22 @@ def parse_args():
     p.error(f"--paths {','.join(args.paths)}: distinct names of fused, reference")
   if args.steps <= WARMUP:
     p.error(f"--steps must exceed the {WARMUP} untimed warm-up steps")
+  if args.save_every is None:
+    args.save_every = max(1, args.steps // 10)
+  if args.stop_after is not None and not 0 < args.stop_after < args.steps:
+    p.error(f"--stop-after {args.stop_after}: a step in 1..{args.steps - 1}")
   return args
+
+
+def checkpoints(args, path):
+  """The orbax manager of one path's training state, or None without --checkpoint-dir."""
+  if args.checkpoint_dir is None:
+    return None
+  import orbax.checkpoint as ocp
+  # Synchronous saves: the next step donates the state's buffers.
+  options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True,
+                                         enable_async_checkpointing=False)
+  return ocp.CheckpointManager(args.checkpoint_dir.resolve() / path, options=options)
 
 
 class _Lines:
@@ -92,11 +130,12 @@ class Progress:
   """The steps' progress bar (tqdm, on stderr): steps, loss, tokens/s and the time left.
   Off a terminal (a log) it writes a line every ~10% of the steps."""
 
-  def __init__(self, label, total, tokens_per_step):
+  def __init__(self, label, total, tokens_per_step, start=0):
     from tqdm import tqdm
     tty = sys.stderr.isatty()
     self.label, self.tokens = label, tokens_per_step
-    self.bar = tqdm(total=total, desc=label, unit="step", file=sys.stderr if tty else _Lines(),
+    self.bar = tqdm(total=total, initial=start, desc=label, unit="step",
+                    file=sys.stderr if tty else _Lines(),
                     dynamic_ncols=tty, mininterval=0.5 if tty else 0,
                     miniters=1 if tty else max(1, total // 10),
                     bar_format="{desc} {n_fmt}/{total_fmt} |{bar:20}| [{elapsed}<{remaining}]")
@@ -142,7 +181,10 @@ def parse_mesh(spec: str | None):
 
 def run_path(path, cfg, args, train_batches, val_batches):
   """Trains one path from scratch; everything it allocated is freed on return."""
-  model = Llama(cfg, rngs=nnx.Rngs(args.seed), fused=path == "fused")
+  if args.init_from is not None:
+    model = load_hf_checkpoint(args.init_from, fused=path == "fused", seed=args.seed)
+  else:
+    model = Llama(cfg, rngs=nnx.Rngs(args.seed), fused=path == "fused")
   r = dict(path=path, runs_on=train.describe_path(model))
   runs_on = r["runs_on"]
   print(runs_on if runs_on.startswith(path) else f"{path}: {runs_on}", flush=True)
@@ -160,6 +202,14 @@ def run_path(path, cfg, args, train_batches, val_batches):
   elif mesh is not None:  # parameters and optimizer state replicated, or split (--fsdp)
     state = jax.device_put(state, train.fsdp_shardings(state, mesh) if args.fsdp else
                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  start, mngr = 0, checkpoints(args, path)
+  if mngr is not None and args.resume and mngr.latest_step() is not None:
+    import orbax.checkpoint as ocp
+    start = mngr.latest_step()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    state = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
+    print(f"{path}: resumed at step {start} from {mngr.directory}", flush=True)
+  r["first_step"] = start + 1
   r["compile_s"] = 0.0
   k = args.micro_batches or 1
   while True:  # "auto": halve the micro-batch until the compiled step fits the device
@@ -179,17 +229,29 @@ def run_path(path, cfg, args, train_batches, val_batches):
     print(f"{path}: {r['compiled_peak_bytes'] / 2**30:.1f} GiB does not fit in "
           f"{limit / 2**30:.1f} GiB: {2 * k} micro-batches", flush=True)
     k *= 2
+  if args.compile_cache != "none":  # the same step again, from the persistent cache
+    jax.clear_caches()
+    t0 = time.perf_counter()
+    compiled = step.lower(state, *put(train_batches[0])).compile()
+    r["warm_compile_s"] = time.perf_counter() - t0
   r["micro_batches"] = k
   r["losses"], r["step_s"] = [], []
-  bar = Progress(path, args.steps, args.batch * args.seq)
-  for i, batch in enumerate(train_batches):
-    tokens, targets = put(batch)  # the host-to-device copy stays outside the timed step
+  last = args.stop_after or args.steps
+  bar = Progress(path, args.steps, args.batch * args.seq, start=start)
+  for i in range(start, last):
+    tokens, targets = put(train_batches[i])  # the host-to-device copy stays untimed
     t0 = time.perf_counter()
     state, loss = compiled(state, tokens, targets)
     loss = float(jax.block_until_ready(loss))
     r["step_s"].append(time.perf_counter() - t0)
     r["losses"].append(loss)
     bar.update(i + 1, loss, r["step_s"])
+    if mngr is not None and ((i + 1) % args.save_every == 0 or i + 1 == last):
+      import orbax.checkpoint as ocp
+      mngr.save(i + 1, args=ocp.args.StandardSave(state), force=True)
+  if mngr is not None:
+    mngr.wait_until_finished()
+    mngr.close()
   evaluate = train.make_eval_step(graphdef, mesh=mesh, partitioner=args.partitioner)
   r["val_loss"] = float(np.mean([evaluate(state, *put(b)) for b in val_batches]))
   r["device_peak_bytes"] = device_peak_bytes()
@@ -200,13 +262,16 @@ def run_path(path, cfg, args, train_batches, val_batches):
 
 def summarize(results, tokens_per_step):
   for r in results:
-    r["median_step_ms"] = 1e3 * statistics.median(r["step_s"][WARMUP:])
+    timed = r["step_s"][WARMUP:] or r["step_s"]  # a resumed run may have few steps left
+    r["median_step_ms"] = 1e3 * statistics.median(timed)
     r["tokens_per_s"] = tokens_per_step / r["median_step_ms"] * 1e3
     r["final_loss"] = float(np.mean(r["losses"][-10:]))
   by = {r["path"]: r for r in results}
   if set(by) != {"fused", "reference"}:
     return {}
   fused, ref = np.array(by["fused"]["losses"]), np.array(by["reference"]["losses"])
+  if fused.size == 0 or fused.shape != ref.shape:
+    return {}
   diff = np.abs(fused - ref)
   # How much the reference curve itself jitters from step to step (batch noise): its
   # residual from a centered moving average, over the flatter second half of the run.
@@ -234,9 +299,11 @@ def markdown(results, summary, args, cfg, data, prov):
          f"{', FSDP' if args.fsdp else ''}; tokens/s per device: " + ", ".join(
              f"{r['path']} {r['tokens_per_s_per_device']:,.0f}" for r in results) + ")")
         if args.mesh else "mesh: none (1 device)", "",
-        "| path | runs on | micro-batches | compile s | step ms | tokens/s | final loss | "
+        "| path | runs on | micro-batches | compile s (warm) | step ms | tokens/s | final loss | "
         "val loss | compiled peak MiB | device peak MiB |", "|" + "---|" * 10]
-  md += [f"| {r['path']} | {r['runs_on']} | {r['micro_batches']} | {r['compile_s']:.1f} | "
+  warm = lambda r: f" ({r['warm_compile_s']:.1f})" if "warm_compile_s" in r else ""
+  md += [f"| {r['path']} | {r['runs_on']} | {r['micro_batches']} | {r['compile_s']:.1f}"
+         f"{warm(r)} | "
          f"{r['median_step_ms']:.1f} "
          f"| {r['tokens_per_s']:,.0f} | {r['final_loss']:.4f} | {r['val_loss']:.4f} | "
          f"{mib(r['compiled_peak_bytes'])} | {mib(r['device_peak_bytes'])} |" for r in results]
@@ -253,7 +320,9 @@ def markdown(results, summary, args, cfg, data, prov):
   md += ["", f"Step time: wall clock of one step until its loss is ready (the batch is "
          f"already on the device), median over steps {WARMUP + 1}-{args.steps}; tokens/s = "
          f"batch x seq / that. Compile: lowering + compiling the train step (all "
-         f"attempts). Micro-batches: gradient-accumulation pieces per step, by default the "
+         f"attempts), with JAX's persistent compilation cache at {args.compile_cache} (cold "
+         f"when the cache did not hold the step yet); warm: the same again after clearing "
+         f"the in-memory caches, served from the persistent cache. Micro-batches: gradient-accumulation pieces per step, by default the "
          f"fewest (a power of 2) whose compiled step fits the device. Final loss: "
          f"mean of the last 10 steps' training loss (nats/byte); val loss: mean over "
          f"{args.eval_batches} held-out batches. Compiled peak: argument + output + temp - "
@@ -294,7 +363,14 @@ def plot(results, png, title):
 
 def main():
   args = parse_args()
-  cfg = get_config(args.config, **({"n_layers": args.layers} if args.layers else {}))
+  if args.compile_cache != "none":  # JAX's persistent compilation cache, every program
+    jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  if args.init_from is not None:
+    hf = json.loads((args.init_from / "config.json").read_text())
+    cfg = LlamaConfig.from_hf_config(hf, **({"n_layers": args.layers} if args.layers else {}))
+  else:
+    cfg = get_config(args.config, **({"n_layers": args.layers} if args.layers else {}))
   name = (f"train_{args.config}" + (f"_{cfg.n_layers}l" if args.layers else "")
           + (f"_{args.mesh.replace('=', '').replace(',', '_')}" if args.mesh else "")
           + ("_fsdp" if args.fsdp else "")
