@@ -297,6 +297,25 @@ MUTATIONS = [
         "    acc = jax.lax.psum(acc, layout.k)\n", "",
         ("tests/test_sharding.py",),
         "a split contraction's partial products are not summed before the epilogue"),
+    # ---- issue 12: RoPE scaling, bad targets, training state -----------------------------
+    Mutation(
+        "rope_scaling_blend_inverted", "coda_jax/layout.py",
+        "    return f * ((1 - s) / self.factor + s)",
+        "    return f * (s / self.factor + (1 - s))",
+        ("tests/test_rope_scaling.py",),
+        "llama3 scaling divides the fast rotations instead of the slow ones"),
+    Mutation(
+        "bad_targets_not_nan", "coda_jax/fused_ops.py",
+        "  losses = jnp.where(out_of_range(targets, vocab, ignore_index), jnp.nan, losses)\n",
+        "",
+        ("tests/test_losses.py", "-k", "out_of_range"),
+        "the fused loss gives a finite number for a target outside the vocabulary"),
+    Mutation(
+        "resume_ignores_checkpoint", "bench/train.py",
+        "    state = mngr.restore(start, args=ocp.args.StandardRestore(abstract))\n",
+        "    mngr.restore(start, args=ocp.args.StandardRestore(abstract))\n",
+        ("tests/test_main_job_resume.py", "-k", "bit_for_bit"),
+        "--resume restores the checkpoint but trains on from the fresh initialization"),
 ]
 
 
