@@ -1,10 +1,18 @@
-"""coda-jax: Transformer-block operators run inside Hopper GEMM epilogues."""
+"""coda-jax: Transformer-block operators run inside Hopper GEMM epilogues.
+
+The public API for writing a fused op of your own (docs/new_fused_op.md): ``gemm_epilogue``,
+the primitives below, ``Primitive`` to subclass, the operand and output kinds, and
+``reduce_like`` for weight gradients under ``jax.shard_map``."""
 from coda_jax.ops import IMPLS, gemm_epilogue, kernel_config, reference, scalar_operand
-from coda_jax.primitives import (AddTile, ColSum, Gated, Rotate, RowLogSumExp, RowSum,
-                                 ScaleCol, ScaleConst, ScaleRow, Store, finish_lse)
+from coda_jax.primitives import (AddTile, ColSum, Env, Gated, PickColumn, Primitive, Rotate,
+                                 RowLogSumExp, RowSum, ScaleCol, ScaleConst, ScaleRow, Store,
+                                 finish_lse)
+from coda_jax.sharding import reduce_like
+from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 
 __all__ = [
-    "IMPLS", "AddTile", "ColSum", "Gated", "Rotate", "RowLogSumExp", "RowSum", "ScaleCol",
-    "ScaleConst", "ScaleRow", "Store", "finish_lse", "gemm_epilogue", "kernel_config", "reference",
-    "scalar_operand",
+    "IMPLS", "AddTile", "ColSum", "Env", "EpilogueOutput", "Gated", "InputKind", "OutputKind",
+    "PickColumn", "Primitive", "Rotate", "RowLogSumExp", "RowSum", "ScaleCol", "ScaleConst",
+    "ScaleRow", "Store", "finish_lse", "gemm_epilogue", "kernel_config", "reduce_like",
+    "reference", "scalar_operand",
 ]
