@@ -173,13 +173,63 @@ def _xla_run(call, a, b, operands, round_to=None):
   return apply_program(x, call.program, operands, call.outputs, round_to=round_to)
 
 
-def kernel_config(call, a, b, operands) -> pk.GemmConfig:
-  """The heuristic tuning of the kernel for ``call`` (ValueError if it cannot tile)."""
-  m, n, k = pk.check_operands(a, b, call.trans_a, call.trans_b)
-  return pk.default_config(m, n, k, a.dtype, input_kinds=dict(call.inputs),
+def kernel_config(call, a, b, operands, m=None, k=None) -> pk.GemmConfig:
+  """The heuristic tuning of the kernel for ``call`` (ValueError if it cannot tile), at
+  the operands' shape or with M and K replaced by padded sizes."""
+  m0, n, k0 = pk.check_operands(a, b, call.trans_a, call.trans_b)
+  return pk.default_config(m or m0, n, k or k0, a.dtype, input_kinds=dict(call.inputs),
                            input_dtypes={nm: operands[nm].dtype for nm, _ in call.inputs},
                            outputs=call.outputs, min_epi_tile_n=call.column_group,
                            trans_a=call.trans_a, trans_b=call.trans_b)
+
+
+def _round_up(x, multiple):
+  return -(-x // multiple) * multiple
+
+
+def finished_kinds(call: Call) -> dict[str, tuple[str, float]]:
+  """Each finished output's name -> ("tile" | "row" | "col", width relative to N)."""
+  raw = {o.name: o for o in call.outputs}
+  kinds = {o.name: ("tile", o.width) for o in call.outputs if o.kind == pk.OutputKind.TILE}
+  for prim in call.program:
+    for name in prim.combine_over_shards():
+      o = raw.get(name)
+      kinds[name] = (("col", o.width) if o is not None and o.kind == pk.OutputKind.COL_PARTIAL
+                     else ("row", 1))
+  return kinds
+
+
+def padded_shape(call: Call, a, b, operands) -> tuple[int, int]:
+  """The (M, K) the kernel runs at: the operands' own when they tile, else the smallest
+  zero-padded sizes that do (ValueError when none does).
+
+  Zero rows appended to A (and, for K, to B) change nothing a caller sees: padded K
+  adds 0 to every product; padded M rows are sliced off the tile and row outputs, and
+  add nothing to column partial sums as long as every step maps a zero row to zero
+  (``Primitive.keeps_zero_rows``; else M is not padded)."""
+  m, _, k = pk.check_operands(a, b, call.trans_a, call.trans_b, dtypes=(a.dtype,))
+  has_cols = any(kind == "col" for kind, _ in finished_kinds(call).values())
+  pad_m_ok = not has_cols or all(p.keeps_zero_rows() for p in call.program)
+  ms = dict.fromkeys([m] + ([_round_up(m, q) for q in (64, 128, 256)] if pad_m_ok else []))
+  ks = dict.fromkeys([k] + [_round_up(k, q) for q in (16, 64)])
+  error = None
+  for pm, pk_ in sorted(((pm, pk_) for pm in ms for pk_ in ks),
+                        key=lambda s: (s[0] * s[1], s)):
+    try:
+      kernel_config(call, a, b, operands, m=pm, k=pk_)
+      return pm, pk_
+    except ValueError as e:
+      error = error or e
+  raise ValueError(f"shape ({m}, {b.shape[0] if call.trans_b else b.shape[1]}, {k}) does "
+                   f"not tile, even with M and K padded ({error})")
+
+
+def _pad_rows(x, rows, axis=0):
+  if x.shape[axis] == rows:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, rows - x.shape[axis])
+  return jnp.pad(x, widths)
 
 
 def _mosaic_check(call, a, b, operands):
@@ -189,10 +239,9 @@ def _mosaic_check(call, a, b, operands):
     raise Unsupported(f"{a.dtype} operands (the kernel takes bfloat16 or float16)")
   if call.config is None:
     try:
-      kernel_config(call, a, b, operands)
+      padded_shape(call, a, b, operands)
     except ValueError as e:
-      m, n, k = pk.check_operands(a, b, call.trans_a, call.trans_b, dtypes=(a.dtype,))
-      raise Unsupported(f"shape ({m}, {n}, {k}) does not tile ({e})") from None
+      raise Unsupported(str(e)) from None
 
 
 def _interpret_check(call, a, b, operands):
@@ -203,14 +252,29 @@ def _interpret_check(call, a, b, operands):
 def _kernel_run(call, a, b, operands, interpret=None):
   def epilogue(tile, acc):
     P.run_program(call.program, acc, tile)
+  m, _, k = pk.check_operands(a, b, call.trans_a, call.trans_b, dtypes=(a.dtype,))
+  pm, pk_ = (m, k) if call.config is not None else padded_shape(call, a, b, operands)
+  in_place = dict(call.in_place)
+  if (pm, pk_) != (m, k):  # zero rows to the tile; sliced off below
+    announce(f"padding (M, K) = ({m}, {k}) to ({pm}, {pk_}) so the kernel tiles")
+    a = _pad_rows(_pad_rows(a, pk_ if call.trans_a else pm, 0), pm if call.trans_a else pk_, 1)
+    b = _pad_rows(b, pk_, 1 if call.trans_b else 0)
+    kinds = dict(call.inputs)
+    operands = {nm: v if kinds[nm] == pk.InputKind.COL else _pad_rows(v, pm)
+                for nm, v in operands.items()}
+    in_place = {}  # the padded copy is not the caller's buffer
   device = target_device()
   raw = pk.gemm(a, b, inputs={nm: (kind, operands[nm]) for nm, kind in call.inputs},
                 epilogue=epilogue, outputs=call.outputs, trans_a=call.trans_a,
-                trans_b=call.trans_b, config=call.config, in_place=dict(call.in_place),
+                trans_b=call.trans_b, config=call.config, in_place=in_place,
                 program_id=call.program_id, min_epi_tile_n=call.column_group,
                 num_sms=None if interpret is not None else device.core_count,
                 device_kind=device.device_kind, interpret=interpret)
-  return finish(call.program, raw)
+  out = finish(call.program, raw)
+  if pm != m:
+    kinds = finished_kinds(call)
+    out = {nm: v if kinds.get(nm, ("tile",))[0] == "col" else v[:m] for nm, v in out.items()}
+  return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ class RmsNormGrad(Primitive):
 
   Operands: ``x`` (M, N) tile (the norm's input), ``r`` (M,) reciprocal RMS, ``c`` (M,)
   the zdz term <dz, z> / D, ``g`` (N,) norm weight."""
+  _keeps_zero_rows = True
   x: str
   r: str
   c: str
@@ -67,6 +68,7 @@ class GatedGrad(Primitive):
   ``z`` is the (M, 2N) pre-activation in the pair-blocked layout of ``Gated(block)``
   (accumulator column block i of width ``block`` pairs with z's block i of 2 * block).
   Stores y = act(a) * b (``y``, width N) and row partials of <dz, z> (``zdz``)."""
+  _keeps_zero_rows = True
   z: str
   block: int
   y: str
@@ -121,6 +123,7 @@ class SoftmaxXentGrad(Primitive):
   ``lse`` (M,) fp32 log-sum-exp of the row, ``targets`` (M,) int32 (outside [0, N) never
   matches, e.g. an ignored target with weight 0), ``weight`` (M,) fp32 the per-row loss
   cotangent. Stores row partials of <dlogits, logits> as ``zdz``."""
+  _keeps_zero_rows = True
   lse: str
   targets: str
   weight: str

@@ -130,27 +130,15 @@ def _arg_specs(sc: ShardedCall, layout: Layout):
   return (a, b, *ops)
 
 
-def finished_kinds(call: dispatch.Call) -> dict[str, tuple[str, float]]:
-  """Each finished output's name -> ("tile" | "row" | "col", width relative to N)."""
-  raw = {o.name: o for o in call.outputs}
-  kinds = {o.name: ("tile", o.width) for o in call.outputs if o.kind == pk.OutputKind.TILE}
-  for prim in call.program:
-    for name in prim.combine_over_shards():
-      o = raw.get(name)
-      kinds[name] = (("col", o.width) if o is not None and o.kind == pk.OutputKind.COL_PARTIAL
-                     else ("row", 1))
-  return kinds
-
-
 def _result_specs(sc: ShardedCall, layout: Layout):
   m, n = (layout.m or None), (layout.n or None)
   return {name: PartitionSpec(m, n) if kind == "tile" else
           PartitionSpec(n) if kind == "col" else PartitionSpec(m)
-          for name, (kind, _) in finished_kinds(sc.call).items()}
+          for name, (kind, _) in dispatch.finished_kinds(sc.call).items()}
 
 
 def _combine(sc: ShardedCall, layout: Layout, out: dict) -> dict:
-  kinds = finished_kinds(sc.call)
+  kinds = dispatch.finished_kinds(sc.call)
   for prim in sc.call.program:
     for name, how in prim.combine_over_shards().items():
       axes = layout.m if kinds[name][0] == "col" else layout.n
@@ -240,7 +228,7 @@ def _rule(sc, mesh, value_types, result_types):
          else f"m {cols(2 if kinds[nm] == pk.InputKind.WIDE_TILE else 1)}"
          for nm in sc.operand_names]
   res = []
-  for name, (kind, width) in sorted(finished_kinds(call).items()):  # a dict's leaf order
+  for name, (kind, width) in sorted(dispatch.finished_kinds(call).items()):  # a dict's leaf order
     res.append(f"m {cols(width)}" if kind == "tile" else cols(width) if kind == "col" else "m")
   rule = ", ".join([a, b, *ops]) + " -> " + ", ".join(res)
   return rule, dict(reduction_factors=("k",), need_replication_factors=tuple(need), **sizes)

@@ -58,6 +58,14 @@ class Primitive:
     on a column shard must shift them by the shard's first column."""
     return ()
 
+  def keeps_zero_rows(self) -> bool:
+    """True when a zero accumulator row, with zero row and tile operands, stays zero and
+    stores zeros (so rows padded onto M add nothing to column sums). Default False: a
+    step that adds a constant (a bias) must not claim it."""
+    return self._keeps_zero_rows
+
+  _keeps_zero_rows = False  # a class attribute (not a dataclass field): set True to claim
+
   def combine_over_shards(self) -> dict[str, str]:
     """How each finished output of a call split over shards combines into the whole:
     "sum" for a partial sum (row sums over column shards, column sums over row shards),
@@ -70,6 +78,7 @@ class Primitive:
 @dataclasses.dataclass(frozen=True)
 class ScaleConst(Primitive):
   """x * c for a Python constant c (folded into the kernel)."""
+  _keeps_zero_rows = True
   value: float
 
   def apply(self, x, env):
@@ -79,6 +88,7 @@ class ScaleConst(Primitive):
 @dataclasses.dataclass(frozen=True)
 class ScaleRow(Primitive):
   """x * r[m]; ``name`` is an (M,) operand (e.g. RMSNorm's reciprocal RMS)."""
+  _keeps_zero_rows = True
   name: str
 
   def inputs(self):
@@ -92,6 +102,7 @@ class ScaleRow(Primitive):
 class ScaleCol(Primitive):
   """x * g[n]; ``name`` is an (N,) operand. A runtime scalar is passed as a
   broadcast (N,) operand (see ``ops.scalar_operand``)."""
+  _keeps_zero_rows = True
   name: str
 
   def inputs(self):
@@ -106,6 +117,7 @@ class ScaleCol(Primitive):
 class AddTile(Primitive):
   """x + t[m, n]; ``name`` is an (M, N) operand (a residual, or the previous value of
   an output being accumulated into)."""
+  _keeps_zero_rows = True
   name: str
 
   def inputs(self):
@@ -152,6 +164,7 @@ ACTIVATIONS = {
 @dataclasses.dataclass(frozen=True)
 class Gated(Primitive):
   """(a, b) -> act(a) * b per column pair; halves the width. act: silu or gelu."""
+  _keeps_zero_rows = True
   block: int
   activation: str = "silu"
 
@@ -184,6 +197,7 @@ class Rotate(Primitive):
   members of a pair carry the same value; columns with frequency 0 pass unchanged,
   which is how V heads ride through a fused QKV).
   """
+  _keeps_zero_rows = True
   positions: str
   freqs: str
   block: int
@@ -218,6 +232,7 @@ class Rotate(Primitive):
 @dataclasses.dataclass(frozen=True)
 class RowSum(Primitive):
   """Per-row partial sums of x (or x**2 with ``square``) -> output ``name``."""
+  _keeps_zero_rows = True
   name: str
   square: bool = False
 
@@ -235,6 +250,7 @@ class RowSum(Primitive):
 @dataclasses.dataclass(frozen=True)
 class RowLogSumExp(Primitive):
   """Per-row partial (max, sum exp(x - max)) -> outputs ``name``_max, ``name``_sumexp."""
+  _keeps_zero_rows = True
   name: str
 
   def outputs(self, width):
@@ -257,6 +273,7 @@ class RowLogSumExp(Primitive):
 @dataclasses.dataclass(frozen=True)
 class ColSum(Primitive):
   """Per-column partial sums of x over the sub-tile's rows -> output ``name``."""
+  _keeps_zero_rows = True
   name: str
 
   def outputs(self, width):
@@ -276,6 +293,7 @@ class PickColumn(Primitive):
   column of the sub-tile, so the finished sum is the picked value, or 0 for an index
   outside [0, N), e.g. an ignored target). ``index`` is an (M,) int32 operand. Must run
   before any step that changes the width."""
+  _keeps_zero_rows = True
   index: str
   name: str
 
@@ -301,6 +319,7 @@ class PickColumn(Primitive):
 @dataclasses.dataclass(frozen=True)
 class Store(Primitive):
   """Writes the running value to output ``name`` (M, N / narrowing) in ``dtype``."""
+  _keeps_zero_rows = True
   name: str
   dtype: Any = jnp.bfloat16
 

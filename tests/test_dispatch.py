@@ -1,4 +1,6 @@
-"""impl selection in coda_jax.gemm_epilogue: "xla", "auto" and the CODA_JAX_IMPL override."""
+"""impl selection in coda_jax.gemm_epilogue: "xla", "auto" and the CODA_JAX_IMPL override;
+row and contraction padding for shapes that do not tile."""
+import dataclasses
 import logging
 
 import jax
@@ -8,7 +10,7 @@ import pytest
 
 import coda_jax as cj
 import pallas_kernels
-from coda_jax import dispatch
+from coda_jax import dispatch, ops
 from helpers import assert_within_baseline, gemm_inputs, normal, rel_err
 
 PROGRAM = [cj.ScaleRow("r"), cj.Store("y"), cj.RowSum("s", square=True)]
@@ -131,3 +133,58 @@ def test_bad_impl_names(problem, bad):
 
 def test_target_device_is_a_local_device():
   assert dispatch.target_device() in jax.local_devices()
+
+
+# ---- token counts that do not tile: rows padded with zeros, sliced off ---------------------
+PAD_PROGRAM = [cj.ScaleRow("r"), cj.AddTile("res"), cj.RowSum("ss", square=True),
+               cj.ColSum("cs"), cj.Store("y")]
+
+
+@pytest.mark.parametrize("m", [1, 63, 65, 300])
+def test_rows_that_do_not_tile_are_padded(key, kernel_calls, kernel_impl, m):
+  """M = 1, 63, 65, 300: the kernel runs on zero-padded rows (poisoned operands would
+  show: the padding is fresh zeros), and every output, column sums included, equals the
+  reference on the real rows within the tolerance rule."""
+  a, b = gemm_inputs(key, m, 256, 128, jnp.bfloat16)
+  ks = jax.random.split(key, 2)
+  ops_ = {"r": normal(ks[0], (m,)), "res": normal(ks[1], (m, 256), jnp.bfloat16)}
+  got = cj.gemm_epilogue(a, b, PAD_PROGRAM, ops_, impl=kernel_impl)
+  assert len(kernel_calls) == 1
+  up = lambda x: x.astype(jnp.float32)
+  truth = cj.reference(up(a), up(b), [*PAD_PROGRAM[:-1], cj.Store("y", jnp.float32)], ops_)
+  unfused = cj.reference(a, b, PAD_PROGRAM, ops_, round_to=jnp.bfloat16)
+  assert got["y"].shape == (m, 256) and got["ss"].shape == (m,) and got["cs"].shape == (256,)
+  assert_within_baseline(got["y"], truth["y"], unfused["y"], "y")
+  for name in ("ss", "cs"):
+    assert rel_err(got[name], truth[name]) < 1e-4, name
+
+
+def test_contraction_that_does_not_tile_is_padded(key, kernel_calls, kernel_impl):
+  """A weight gradient over 300 rows (x^T dz: the rows are the contraction): K padded."""
+  x, dz = gemm_inputs(key, 128, 256, 300, jnp.bfloat16, trans_a=True)
+  got = cj.gemm_epilogue(x, dz, [cj.Store("dw", jnp.float32)], trans_a=True, impl=kernel_impl)
+  want = cj.reference(x.astype(jnp.float32), dz.astype(jnp.float32),
+                      [cj.Store("dw", jnp.float32)], {}, trans_a=True)
+  assert len(kernel_calls) == 1 and got["dw"].shape == (128, 256)
+  assert rel_err(got["dw"], want["dw"]) < 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class _AddOne(cj.Primitive):
+  """x + 1: a zero row does not stay zero."""
+
+  def apply(self, x, env):
+    return x + 1.0
+
+
+def test_rows_are_not_padded_under_a_step_that_moves_zero(key, kernel_calls):
+  """A column sum after x + 1 would count the padded rows: the kernel refuses the shape
+  (auto falls back to XLA), never pads it."""
+  a, b = gemm_inputs(key, 65, 256, 128, jnp.bfloat16)
+  program = [_AddOne(), cj.ColSum("cs"), cj.Store("y")]
+  call = dispatch.Call(program=tuple(program), inputs=(),
+                       outputs=ops._declared(tuple(program), 65, 256)[1], column_group=1)
+  with pytest.raises(ValueError, match="does not tile, even with M and K padded"):
+    dispatch.padded_shape(call, a, b, {})
+  got = cj.gemm_epilogue(a, b, program, impl="auto")
+  assert got["cs"].shape == (256,) and kernel_calls == []

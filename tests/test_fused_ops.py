@@ -42,7 +42,7 @@ def _inputs(key, m, d, k, f, v, dt):
       wqkv=normal(ks[7], (d, QKV), dt) * d ** -0.5,
       wlm=normal(ks[8], (d, v), dt) * d ** -0.5,
       pos=jnp.arange(m, dtype=jnp.int32) % 37 + 1000,  # packed sequences, late positions
-      tgt=jax.random.randint(ks[9], (m,), 0, v).at[::7].set(-100))
+      tgt=jax.random.randint(ks[9], (m,), 0, v).at[1::7].set(-100))  # row 0 counts (M=1)
 
 
 def _residual_cts(key, truth, x):
@@ -181,6 +181,17 @@ def test_op_and_grads_fp16_odd_sizes(name, key, kernel_impl):
   """fp16 activations; M = 192 and V = 384 are not multiples of the default 256-row /
   256-column cluster tile: the config falls back to smaller tiles."""
   check_op(name, _inputs(key, 192, 128, 64, 128, 384, jnp.float16), kernel_impl, key=key)
+
+
+@pytest.mark.parametrize("m", [1, 63, 65, 300])
+@pytest.mark.parametrize("name", ["residual_rmsnorm", "rmsnorm_swiglu", "rmsnorm_qkv_rope",
+                                  "rmsnorm_lm_head_loss"])
+def test_token_counts_that_do_not_tile(name, m, key, kernel_impl):
+  """M = 1, 63, 65, 300 token rows: the kernels run on zero-padded rows (the forward's
+  rows, the weight gradients' contraction), and outputs and gradients meet the tolerance
+  rule. ``impl`` names the kernel alone, so a call that could not run it would raise
+  rather than fall back to XLA."""
+  check_op(name, _inputs(key, m, D, K, FF, V, jnp.bfloat16), kernel_impl, key=key)
 
 
 def _rope_truth_f64(x, heads, theta=500000.0):
