@@ -316,6 +316,18 @@ MUTATIONS = [
         "    mngr.restore(start, args=ocp.args.StandardRestore(abstract))\n",
         ("tests/test_main_job_resume.py", "-k", "bit_for_bit"),
         "--resume restores the checkpoint but trains on from the fresh initialization"),
+    Mutation(
+        "padding_ignores_zero_rows_rule", "coda_jax/dispatch.py",
+        "  pad_m_ok = not has_cols or all(p.keeps_zero_rows() for p in call.program)",
+        "  pad_m_ok = True",
+        ("tests/test_dispatch.py",),
+        "rows padded under a step that moves a zero row: its column sums count the padding"),
+    Mutation(
+        "padding_not_sliced", "coda_jax/dispatch.py",
+        '    out = {nm: v if kinds.get(nm, ("tile",))[0] == "col" else v[:m] for nm, v in out.items()}',
+        "    out = dict(out)",
+        ("tests/test_dispatch.py",),
+        "the padded rows reach the caller"),
 ]
 
 

@@ -71,11 +71,22 @@ def test_auto_falls_back_on_float32_and_untileable_shapes(key, kernel_calls):
   r = normal(jax.random.fold_in(key, 1), (128,))
   assert_same(cj.gemm_epilogue(a, b, PROGRAM, {"r": r}, impl="auto"),
               cj.reference(a, b, PROGRAM, {"r": r}))
-  a, b = gemm_inputs(key, 120, 256, 128, jnp.bfloat16)  # M=120 does not tile
-  r = r[:120]
+  a, b = gemm_inputs(key, 128, 120, 128, jnp.bfloat16)  # N=120 does not tile (N is not padded)
   assert_same(cj.gemm_epilogue(a, b, PROGRAM, {"r": r}, impl="auto"),
               cj.reference(a, b, PROGRAM, {"r": r}))
   assert kernel_calls == []
+
+
+def test_auto_pads_rows_that_do_not_tile(key, kernel_calls):
+  """M=120: on an sm90 GPU "auto" runs the kernel on rows padded to 128 (elsewhere the
+  XLA program, as for every shape)."""
+  a, b = gemm_inputs(key, 120, 256, 128, jnp.bfloat16)
+  r = normal(jax.random.fold_in(key, 1), (120,))
+  got = cj.gemm_epilogue(a, b, PROGRAM, {"r": r}, impl="auto")
+  assert got["y"].shape == (120, 256)
+  assert kernel_calls == ([None] if ops.kernels_available() else [])
+  want = cj.reference(a, b, PROGRAM, {"r": r})
+  assert rel_err(got["y"], want["y"]) < 1e-2 and rel_err(got["s"], want["s"]) < 1e-4
 
 
 def test_env_selects_xla(problem, kernel_calls, monkeypatch):
