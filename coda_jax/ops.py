@@ -111,16 +111,36 @@ def kernel_config(a, b, program, operands, *, trans_a=False, trans_b=False) -> p
 
 def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
                   operands: dict[str, jax.Array] | None = None, *, trans_a: bool = False,
-                  trans_b: bool = False, impl: str = "auto",
+                  trans_b: bool = False, impl: str | Sequence[str] = "auto",
                   config: pk.GemmConfig | None = None,
                   in_place: dict[str, str] | None = None) -> dict[str, jax.Array]:
-  """``a @ b`` (A (M, K) or (K, M) with trans_a; B (K, N) or (N, K) with trans_b), then
-  ``program`` on the fp32 result, tile by tile. Returns the finished outputs by name.
+  """``a @ b``, then ``program`` on the fp32 result, tile by tile.
 
-  ``in_place`` maps a ``Store`` output to the ``AddTile`` operand whose buffer it
-  overwrites (gradient accumulation: ``[AddTile("g"), Store("g_new", jnp.float32)]``
-  with ``in_place={"g_new": "g"}``); donate that operand under ``jit`` to reuse its
-  memory. The values are the same with or without it."""
+  Args:
+    a: (M, K), or (K, M) with ``trans_a``; bfloat16 or float16 for the kernel (float32
+      runs the XLA program).
+    b: (K, N), or (N, K) with ``trans_b``; ``a``'s dtype.
+    program: epilogue steps (``coda_jax.primitives``, or your own ``Primitive``s).
+    operands: name -> array for the steps' inputs: row (M,), column (N,), tile (M, N).
+    trans_a, trans_b: the operands are stored transposed.
+    impl: implementations to try in order (``coda_jax.dispatch``): "auto", "mosaic",
+      "interpret", "xla", or a sequence of these.
+    config: kernel tuning; default the tuning cache's, else the heuristic's.
+    in_place: maps a ``Store`` output to the ``AddTile`` operand whose buffer it
+      overwrites (gradient accumulation: ``[AddTile("g"), Store("g_new", jnp.float32)]``
+      with ``in_place={"g_new": "g"}``); donate that operand under ``jit`` to reuse its
+      memory. The values are the same with or without it (it is dropped on hosts with
+      several devices and inside ``shard_map``).
+
+  Returns:
+    The finished outputs by name: ``Store``s as stored, row sums (M,), column sums
+    (N,), log-sum-exps (M,). Sharded operands give outputs sharded the same way
+    (``coda_jax.partitioning``).
+
+  Raises:
+    ValueError: bad shapes, dtypes or operands, or no implementation in ``impl`` can run
+      the call (each one's reason listed).
+  """
   operands = dict(operands or {})
   program = tuple(program)
   names = dispatch.resolve(impl)

@@ -105,12 +105,21 @@ ROW_PARALLEL = ("wo", "w2")  # split along their input rows
 
 
 def tensor_parallel_shardings(tree, mesh, model_axis: str = "model"):
-  """Megatron-style shardings for a ``Llama`` train state (parameters and optimizer
-  moments alike, by name): ``wqkv``, ``w13`` and ``wlm`` split along their columns over
-  ``model_axis`` (column parallel; ``wlm``: a vocabulary-parallel LM head), ``wo`` and
-  ``w2`` along their rows (row parallel); everything else replicated. Use with
-  ``make_train_step(partitioner="jit")``. Check the model first with
-  ``check_tensor_parallel``."""
+  """Megatron-style shardings for a ``Llama`` train state.
+
+  Args:
+    tree: the state (parameters and optimizer moments alike, matched by name), or any
+      pytree of its arrays.
+    mesh: the device mesh; it must have ``model_axis``.
+    model_axis: the axis to split over.
+
+  Returns:
+    ``tree``'s structure of ``NamedSharding``s: ``wqkv``, ``w13`` and ``wlm`` split along
+    their columns (column parallel; ``wlm``: a vocabulary-parallel LM head), ``wo`` and
+    ``w2`` along their rows (row parallel), everything else replicated. Use with
+    ``make_train_step(partitioner="jit")``; check the model first with
+    ``check_tensor_parallel``.
+  """
   from jax.sharding import NamedSharding, PartitionSpec as P
   if model_axis not in mesh.axis_names:
     raise ValueError(f"model_axis={model_axis!r} is not an axis of the mesh "
