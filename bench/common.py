@@ -19,9 +19,31 @@ import jax
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def device_slug() -> str:
-  kind = jax.devices()[0].device_kind
+def device_slug(kind: str | None = None) -> str:
+  """A device kind (default: this host's first device's) as a results folder name."""
+  kind = kind or jax.devices()[0].device_kind
   return re.sub(r"[^A-Za-z0-9]+", "_", kind).strip("_").lower()
+
+
+def parse_mesh(spec: str | None):
+  """"data=2" or "data=2,model=2" -> a mesh of auto axes ("data", then "model", each 1 if
+  not named) over the first devices; None -> None. Exits with a message on a bad spec."""
+  import math
+  if not spec:
+    return None
+  axes = {}
+  for part in spec.split(","):
+    name, _, size = part.partition("=")
+    if name not in ("data", "model") or not size.isdigit() or int(size) < 1:
+      sys.exit(f"--mesh {spec!r}: expected data=N and/or model=N, e.g. data=2,model=2")
+    axes[name] = int(size)
+  axes = {"data": axes.get("data", 1), "model": axes.get("model", 1)}
+  n = math.prod(axes.values())
+  if n > len(jax.devices()):
+    sys.exit(f"--mesh {spec!r} needs {n} devices; this host has {len(jax.devices())}")
+  auto = (jax.sharding.AxisType.Auto,) * 2  # shardings decided by the partitioner
+  return jax.make_mesh(tuple(axes.values()), tuple(axes), devices=jax.devices()[:n],
+                       axis_types=auto)
 
 
 def commit() -> str:

@@ -77,8 +77,8 @@ def main():
                  f"**{r['ratio']:.3f}** | {f(r['fused_over_reference_one'])} | "
                  f"{f(r['fused_over_reference_many'])} |")
   md = "\n".join(lines) + "\n"
-  out = common.write_results("dp_scaling", rows, md, args.out or (
-      common.RESULTS / re.sub(r"[^A-Za-z0-9]+", "_", one[0]["device"]).strip("_").lower()))
+  out = common.write_results("dp_scaling", rows, md,
+                             args.out or common.RESULTS / common.device_slug(one[0]["device"]))
   print(f"wrote {out}/dp_scaling.json, .md\n\n{md}")
 
 

@@ -12,9 +12,7 @@ bench/results/<device>/sharded_block.json and .md.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
-import sys
 import time
 
 import jax
@@ -23,21 +21,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from bench import block as B
 from bench import common
 from coda_jax import blocks
-
-
-def parse_mesh(spec: str):
-  axes = {}
-  for part in spec.split(","):
-    name, _, size = part.partition("=")
-    if name not in ("data", "model") or not size.isdigit():
-      sys.exit(f"--mesh {spec!r}: axes data=N and/or model=N")
-    axes[name] = int(size)
-  axes = {"data": axes.get("data", 1), "model": axes.get("model", 1)}
-  n = math.prod(axes.values())
-  if n > len(jax.devices()):
-    sys.exit(f"--mesh {spec!r} needs {n} devices; this host has {len(jax.devices())}")
-  return jax.make_mesh(tuple(axes.values()), tuple(axes), devices=jax.devices()[:n],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
 COL, ROW = P(None, "model"), P("model", None)
@@ -87,7 +70,7 @@ def main():
   p.add_argument("--shapes", default="8b", help=f"comma-separated, of {list(B.SHAPES)}")
   p.add_argument("--iterations", type=int, default=20)
   args = p.parse_args()
-  mesh = parse_mesh(args.mesh)
+  mesh = common.parse_mesh(args.mesh)
   prov = common.provenance()
   rows = []
   for i, name in enumerate(args.shapes.split(",")):

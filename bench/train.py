@@ -14,7 +14,6 @@ to --out (default bench/results/<device>/).
 from __future__ import annotations
 
 import argparse
-import math
 import dataclasses
 import gc
 import json
@@ -157,26 +156,6 @@ def device_limit_bytes():
 def device_peak_bytes():
   stats = jax.devices()[0].memory_stats()  # None on CPU
   return stats.get("peak_bytes_in_use") if stats else None
-
-
-def parse_mesh(spec: str | None):
-  """"data=2" -> a 1-axis jax mesh over the first 2 devices; None -> None."""
-  if not spec:
-    return None
-  axes = {}
-  for part in spec.split(","):
-    name, _, size = part.partition("=")
-    if not name or not size.isdigit() or int(size) < 1:
-      sys.exit(f"--mesh {spec!r}: expected axis=size[,axis=size], e.g. data=2")
-    axes[name] = int(size)
-  if "data" not in axes or not set(axes) <= {"data", "model"}:
-    sys.exit(f"--mesh {spec!r}: axes 'data' (required) and 'model' (tensor parallel)")
-  n = math.prod(axes.values())
-  if n > len(jax.devices()):
-    sys.exit(f"--mesh {spec!r} needs {n} devices; this host has {len(jax.devices())}")
-  auto = (jax.sharding.AxisType.Auto,) * len(axes)  # shardings decided by the partitioner
-  return jax.make_mesh(tuple(axes.values()), tuple(axes), devices=jax.devices()[:n],
-                       axis_types=auto)
 
 
 def run_path(path, cfg, args, train_batches, val_batches):
@@ -388,7 +367,7 @@ def main():
         f"{cfg.vocab_size}: {cfg.param_count() / 1e6:,.1f}M parameters\n"
         f"batch {args.batch} x seq {args.seq}, {args.steps} steps, paths {','.join(args.paths)}, "
         f"device {jax.devices()[0].device_kind}\n{data.describe()}", flush=True)
-  args.mesh_obj = parse_mesh(args.mesh)
+  args.mesh_obj = common.parse_mesh(args.mesh)
   n_devices = 1 if args.mesh_obj is None else args.mesh_obj.size
   tp = 1 if args.mesh_obj is None else args.mesh_obj.shape.get("model", 1)
   if args.partitioner is None:
