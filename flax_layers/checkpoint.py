@@ -119,6 +119,10 @@ class _LazyTensors:
   def __getitem__(self, name):
     return self._files[self._where[name]].get_tensor(name)
 
+  def close(self):
+    for f in self._files.values():
+      f.__exit__(None, None, None)
+
 
 def _weight_map(directory: Path) -> dict[str, str]:
   index = directory / INDEX_FILE
@@ -159,8 +163,11 @@ def load_hf_checkpoint(directory, *, fused: bool = True, rope: str = "rotate_hal
   config = LlamaConfig.from_hf_config(json.loads((directory / CONFIG_FILE).read_text()),
                                       **config_overrides)
   tensors = _LazyTensors(directory, _weight_map(directory))
-  model = Llama(config, fused=fused, rngs=nnx.Rngs(seed))
-  return load_hf_state_dict(model, tensors, rope=rope)
+  try:
+    return load_hf_state_dict(Llama(config, fused=fused, rngs=nnx.Rngs(seed)), tensors,
+                              rope=rope)
+  finally:
+    tensors.close()
 
 
 def save_hf_checkpoint(model: Llama, directory, *, rope: str = "rotate_half",
