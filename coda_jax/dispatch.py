@@ -320,6 +320,5 @@ def run(call: Call, a, b, operands, impl) -> dict[str, jax.Array]:
 
 
 __all__ = ["AUTO", "Call", "IMPLEMENTATIONS", "Implementation", "NAMES", "Unsupported",
-           "announce", "apply_program", "choose", "finish", "kernel_config", "kernels_available",
-           "resolve",
-           "run", "target_device"]
+           "announce", "apply_program", "choose", "finish", "finished_kinds", "kernel_config",
+           "kernels_available", "padded_shape", "resolve", "run", "target_device"]

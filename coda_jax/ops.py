@@ -12,6 +12,7 @@ Outputs are returned finished: ``Store`` outputs as stored, ``RowSum`` as (M,),
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -147,19 +148,21 @@ def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
   m, n, k = _problem(a, b, trans_a, trans_b)
   inputs, outputs, group = _declared(program, m, n)
   _check_epilogue_operands(inputs, operands, m, n)
+  call = dispatch.Call(program=program, inputs=tuple(inputs.items()), outputs=outputs,
+                       column_group=group, trans_a=trans_a, trans_b=trans_b, config=config,
+                       in_place=tuple(sorted((in_place or {}).items())),
+                       program_id=program_id(program))  # checks in_place's names
+  multi_device = jax.device_count() > 1
   # in_place saves memory only. A mutable buffer cannot cross a shard boundary: JAX
   # refuses Refs that vary over manual mesh axes (inside shard_map) and effects inside
   # custom_partitioning, so split calls write a fresh output instead.
-  sharded = jax.device_count() > 1 or any(varying_axes(x) for x in (a, b, *operands.values()))
-  call = dispatch.Call(program=program, inputs=tuple(inputs.items()), outputs=outputs,
-                       column_group=group, trans_a=trans_a, trans_b=trans_b, config=config,
-                       in_place=() if sharded else tuple(sorted((in_place or {}).items())),
-                       program_id=program_id(program))
-  if jax.device_count() == 1:
-    out = dispatch.run(call, a, b, operands, names)
-  else:  # split per shard where the operands are sharded (a no-op when they are not)
+  if multi_device or any(varying_axes(x) for x in (a, b, *operands.values())):
+    call = dataclasses.replace(call, in_place=())
+  if multi_device:  # split per shard where the operands are sharded (a no-op if not)
     sc = partitioning.ShardedCall(call, tuple(operands), names)
     out = partitioning.call(sc, a, b, *operands.values())
+  else:
+    out = dispatch.run(call, a, b, operands, names)
   # Under shard_map the Mosaic call's outputs carry no varying mesh axes: give them
   # those of its inputs (coda_jax/sharding.py).
   return {nm: vary_like(v, a, b, *operands.values()) for nm, v in out.items()}
