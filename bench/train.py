@@ -24,6 +24,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp  # flax depends on it
 from flax import nnx
 
 from bench import common, corpus
@@ -106,7 +107,6 @@ def checkpoints(args, path):
   """The orbax manager of one path's training state, or None without --checkpoint-dir."""
   if args.checkpoint_dir is None:
     return None
-  import orbax.checkpoint as ocp
   # Synchronous saves: the next step donates the state's buffers.
   options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True,
                                          enable_async_checkpointing=False)
@@ -183,7 +183,6 @@ def run_path(path, cfg, args, train_batches, val_batches):
                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   start, mngr = 0, checkpoints(args, path)
   if mngr is not None and args.resume and mngr.latest_step() is not None:
-    import orbax.checkpoint as ocp
     start = mngr.latest_step()
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
     state = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
@@ -226,7 +225,6 @@ def run_path(path, cfg, args, train_batches, val_batches):
     r["losses"].append(loss)
     bar.update(i + 1, loss, r["step_s"])
     if mngr is not None and ((i + 1) % args.save_every == 0 or i + 1 == last):
-      import orbax.checkpoint as ocp
       mngr.save(i + 1, args=ocp.args.StandardSave(state), force=True)
   if mngr is not None:
     mngr.wait_until_finished()
