@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from coda_jax import dispatch
 from coda_jax import primitives as P
 from coda_jax import jnp_reference as ref
 from coda_jax.grad_primitives import GatedGrad, RmsNormGrad, SoftmaxXentGrad
@@ -55,6 +56,31 @@ def lm_head_stats(h, r, wlm, targets, impl):
   out = gemm_epilogue(h, wlm, [P.ScaleRow("r"), P.RowLogSumExp("lse"), P.PickColumn("t", "tgt")],
                       {"r": r, "t": targets.astype(jnp.int32)}, impl=impl)
   return out["lse"], out["tgt"]
+
+
+def lm_head_logits(h, r, wlm, targets, impl):
+  """``lm_head_stats`` plus the logits themselves, for the 3-GEMM backward
+  (``xent_grad_from_logits``). They are stored in float16 (float32 for float32 inputs):
+  2^-11 relative, eight times finer than the bf16 logits of an unfused bf16 graph, in
+  the same bytes. A logit beyond float16's range (|z| > 65504) becomes inf and its
+  row's gradient NaN, never a finite wrong value."""
+  zdt = jnp.float32 if h.dtype == jnp.float32 else jnp.float16
+  out = gemm_epilogue(h, wlm, [P.ScaleRow("r"), P.RowLogSumExp("lse"), P.PickColumn("t", "tgt"),
+                               P.Store("z", zdt)],
+                      {"r": r, "t": targets.astype(jnp.int32)}, impl=impl)
+  return out["lse"], out["tgt"], out["z"]
+
+
+def xent_grad_from_logits(z, lse, targets, weight, dt):
+  """(XLA, elementwise) the CE backward of ``xent_logits_grad`` from stored logits ``z``
+  (rows, V): the same ``SoftmaxXentGrad`` step, run over the whole chunk. Returns
+  (dlogits in ``dt``, zdz)."""
+  program = (SoftmaxXentGrad("lse", "t", "w", "zdz"), P.Store("dlogits", dt))
+  outputs = tuple(o for step in program for o in step.outputs(1))
+  out = dispatch.apply_program(z.astype(jnp.float32), program,
+                               {"lse": lse, "t": targets.astype(jnp.int32), "w": weight},
+                               outputs)
+  return out["dlogits"], out["zdz"]
 
 
 def rope_grad(dqkv, qkv, positions, freqs, head_dim, d_model):
@@ -129,16 +155,19 @@ def weight_grad(a, dout, impl, dtype=jnp.float32, accumulate=None):
 
 
 def row_chunks(m: int, v: int, chunk_rows: int | None, budget_bytes: int = 1 << 30) -> int:
-  """Rows per LM-head chunk: the largest divisor of M (a multiple of 256 unless it is
-  M) whose bf16 (rows, V) dlogits fit in ``budget_bytes``."""
+  """Rows per LM-head chunk: M if its 16-bit (M, V) logits fit in ``budget_bytes``, else
+  the largest divisor of M that fits, preferring multiples of 256, then of 64, then of 8
+  (the kernel pads a chunk to its tile). M with no such divisor (e.g. a prime) runs as
+  one chunk."""
   if chunk_rows is not None:
     if chunk_rows <= 0 or m % chunk_rows:
       raise ValueError(f"chunk_rows={chunk_rows} must be a positive divisor of M={m}")
     return chunk_rows
-  if m * v * 2 <= budget_bytes:
+  fits = lambda rows: rows * v * 2 <= budget_bytes
+  if fits(m):
     return m
-  best = m
-  for rows in range(256, m, 256):
-    if m % rows == 0 and rows * v * 2 <= budget_bytes:
-      best = rows
-  return best
+  for align in (256, 64, 8):
+    found = [rows for rows in range(align, m, align) if m % rows == 0 and fits(rows)]
+    if found:
+      return max(found)
+  return m

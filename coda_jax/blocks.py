@@ -230,21 +230,55 @@ def post_block(x0, y0, targets, params, cfg: BlockConfig):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _post(x0, y0, targets, params, cfg):
-  return _post_fwd(x0, y0, targets, params, cfg, keep_z=False)[0]
-
-
-def _post_fwd(x0, y0, targets, params, cfg, keep_z=True):
   p = _cast(params, x0.dtype)
-  (x2, h2, r2), mlp_saved = _mlp_fwd(x0, y0, p, p["g_final"], cfg, keep_z)
+  (_, h2, r2), _ = _mlp_fwd(x0, y0, p, p["g_final"], cfg, keep_z=False)
   lse, tgt = F.lm_head_lse(h2, r2, p["wlm"], targets, cfg.lm_chunk_rows, cfg.impl)
-  loss = F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction,
+  return F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction,
                            params["wlm"].shape[1])
-  return loss, (params, targets, x2, h2, r2, lse, mlp_saved)
+
+
+def _post_fwd(x0, y0, targets, params, cfg):
+  p = _cast(params, x0.dtype)
+  vocab = params["wlm"].shape[1]
+  (x2, h2, r2), mlp_saved = _mlp_fwd(x0, y0, p, p["g_final"], cfg, keep_z=True)
+  if cfg.reduction == "none":  # one cotangent per row: the backward recomputes the logits
+    lse, tgt = F.lm_head_lse(h2, r2, p["wlm"], targets, cfg.lm_chunk_rows, cfg.impl)
+    loss = F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction, vocab)
+    return loss, (params, targets, x2, h2, r2, lse, mlp_saved)
+  # A scalar loss is linear in its cotangent: form the head's gradients for a unit one
+  # now, while each chunk's logits are at hand (3 GEMMs per chunk), and scale them in
+  # the backward (fused_ops.rmsnorm_lm_head_loss).
+  d = x2.shape[1]
+  weight = F.loss_row_weights(1.0, targets, cfg.ignore_index, cfg.reduction, vocab)
+
+  def chunk_grad(dlogits, zdz, h2c, r2c, x2c):
+    dxa, n2, dg = S.norm_input_grad(dlogits, p["wlm"], x2c, r2c, zdz / d, p["g_final"], None,
+                                    cfg.impl)
+    return n2, dxa, dg
+
+  lse, tgt, dwlm, dxa, dg = F.lm_head_unit_grads(
+      h2, r2, p["wlm"], targets, weight, cfg.lm_chunk_rows, cfg.impl, chunk_grad,
+      sums0=jnp.zeros((d,), jnp.float32), per_row=(x2,))
+  loss = F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction, vocab)
+  return loss, (params, (dxa, dg, dwlm), mlp_saved)
 
 
 def _post_bwd(cfg, saved, dloss):
-  params, targets, x2, h2, r2, lse, mlp_saved = saved
-  p = _cast(params, x2.dtype)
+  if cfg.reduction != "none":
+    params, unit, mlp_saved = saved
+    p = _cast(params, mlp_saved[0].dtype)
+    dxa, dgf, dwlm = F.scale_grads(unit, dloss)
+  else:
+    params, targets, x2, h2, r2, lse, mlp_saved = saved
+    p = _cast(params, x2.dtype)
+    dxa, dgf, dwlm = _post_head_bwd(p, params, targets, x2, h2, r2, lse, dloss, cfg)
+  dx0, dy0, grads = _mlp_bwd(dxa, mlp_saved, p, params, cfg)
+  grads.update(g_final=dgf, wlm=dwlm)
+  return dx0, dy0, None, _grads_like(grads, params)
+
+
+def _post_head_bwd(p, params, targets, x2, h2, r2, lse, dloss, cfg):
+  """The LM head's backward for per-row cotangents: logits recomputed, chunk by chunk."""
   d, rows = x2.shape[1], cfg.lm_chunk_rows
   weight = F.loss_row_weights(dloss, targets, cfg.ignore_index, cfg.reduction,
                               params["wlm"].shape[1])
@@ -261,9 +295,7 @@ def _post_bwd(cfg, saved, dloss):
           vary_like(jnp.zeros((d,), jnp.float32), x2))
   (dwlm, dgf), dxa = jax.lax.scan(chunk, init,
                                   tuple(F.chunked(rows, x2, h2, r2, lse, targets, weight)))
-  dx0, dy0, grads = _mlp_bwd(F.unchunked(dxa), mlp_saved, p, params, cfg)
-  grads.update(g_final=dgf, wlm=dwlm)
-  return dx0, dy0, None, _grads_like(grads, params)
+  return F.unchunked(dxa), dgf, dwlm
 
 
 _post.defvjp(_post_fwd, _post_bwd)

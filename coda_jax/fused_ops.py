@@ -251,11 +251,18 @@ def rmsnorm_lm_head_loss(h, r, wlm, targets, *, ignore_index: int = -100,
   """h (..., D), r (...), wlm (D, V), targets (...) int -> cross-entropy: a scalar
   ("mean" over non-ignored targets, or "sum") or per token ("none", shaped like targets).
 
-  Logits exist only tile by tile in the kernel: the forward keeps (V / 64, rows) fp32
-  partials of the log-sum-exp, the backward recomputes logits chunk by chunk (at most
-  ``chunk_rows`` rows, default sized so a chunk's bf16 dlogits fit in 1 GiB). A target
-  outside [0, V) other than ``ignore_index`` makes its row's loss NaN (and a mean or
-  sum NaN), as in ``jnp_reference.cross_entropy``; that row passes no gradient."""
+  Rows run in chunks of at most ``chunk_rows`` (default: a chunk's (rows, V) logits fit
+  in 1 GiB); only one chunk's logits ever exist. Without differentiation, one GEMM per
+  chunk computes each row's log-sum-exp and target logit in its epilogue. Under
+  ``jax.grad`` of a "mean" or "sum" loss, the forward also forms the gradient, chunk by
+  chunk, while the chunk's logits are at hand: the loss is linear in its scalar
+  cotangent, so the gradients for a unit cotangent are computed there (3 GEMMs per
+  chunk: logits, dh, dW) and the backward only scales them. For "none" (one cotangent
+  per row) the backward recomputes the logits instead (4 GEMMs per chunk).
+
+  A target outside [0, V) other than ``ignore_index`` makes its row's loss NaN (and a
+  mean or sum NaN), as in ``jnp_reference.cross_entropy``; that row passes no
+  gradient."""
   check_act("h", h)
   check_weight("wlm", wlm, (h.shape[-1], wlm.shape[-1]))
   check_rows("r", r, h.shape[:-1], "float")
@@ -284,7 +291,9 @@ def unchunked(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _lm_head_loss(h, r, wlm, targets, opts, impl):
-  return _lm_fwd(h, r, wlm, targets, opts, impl)[0]
+  ignore_index, reduction, rows = opts
+  lse, tgt = lm_head_lse(h, r, wlm, targets, rows, impl)
+  return loss_from_stats(lse, tgt, targets, ignore_index, reduction, wlm.shape[1])
 
 
 def lm_head_lse(h, r, wlm, targets, rows, impl):
@@ -320,15 +329,68 @@ def loss_row_weights(dloss, targets, ignore_index, reduction, vocab):
   return valid * dloss  # "sum": scalar dloss; "none": per row
 
 
+def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0=(),
+                       per_row=()):
+  """The 3-GEMM LM head, chunk by chunk (``rows`` rows each): one GEMM makes the logits
+  r * (h @ W) with their log-sum-exp and target logit; dlogits for the row weights
+  ``weight`` follow elementwise; ``chunk_grad(dlogits, zdz, hc, rc, *per_row chunks)``
+  runs the input-gradient GEMM and returns (n, per-row outputs, column sums) with
+  n = h * r the normed input; the third GEMM adds n^T dlogits to dW. ``sums0``: zeros
+  shaped like the column sums, which add up over the chunks.
+
+  Returns (lse, target logit, dW in fp32, per-row outputs, column sums over all rows)."""
+  w = wlm.astype(h.dtype)
+
+  def step(carry, args):
+    dw, sums = carry
+    hc, rc, tc, wc, *rest = args
+    lse, tgt, z = S.lm_head_logits(hc, rc, w, tc, impl)
+    dlogits, zdz = S.xent_grad_from_logits(z, lse, tc, wc, h.dtype)
+    n, ys, col_sums = chunk_grad(dlogits, zdz, hc, rc, *rest)
+    sums = jax.tree.map(jnp.add, sums, col_sums)
+    return (S.weight_grad(n, dlogits, impl, accumulate=dw), sums), (lse, tgt, ys)
+
+  xs = tuple(chunked(rows, h, r, targets, weight, *per_row))
+  vary = lambda x: vary_like(x, h)  # the accumulators vary with the rows' shards
+  init = (vary(jnp.zeros(wlm.shape, jnp.float32)), jax.tree.map(vary, sums0))
+  (dw, sums), (lse, tgt, ys) = jax.lax.scan(step, init, xs)
+  return (unchunked(lse), unchunked(tgt), reduce_like(dw, wlm),
+          jax.tree.map(unchunked, ys), sums)
+
+
+def scale_grads(grads, scale):
+  """Each gradient times a scalar cotangent, in fp32, back in its own dtype."""
+  scale = jnp.asarray(scale, jnp.float32)
+  return jax.tree.map(lambda g: (g.astype(jnp.float32) * scale).astype(g.dtype), grads)
+
+
 def _lm_fwd(h, r, wlm, targets, opts, impl):
   ignore_index, reduction, rows = opts
-  lse, tgt = lm_head_lse(h, r, wlm, targets, rows, impl)
-  return (loss_from_stats(lse, tgt, targets, ignore_index, reduction, wlm.shape[1]),
-          (h, r, wlm, targets, lse))
+  vocab = wlm.shape[1]
+  if reduction == "none":
+    lse, tgt = lm_head_lse(h, r, wlm, targets, rows, impl)
+    return (loss_from_stats(lse, tgt, targets, ignore_index, reduction, vocab),
+            (h, r, wlm, targets, lse))
+  weight = loss_row_weights(1.0, targets, ignore_index, reduction, vocab)
+  w = wlm.astype(h.dtype)
+
+  def chunk_grad(dlogits, zdz, hc, rc):  # dh = r * (dlogits @ W^T); dr = zdz / r
+    n = (hc.astype(jnp.float32) * rc[:, None]).astype(hc.dtype)
+    return n, (S.input_grad(dlogits, w, impl, r=rc), zdz / rc), ()
+
+  lse, tgt, dw, (dh, dr), _ = lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl,
+                                              chunk_grad)
+  loss = loss_from_stats(lse, tgt, targets, ignore_index, reduction, vocab)
+  # dW stays fp32 until it is scaled; the empty array carries the weight's dtype.
+  return loss, (dh, dr, dw, jnp.zeros((0,), wlm.dtype))
 
 
 def _lm_bwd(opts, impl, saved, dloss):
   ignore_index, reduction, rows = opts
+  if reduction != "none":  # the forward's gradients for a unit cotangent, scaled
+    dh, dr, dw, wdt = saved
+    dh, dr, dw = scale_grads((dh, dr, dw), dloss)
+    return dh, dr, dw.astype(wdt.dtype), None
   h, r, wlm, targets, lse = saved
   weight = loss_row_weights(dloss, targets, ignore_index, reduction, wlm.shape[1])
   w = wlm.astype(h.dtype)

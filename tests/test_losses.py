@@ -147,15 +147,17 @@ def test_all_targets_ignored(reduction, key):
     assert np.array_equal(np.asarray(a, np.float32), np.zeros(a.shape)), a
 
 
-def test_default_chunking_three_chunks(key, monkeypatch):
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_default_chunking_three_chunks(key, monkeypatch, reduction):
   """The default chunk sizing (chunk_rows=None) with a budget that holds 256 rows of
-  bf16 dlogits but not 512: M = 768 runs as 3 chunks of 256 rows (row_chunks' answer
+  16-bit logits but not 512: M = 768 runs as 3 chunks of 256 rows (row_chunks' answer
   and the row count each traced kernel call sees), and every row's loss and gradient
-  matches the float64 / fp32 truth, the last chunk's included. impl="xla": the chunking
-  is fused_ops code around the kernels, which other tests run chunked."""
+  matches the float64 / fp32 truth, the last chunk's included. "none" recomputes the
+  logits in the backward, "mean" forms the gradient in the forward. impl="xla": the
+  chunking is fused_ops code around the kernels, which other tests run chunked."""
   m, d, v = 768, 64, 128
   chunks, kernel_rows = [], []
-  row_chunks, stats, xent = S.row_chunks, S.lm_head_stats, S.xent_logits_grad
+  row_chunks = S.row_chunks
 
   def small_budget(m_, v_, chunk_rows, budget_bytes=1 << 30):
     chunks.append(row_chunks(m_, v_, chunk_rows, budget_bytes=256 * v_ * 2))
@@ -168,13 +170,67 @@ def test_default_chunking_three_chunks(key, monkeypatch):
     return wrapped
 
   monkeypatch.setattr(S, "row_chunks", small_budget)
-  monkeypatch.setattr(S, "lm_head_stats", spy(stats))
-  monkeypatch.setattr(S, "xent_logits_grad", spy(xent))
+  for name in ("lm_head_stats", "xent_logits_grad", "lm_head_logits"):
+    monkeypatch.setattr(S, name, spy(getattr(S, name)))
   x = _inputs(key, m, d, v, -100)
-  _check(x, -100, "none", "xla", normal(jax.random.fold_in(key, 1), (m,)))
+  ct = normal(jax.random.fold_in(key, 1), (m,)) if reduction == "none" else 0.75
+  _check(x, -100, reduction, "xla", ct)
   assert chunks and set(chunks) == {256}, chunks  # one call per trace (forward, grad)
   assert m // chunks[0] == 3
-  assert sorted(set(kernel_rows)) == [("lm_head_stats", 256), ("xent_logits_grad", 256)]
+  want = ({("lm_head_stats", 256), ("xent_logits_grad", 256)} if reduction == "none" else
+          {("lm_head_stats", 256), ("lm_head_logits", 256)})  # the loss alone; its gradient
+  assert set(kernel_rows) == want, kernel_rows
+
+
+def test_row_chunks_odd_token_counts():
+  """Chunks at the 1B vocabulary under the default 1 GiB budget: a multiple of 256
+  where M has one, else of 64 or 8; M itself when it fits or has no such divisor."""
+  v = 128256
+  assert S.row_chunks(16384, v, None) == 4096
+  assert S.row_chunks(16000, v, None) == 3200  # 2^7 * 125: no multiple of 256 divides it
+  assert S.row_chunks(4000, v, None) == 4000  # fits whole
+  assert S.row_chunks(16001, v, None) == 16001  # 16001 = 16001: prime, one chunk
+  with pytest.raises(ValueError, match="chunk_rows=300"):
+    S.row_chunks(1000, v, 300)
+
+
+@pytest.mark.parametrize("reduction, lm_gemms", [("mean", 3), ("sum", 3), ("none", 4)])
+@pytest.mark.parametrize("op", ["fused_op", "post_block"])
+def test_lm_head_gemm_count(monkeypatch, reduction, lm_gemms, op):
+  """The LM head's forward+backward costs 3 vocabulary-sized GEMMs per chunk for a
+  scalar loss (logits, dh, dW: its gradient is formed while the logits are at hand)
+  and 4 for a per-row loss (the backward recomputes the logits). Counted on the traced
+  gradient: gemm_epilogue calls with an operand V wide."""
+  from coda_jax import blocks
+  m, d, v, f = 128, 64, 320, 128
+  calls = []
+  real = S.gemm_epilogue
+
+  def counting(a, b, *args, **kw):
+    if v in a.shape + b.shape:
+      calls.append(tuple(type(p).__name__ for p in args[0]))
+    return real(a, b, *args, **kw)
+
+  monkeypatch.setattr(S, "gemm_epilogue", counting)
+  ks = jax.random.split(jax.random.PRNGKey(0), 8)
+  tgt = jax.random.randint(ks[0], (m,), 0, v)
+  ct = jnp.ones((m,)) if reduction == "none" else 1.0
+  if op == "fused_op":
+    h = normal(ks[1], (m, d), jnp.bfloat16)
+    fn = lambda h, w: jnp.sum(ct * F.rmsnorm_lm_head_loss(
+        h, jnp.ones((m,)), w, tgt, reduction=reduction, chunk_rows=64, impl="xla"))
+    args = (h, normal(ks[2], (d, v)))
+  else:
+    cfg = blocks.BlockConfig(n_q_heads=2, n_kv_heads=1, head_dim=32, reduction=reduction,
+                             lm_chunk_rows=64, impl="xla")
+    params = {k: normal(ks[3], shape) for k, shape in (
+        ("wo", (64, d)), ("g_mlp", (d,)), ("w13", (d, 2 * f)), ("w2", (f, d)),
+        ("g_final", (d,)), ("wlm", (d, v)))}
+    x0, y0 = normal(ks[4], (m, d), jnp.bfloat16), normal(ks[5], (m, 64), jnp.bfloat16)
+    fn = lambda x0, p: jnp.sum(ct * blocks.post_block(x0, y0, tgt, p, cfg))
+    args = (x0, params)
+  jax.make_jaxpr(jax.grad(fn, (0, 1)))(*args)
+  assert len(calls) == lm_gemms, calls  # one traced scan body per chunk loop
 
 
 @pytest.mark.parametrize("ignore_index", [-100, 0])
