@@ -50,15 +50,17 @@ def norm_rope(h, r, w, positions, freqs, head_dim, impl):
   return out["out"]
 
 
-def lm_head_stats(h, r, wlm, targets, impl):
+# ``w_nk`` below: the forward weight is stored (N, K), i.e. the LM head read from a tied
+# (V, D) embedding table, which the GEMMs then read transposed instead of a copy.
+def lm_head_stats(h, r, wlm, targets, impl, w_nk=False):
   """Per row: log-sum-exp of logits = r * (h @ wlm) and the target's logit (0 when the
   target is outside [0, V)). Only (V / epi_tile_n, M) partials ever exist."""
   out = gemm_epilogue(h, wlm, [P.ScaleRow("r"), P.RowLogSumExp("lse"), P.PickColumn("t", "tgt")],
-                      {"r": r, "t": targets.astype(jnp.int32)}, impl=impl)
+                      {"r": r, "t": targets.astype(jnp.int32)}, trans_b=w_nk, impl=impl)
   return out["lse"], out["tgt"]
 
 
-def lm_head_logits(h, r, wlm, targets, impl):
+def lm_head_logits(h, r, wlm, targets, impl, w_nk=False):
   """``lm_head_stats`` plus the logits themselves, for the 3-GEMM backward
   (``xent_grad_from_logits``). They are stored in float16 (float32 for float32 inputs):
   2^-11 relative, eight times finer than the bf16 logits of an unfused bf16 graph, in
@@ -67,7 +69,7 @@ def lm_head_logits(h, r, wlm, targets, impl):
   zdt = jnp.float32 if h.dtype == jnp.float32 else jnp.float16
   out = gemm_epilogue(h, wlm, [P.ScaleRow("r"), P.RowLogSumExp("lse"), P.PickColumn("t", "tgt"),
                                P.Store("z", zdt)],
-                      {"r": r, "t": targets.astype(jnp.int32)}, impl=impl)
+                      {"r": r, "t": targets.astype(jnp.int32)}, trans_b=w_nk, impl=impl)
   return out["lse"], out["tgt"], out["z"]
 
 
@@ -91,7 +93,7 @@ def rope_grad(dqkv, qkv, positions, freqs, head_dim, d_model):
   return dz, c
 
 
-def norm_input_grad(dz, w, x, r, c, g, d_residual, impl):
+def norm_input_grad(dz, w, x, r, c, g, d_residual, impl, w_nk=False):
   """B2/B4: dn = dz @ w^T; dx = r * (g * dn - r x c) (+ d_residual). Returns
   (dx, n = r x g, dg)."""
   dt = dz.dtype
@@ -100,7 +102,8 @@ def norm_input_grad(dz, w, x, r, c, g, d_residual, impl):
   if d_residual is not None:
     program.append(P.AddTile("dres"))
     operands["dres"] = d_residual
-  out = gemm_epilogue(dz, w, program + [P.Store("dx", dt)], operands, trans_b=True, impl=impl)
+  out = gemm_epilogue(dz, w, program + [P.Store("dx", dt)], operands, trans_b=not w_nk,
+                      impl=impl)
   return out["dx"], out["n"], out["dg"]
 
 
@@ -117,22 +120,22 @@ def gated_input_grad(dx, w2, z, block, activation, impl):
   return out["dz"], out["y"], out["zdz"]
 
 
-def xent_logits_grad(h, r, wlm, lse, targets, weight, impl):
+def xent_logits_grad(h, r, wlm, lse, targets, weight, impl, w_nk=False):
   """CE backward: dlogits = (softmax - onehot) * weight[m] from recomputed logits, and
   <dlogits, logits> per row (zdz of the final norm)."""
   out = gemm_epilogue(h, wlm, [P.ScaleRow("r"), SoftmaxXentGrad("lse", "t", "w", "zdz"),
                                P.Store("dlogits", h.dtype)],
                       {"r": r, "lse": lse, "t": targets.astype(jnp.int32), "w": weight},
-                      impl=impl)
+                      trans_b=w_nk, impl=impl)
   return out["dlogits"], out["zdz"]
 
 
-def input_grad(dout, w, impl, r=None):
+def input_grad(dout, w, impl, r=None, w_nk=False):
   """dA = dout @ w^T (times r[m] when given)."""
   program, operands = [P.Store("da", dout.dtype)], {}
   if r is not None:
     program, operands = [P.ScaleRow("r")] + program, {"r": r}
-  return gemm_epilogue(dout, w, program, operands, trans_b=True, impl=impl)["da"]
+  return gemm_epilogue(dout, w, program, operands, trans_b=not w_nk, impl=impl)["da"]
 
 
 def grad_dtype(w):
@@ -152,6 +155,14 @@ def weight_grad(a, dout, impl, dtype=jnp.float32, accumulate=None):
   return gemm_epilogue(a, dout, [P.AddTile("acc"), P.Store("dw", jnp.float32)],
                        {"acc": accumulate}, trans_a=True, impl=impl,
                        in_place={"dw": "acc"})["dw"]
+
+
+def head_weight_grad(n, dlogits, impl, w_nk, accumulate):
+  """The LM head's dW += n^T dlogits in fp32, (D, V); with ``w_nk`` dW^T += dlogits^T n,
+  (V, D), the tied embedding's layout."""
+  if w_nk:
+    return weight_grad(dlogits, n, impl, accumulate=accumulate)
+  return weight_grad(n, dlogits, impl, accumulate=accumulate)
 
 
 def row_chunks(m: int, v: int, chunk_rows: int | None, budget_bytes: int = 1 << 30) -> int:

@@ -11,7 +11,8 @@ A model of L layers is cut at attention, which stays outside (cuDNN):
 ``shifted_block`` params (kernel layouts, ``layout.py``): ``wo`` (Hq*hd, D) and the MLP
 (``g_mlp`` (D,), ``w13`` (D, 2F) pair-blocked, ``w2`` (F, D)) of layer i, then the next
 layer's ``g_attn`` (D,) and ``wqkv`` (D, (Hq + 2 Hkv) hd). ``post_block`` replaces the last
-two with ``g_final`` (D,) and ``wlm`` (D, V).
+two with ``g_final`` (D,) and ``wlm`` (D, V) (or (V, D), a tied embedding table, with
+``BlockConfig.wlm_layout="vd"``).
 
 Only what §2 lists is saved for the backward: y0, x1, x2, z (pre-activation), qkv, r1, r2
 (the post-block also keeps h2 and each row's log-sum-exp); h1, y1 and every n = r x g
@@ -48,6 +49,7 @@ class BlockConfig:
   ignore_index: int = -100
   reduction: str = "mean"
   lm_chunk_rows: int | None = None
+  wlm_layout: str = "dv"  # post-block head: "dv" (D, V), or "vd" (V, D): a tied embedding
   impl: str | tuple[str, ...] = "auto"  # implementations to try (coda_jax.dispatch)
 
   def __post_init__(self):
@@ -60,6 +62,7 @@ class BlockConfig:
       raise ValueError(f"swiglu_block={self.swiglu_block} must be a positive multiple of 8")
     if not self.eps > 0:
       raise ValueError(f"eps={self.eps} must be positive")
+    F.head_layout(self.wlm_layout)  # raises on anything but "dv" / "vd"
     if self.lm_chunk_rows is not None and self.lm_chunk_rows <= 0:
       raise ValueError(f"lm_chunk_rows={self.lm_chunk_rows} must be positive (or None)")
     if not isinstance(self.impl, str):
@@ -86,6 +89,8 @@ def _check_params(params, keys, d, cfg: BlockConfig):
   want = {"wo": (cfg.n_q_heads * cfg.head_dim, d), "g_mlp": (d,), "w13": (d, 2 * f),
           "w2": (f, d), "g_attn": (d,), "wqkv": (d, cfg.qkv_width), "g_final": (d,),
           "wlm": (d, params["wlm"].shape[-1] if "wlm" in params else 0)}
+  if "wlm" in params and cfg.wlm_layout == "vd":
+    want["wlm"] = (params["wlm"].shape[0], d)
   for k in keys:
     F.check_weight(k, params[k], want[k])
   if f % cfg.swiglu_block:
@@ -222,7 +227,7 @@ def post_block(x0, y0, targets, params, cfg: BlockConfig):
   F.check_rows("targets", targets, x0.shape[:-1], "int")
   if cfg.reduction not in F.REDUCTIONS:
     raise ValueError(f"reduction={cfg.reduction!r}: one of {F.REDUCTIONS}")
-  rows = S.row_chunks(targets.size, params["wlm"].shape[1], cfg.lm_chunk_rows)
+  rows = S.row_chunks(targets.size, _vocab(params, cfg), cfg.lm_chunk_rows)
   loss = _post(F.flat_rows(x0), F.flat_rows(y0), targets.reshape(-1).astype(jnp.int32),
                params, dataclasses.replace(cfg, lm_chunk_rows=rows))
   return loss.reshape(targets.shape) if cfg.reduction == "none" else loss
@@ -232,17 +237,17 @@ def post_block(x0, y0, targets, params, cfg: BlockConfig):
 def _post(x0, y0, targets, params, cfg):
   p = _cast(params, x0.dtype)
   (_, h2, r2), _ = _mlp_fwd(x0, y0, p, p["g_final"], cfg, keep_z=False)
-  lse, tgt = F.lm_head_lse(h2, r2, p["wlm"], targets, cfg.lm_chunk_rows, cfg.impl)
+  lse, tgt = F.lm_head_lse(h2, r2, p["wlm"], targets, cfg.lm_chunk_rows, cfg.impl, _w_nk(cfg))
   return F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction,
-                           params["wlm"].shape[1])
+                           _vocab(params, cfg))
 
 
 def _post_fwd(x0, y0, targets, params, cfg):
   p = _cast(params, x0.dtype)
-  vocab = params["wlm"].shape[1]
+  vocab, w_nk = _vocab(params, cfg), _w_nk(cfg)
   (x2, h2, r2), mlp_saved = _mlp_fwd(x0, y0, p, p["g_final"], cfg, keep_z=True)
   if cfg.reduction == "none":  # one cotangent per row: the backward recomputes the logits
-    lse, tgt = F.lm_head_lse(h2, r2, p["wlm"], targets, cfg.lm_chunk_rows, cfg.impl)
+    lse, tgt = F.lm_head_lse(h2, r2, p["wlm"], targets, cfg.lm_chunk_rows, cfg.impl, w_nk)
     loss = F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction, vocab)
     return loss, (params, targets, x2, h2, r2, lse, mlp_saved)
   # A scalar loss is linear in its cotangent: form the head's gradients for a unit one
@@ -253,12 +258,12 @@ def _post_fwd(x0, y0, targets, params, cfg):
 
   def chunk_grad(dlogits, zdz, h2c, r2c, x2c):
     dxa, n2, dg = S.norm_input_grad(dlogits, p["wlm"], x2c, r2c, zdz / d, p["g_final"], None,
-                                    cfg.impl)
+                                    cfg.impl, w_nk)
     return n2, dxa, dg
 
   lse, tgt, dwlm, dxa, dg = F.lm_head_unit_grads(
       h2, r2, p["wlm"], targets, weight, cfg.lm_chunk_rows, cfg.impl, chunk_grad,
-      sums0=jnp.zeros((d,), jnp.float32), per_row=(x2,))
+      sums0=jnp.zeros((d,), jnp.float32), per_row=(x2,), w_nk=w_nk)
   loss = F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction, vocab)
   return loss, (params, (dxa, dg, dwlm), mlp_saved)
 
@@ -277,19 +282,28 @@ def _post_bwd(cfg, saved, dloss):
   return dx0, dy0, None, _grads_like(grads, params)
 
 
+def _w_nk(cfg):
+  return F.head_layout(cfg.wlm_layout)
+
+
+def _vocab(params, cfg):
+  return F.head_vocab(params["wlm"], _w_nk(cfg))
+
+
 def _post_head_bwd(p, params, targets, x2, h2, r2, lse, dloss, cfg):
   """The LM head's backward for per-row cotangents: logits recomputed, chunk by chunk."""
   d, rows = x2.shape[1], cfg.lm_chunk_rows
   weight = F.loss_row_weights(dloss, targets, cfg.ignore_index, cfg.reduction,
-                              params["wlm"].shape[1])
+                              _vocab(params, cfg))
+  w_nk = _w_nk(cfg)
 
   def chunk(carry, args):
     dwlm, dg = carry
     x2c, h2c, r2c, lc, tc, wc = args
-    dlogits, zdz = S.xent_logits_grad(h2c, r2c, p["wlm"], lc, tc, wc, cfg.impl)
+    dlogits, zdz = S.xent_logits_grad(h2c, r2c, p["wlm"], lc, tc, wc, cfg.impl, w_nk)
     dxa, n2, dgc = S.norm_input_grad(dlogits, p["wlm"], x2c, r2c, zdz / d, p["g_final"], None,
-                                     cfg.impl)
-    return (S.weight_grad(n2, dlogits, cfg.impl, accumulate=dwlm), dg + dgc), dxa
+                                     cfg.impl, w_nk)
+    return (S.head_weight_grad(n2, dlogits, cfg.impl, w_nk, accumulate=dwlm), dg + dgc), dxa
 
   init = (vary_like(jnp.zeros(p["wlm"].shape, jnp.float32), x2),  # varies with the rows
           vary_like(jnp.zeros((d,), jnp.float32), x2))

@@ -247,9 +247,23 @@ _rmsnorm_qkv_rope.defvjp(_qkv_fwd, _qkv_bwd)
 # ---- RMSNorm row scale + LM head + cross-entropy -----------------------------------------
 def rmsnorm_lm_head_loss(h, r, wlm, targets, *, ignore_index: int = -100,
                          reduction: str = "mean", chunk_rows: int | None = None,
-                         impl: str = "auto"):
-  """h (..., D), r (...), wlm (D, V), targets (...) int -> cross-entropy: a scalar
-  ("mean" over non-ignored targets, or "sum") or per token ("none", shaped like targets).
+                         wlm_layout: str = "dv", impl: str = "auto"):
+  """Cross-entropy of the logits r * (h @ wlm), never stored whole.
+
+  Args:
+    h: (..., D) bf16/fp16 activations (x * g of the final RMSNorm).
+    r: (...) the norm's row scale 1 / rms(x).
+    wlm: the head: (D, V), or (V, D) with ``wlm_layout="vd"`` (a tied embedding table,
+      read transposed by the GEMMs instead of copied; its gradient comes back (V, D)).
+    targets: (...) int token ids; ``ignore_index`` entries are skipped.
+    ignore_index, reduction: as ``jnp_reference.cross_entropy``.
+    chunk_rows: rows per chunk (a divisor of the token count); default ``row_chunks``.
+    wlm_layout: "dv" or "vd".
+    impl: as ``gemm_epilogue``.
+
+  Returns:
+    fp32: a scalar ("mean" over non-ignored targets, or "sum"), or per token ("none",
+    shaped like targets).
 
   Rows run in chunks of at most ``chunk_rows`` (default: a chunk's (rows, V) logits fit
   in 1 GiB); only one chunk's logits ever exist. Without differentiation, one GEMM per
@@ -264,17 +278,30 @@ def rmsnorm_lm_head_loss(h, r, wlm, targets, *, ignore_index: int = -100,
   mean or sum NaN), as in ``jnp_reference.cross_entropy``; that row passes no
   gradient."""
   check_act("h", h)
-  check_weight("wlm", wlm, (h.shape[-1], wlm.shape[-1]))
+  w_nk = head_layout(wlm_layout)
+  check_weight("wlm", wlm, (wlm.shape[0], h.shape[-1]) if w_nk else (h.shape[-1], wlm.shape[-1]))
   check_rows("r", r, h.shape[:-1], "float")
   check_rows("targets", targets, h.shape[:-1], "int")
   if reduction not in REDUCTIONS:
     raise ValueError(f"reduction={reduction!r}: one of {REDUCTIONS}")
   m = targets.size
-  rows = S.row_chunks(m, wlm.shape[1], chunk_rows)
+  rows = S.row_chunks(m, wlm.shape[0 if w_nk else 1], chunk_rows)
   out = _lm_head_loss(flat_rows(h), r.reshape(-1).astype(jnp.float32), wlm,
                       targets.reshape(-1).astype(jnp.int32),
-                      (int(ignore_index), reduction, rows), impl)
+                      (int(ignore_index), reduction, rows, w_nk), impl)
   return out.reshape(targets.shape) if reduction == "none" else out
+
+
+def head_layout(wlm_layout: str) -> bool:
+  """"dv" -> False, "vd" -> True (the head is stored (V, D): ``block_gemms``' w_nk)."""
+  if wlm_layout not in ("dv", "vd"):
+    raise ValueError(f"wlm_layout={wlm_layout!r}: \"dv\" for a (D, V) head, \"vd\" for a "
+                     "(V, D) one such as a tied embedding table")
+  return wlm_layout == "vd"
+
+
+def head_vocab(wlm, w_nk: bool) -> int:
+  return wlm.shape[0] if w_nk else wlm.shape[1]
 
 
 def chunked(rows, *arrays):
@@ -291,15 +318,15 @@ def unchunked(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _lm_head_loss(h, r, wlm, targets, opts, impl):
-  ignore_index, reduction, rows = opts
-  lse, tgt = lm_head_lse(h, r, wlm, targets, rows, impl)
-  return loss_from_stats(lse, tgt, targets, ignore_index, reduction, wlm.shape[1])
+  ignore_index, reduction, rows, w_nk = opts
+  lse, tgt = lm_head_lse(h, r, wlm, targets, rows, impl, w_nk)
+  return loss_from_stats(lse, tgt, targets, ignore_index, reduction, head_vocab(wlm, w_nk))
 
 
-def lm_head_lse(h, r, wlm, targets, rows, impl):
+def lm_head_lse(h, r, wlm, targets, rows, impl, w_nk=False):
   """(lse, target logit) per row, ``rows`` rows per kernel call."""
   w = wlm.astype(h.dtype)
-  step = lambda args: S.lm_head_stats(*args[:2], w, args[2], impl)
+  step = lambda args: S.lm_head_stats(*args[:2], w, args[2], impl, w_nk)
   lse, tgt = jax.lax.map(step, tuple(chunked(rows, h, r, targets)))
   return unchunked(lse), unchunked(tgt)
 
@@ -330,7 +357,7 @@ def loss_row_weights(dloss, targets, ignore_index, reduction, vocab):
 
 
 def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0=(),
-                       per_row=()):
+                       per_row=(), w_nk=False):
   """The 3-GEMM LM head, chunk by chunk (``rows`` rows each): one GEMM makes the logits
   r * (h @ W) with their log-sum-exp and target logit; dlogits for the row weights
   ``weight`` follow elementwise; ``chunk_grad(dlogits, zdz, hc, rc, *per_row chunks)``
@@ -338,17 +365,18 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
   n = h * r the normed input; the third GEMM adds n^T dlogits to dW. ``sums0``: zeros
   shaped like the column sums, which add up over the chunks.
 
-  Returns (lse, target logit, dW in fp32, per-row outputs, column sums over all rows)."""
+  Returns (lse, target logit, dW in fp32 and ``wlm``'s layout, per-row outputs, column
+  sums over all rows)."""
   w = wlm.astype(h.dtype)
 
   def step(carry, args):
     dw, sums = carry
     hc, rc, tc, wc, *rest = args
-    lse, tgt, z = S.lm_head_logits(hc, rc, w, tc, impl)
+    lse, tgt, z = S.lm_head_logits(hc, rc, w, tc, impl, w_nk)
     dlogits, zdz = S.xent_grad_from_logits(z, lse, tc, wc, h.dtype)
     n, ys, col_sums = chunk_grad(dlogits, zdz, hc, rc, *rest)
     sums = jax.tree.map(jnp.add, sums, col_sums)
-    return (S.weight_grad(n, dlogits, impl, accumulate=dw), sums), (lse, tgt, ys)
+    return (S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw), sums), (lse, tgt, ys)
 
   xs = tuple(chunked(rows, h, r, targets, weight, *per_row))
   vary = lambda x: vary_like(x, h)  # the accumulators vary with the rows' shards
@@ -365,10 +393,10 @@ def scale_grads(grads, scale):
 
 
 def _lm_fwd(h, r, wlm, targets, opts, impl):
-  ignore_index, reduction, rows = opts
-  vocab = wlm.shape[1]
+  ignore_index, reduction, rows, w_nk = opts
+  vocab = head_vocab(wlm, w_nk)
   if reduction == "none":
-    lse, tgt = lm_head_lse(h, r, wlm, targets, rows, impl)
+    lse, tgt = lm_head_lse(h, r, wlm, targets, rows, impl, w_nk)
     return (loss_from_stats(lse, tgt, targets, ignore_index, reduction, vocab),
             (h, r, wlm, targets, lse))
   weight = loss_row_weights(1.0, targets, ignore_index, reduction, vocab)
@@ -376,31 +404,31 @@ def _lm_fwd(h, r, wlm, targets, opts, impl):
 
   def chunk_grad(dlogits, zdz, hc, rc):  # dh = r * (dlogits @ W^T); dr = zdz / r
     n = (hc.astype(jnp.float32) * rc[:, None]).astype(hc.dtype)
-    return n, (S.input_grad(dlogits, w, impl, r=rc), zdz / rc), ()
+    return n, (S.input_grad(dlogits, w, impl, r=rc, w_nk=w_nk), zdz / rc), ()
 
   lse, tgt, dw, (dh, dr), _ = lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl,
-                                              chunk_grad)
+                                                 chunk_grad, w_nk=w_nk)
   loss = loss_from_stats(lse, tgt, targets, ignore_index, reduction, vocab)
   # dW stays fp32 until it is scaled; the empty array carries the weight's dtype.
   return loss, (dh, dr, dw, jnp.zeros((0,), wlm.dtype))
 
 
 def _lm_bwd(opts, impl, saved, dloss):
-  ignore_index, reduction, rows = opts
+  ignore_index, reduction, rows, w_nk = opts
   if reduction != "none":  # the forward's gradients for a unit cotangent, scaled
     dh, dr, dw, wdt = saved
     dh, dr, dw = scale_grads((dh, dr, dw), dloss)
     return dh, dr, dw.astype(wdt.dtype), None
   h, r, wlm, targets, lse = saved
-  weight = loss_row_weights(dloss, targets, ignore_index, reduction, wlm.shape[1])
+  weight = loss_row_weights(dloss, targets, ignore_index, reduction, head_vocab(wlm, w_nk))
   w = wlm.astype(h.dtype)
 
   def step(dw, args):
     hc, rc, lc, tc, wc = args
-    dlogits, zdz = S.xent_logits_grad(hc, rc, w, lc, tc, wc, impl)
-    dh = S.input_grad(dlogits, w, impl, r=rc)
+    dlogits, zdz = S.xent_logits_grad(hc, rc, w, lc, tc, wc, impl, w_nk)
+    dh = S.input_grad(dlogits, w, impl, r=rc, w_nk=w_nk)
     n = (hc.astype(jnp.float32) * rc[:, None]).astype(hc.dtype)
-    return S.weight_grad(n, dlogits, impl, accumulate=dw), (dh, zdz / rc)
+    return S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw), (dh, zdz / rc)
 
   dw0 = vary_like(jnp.zeros(wlm.shape, jnp.float32), h)  # varies with the rows' shards
   dw, (dh, dr) = jax.lax.scan(step, dw0, tuple(chunked(rows, h, r, lse, targets, weight)))

@@ -96,7 +96,9 @@ class _ReferenceBlocks:
                                 activation=self.mlp["activation"])
     return x2.reshape(x0.shape), qkv.reshape(*x0.shape[:-1], -1)
 
-  def post_block(self, x0, y0, targets, params, reduction="mean"):
+  def post_block(self, x0, y0, targets, params, reduction="mean", wlm_layout="dv"):
+    if wlm_layout == "vd":  # a tied (V, D) embedding: XLA folds the transpose into its dot
+      params = {**params, "wlm": params["wlm"].T}
     loss = ref.post_block(flat_rows(x0), flat_rows(y0), targets.reshape(-1), params,
                           **self.mlp, reduction=reduction)
     return loss.reshape(targets.shape) if reduction == "none" else loss
@@ -112,9 +114,10 @@ class _FusedBlocks:
   def shifted_block(self, x0, y0, positions, params):
     return blocks.shifted_block(x0, y0, positions, params, self.cfg)
 
-  def post_block(self, x0, y0, targets, params, reduction="mean"):
+  def post_block(self, x0, y0, targets, params, reduction="mean", wlm_layout="dv"):
     return blocks.post_block(x0, y0, targets, params,
-                             dataclasses.replace(self.cfg, reduction=reduction))
+                             dataclasses.replace(self.cfg, reduction=reduction,
+                                                 wlm_layout=wlm_layout))
 
 
 class Llama(nnx.Module):
@@ -205,10 +208,12 @@ class Llama(nnx.Module):
     shifted = {**{k: p[k][:-1] for k in _MLP_KEYS}, "g_attn": p["g_attn"][1:],
                "wqkv": p["wqkv"][1:]}
     (x, qkv), _ = jax.lax.scan(layer, (x, qkv), shifted)
-    wlm = self._head_weight(c.dtype)
-    last = {**{k: p[k][-1] for k in _MLP_KEYS}, "g_final": self.head.norm[...],
-            "wlm": self.head.head_weight(wlm)}
-    return impl.post_block(x, attend(qkv), targets, last, reduction)
+    # A tied head is the (V, D) embedding itself: the kernels read it transposed, so
+    # neither it nor its gradient is copied into a (D, V) layout each step.
+    wlm, layout = ((self.embed[...].astype(c.dtype), "vd") if c.tie_embeddings
+                   else (self.head.head_weight(), "dv"))
+    last = {**{k: p[k][-1] for k in _MLP_KEYS}, "g_final": self.head.norm[...], "wlm": wlm}
+    return impl.post_block(x, attend(qkv), targets, last, reduction, layout)
 
   def __call__(self, tokens, positions=None):
     """tokens (B, T) int -> fp32 logits (B, T, V), layer by layer (inference, checks)."""

@@ -68,14 +68,18 @@ def ce_jnp(h, r, wlm, targets, ignore_index, reduction):
   return jnp.sum(losses) / (jnp.maximum(jnp.sum(valid), 1) if reduction == "mean" else 1)
 
 
-def _check(x, ignore_index, reduction, impl, ct, chunk_rows=None):
+def _check(x, ignore_index, reduction, impl, ct, chunk_rows=None, wlm_layout="dv"):
   """Runs the fused loss forward and backward (w.r.t. h, r, wlm) and checks values and
   gradients against the independent truth; ignored rows exactly 0. Returns the fused
   (loss, grads)."""
   args = (x["h"], x["r"], x["wlm"])
-  fused = lambda h, r, w: F.rmsnorm_lm_head_loss(h, r, w, x["tgt"], ignore_index=ignore_index,
+  # "vd": the fused op gets the (V, D) transpose (a tied embedding table); jax.grad
+  # turns its (V, D) gradient back, so everything below compares in (D, V).
+  vd = wlm_layout == "vd"
+  fused = lambda h, r, w: F.rmsnorm_lm_head_loss(h, r, w.T if vd else w, x["tgt"],
+                                                 ignore_index=ignore_index,
                                                  reduction=reduction, chunk_rows=chunk_rows,
-                                                 impl=impl)
+                                                 wlm_layout=wlm_layout, impl=impl)
   proj = lambda fn: lambda *a: jnp.sum(fn(*a) * ct)
   got, grads = jax.jit(lambda *a: (fused(*a), jax.grad(proj(fused), (0, 1, 2))(*a)))(*args)
   losses, valid = ce_rows_f64(*args, x["tgt"], ignore_index)
@@ -125,6 +129,25 @@ def test_loss_and_grads(case, key, kernel_impl):
   check = _check(x, ignore_index, reduction, kernel_impl, ct, chunk_rows)
   if all_ignored is not None:
     assert np.all(np.asarray(check[1][0], np.float32)[all_ignored] == 0)
+
+
+@pytest.mark.parametrize("reduction, chunk_rows", [("mean", None), ("none", 64)])
+def test_tied_head_read_transposed(key, kernel_impl, reduction, chunk_rows):
+  """wlm_layout="vd": the head stored (V, D), as a tied embedding table, which the
+  GEMMs read transposed (logits, dh) and whose gradient they write (V, D). Held to the
+  same truth and tolerance as the (D, V) head, on the scalar-loss path (gradient formed
+  in the forward) and the per-row path (logits recomputed), chunked."""
+  x = _inputs(key, 128, D, V, -100)
+  ct = normal(jax.random.fold_in(key, 1), (128,)) if reduction == "none" else 0.75
+  _check(x, -100, reduction, kernel_impl, ct, chunk_rows, wlm_layout="vd")
+
+
+def test_bad_head_layout(key):
+  x = _inputs(key, 64, D, V, -100)
+  with pytest.raises(ValueError, match="wlm_layout='dvv'"):
+    F.rmsnorm_lm_head_loss(x["h"], x["r"], x["wlm"], x["tgt"], wlm_layout="dvv")
+  with pytest.raises(ValueError, match="wlm"):  # (D, V) passed as "vd": D != h's width
+    F.rmsnorm_lm_head_loss(x["h"], x["r"], x["wlm"], x["tgt"], wlm_layout="vd")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
