@@ -80,6 +80,10 @@ class BlockConfig:
 
 SHIFTED_KEYS = ("wo", "g_mlp", "w13", "w2", "g_attn", "wqkv")
 POST_KEYS = ("wo", "g_mlp", "w13", "w2", "g_final", "wlm")
+# Token counts (M) that every kernel config tiles as they are: any other M is padded to
+# a tile by each GEMM (``dispatch.padded_shape``), or once per step by a caller that can
+# (``flax_layers.model.Llama.loss`` pads its sequences).
+ROW_MULTIPLE = 256
 
 
 def _check_params(params, keys, d, cfg: BlockConfig):

@@ -15,6 +15,7 @@ math under ordinary autodiff.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -191,6 +192,9 @@ class Llama(nnx.Module):
       raise ValueError(f"targets {targets.shape} must match tokens {tokens.shape}")
     if reduction not in REDUCTIONS:
       raise ValueError(f"reduction={reduction!r}: one of {REDUCTIONS}")
+    t = tokens.shape[1]
+    if self.fused:
+      tokens, targets, positions = self._pad_to_tile(tokens, targets, positions)
     x, positions = self._inputs(tokens, positions)
     impl = _FusedBlocks(c) if self.fused else _ReferenceBlocks(c)
     p = self.layers.params()
@@ -213,7 +217,27 @@ class Llama(nnx.Module):
     wlm, layout = ((self.embed[...].astype(c.dtype), "vd") if c.tie_embeddings
                    else (self.head.head_weight(), "dv"))
     last = {**{k: p[k][-1] for k in _MLP_KEYS}, "g_final": self.head.norm[...], "wlm": wlm}
-    return impl.post_block(x, attend(qkv), targets, last, reduction, layout)
+    loss = impl.post_block(x, attend(qkv), targets, last, reduction, layout)
+    return loss[:, :t] if reduction == "none" else loss
+
+  def _pad_to_tile(self, tokens, targets, positions):
+    """Pads every sequence at its end so that the token count B * T is a multiple of
+    ``blocks.ROW_MULTIPLE``, which every kernel tiles as it is. Without this each GEMM
+    of a ragged batch (3 x 1000 tokens) would pad and slice its own operands; padded
+    once here, the cost is the extra tokens' compute (under 1% for 8 x 2000). Causal
+    attention keeps the padded tokens out of the real ones, and their targets are
+    ignored, so the loss and the gradients are those of the unpadded batch. Only when
+    that adds at most 2% of the tokens (small batches are left to the GEMMs)."""
+    b, t = tokens.shape
+    step = blocks.ROW_MULTIPLE // math.gcd(b, blocks.ROW_MULTIPLE)
+    extra = -t % step
+    if extra == 0 or extra * 50 > t:
+      return tokens, targets, positions
+    pad = ((0, 0), (0, extra))
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)
+    return (jnp.pad(tokens, pad), jnp.pad(targets, pad, constant_values=self.head.ignore_index),
+            jnp.pad(positions, pad, mode="edge"))
 
   def __call__(self, tokens, positions=None):
     """tokens (B, T) int -> fp32 logits (B, T, V), layer by layer (inference, checks)."""

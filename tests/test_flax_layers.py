@@ -603,3 +603,32 @@ def test_token_ids_outside_the_vocabulary():
   gdef, state = nnx.split(model)
   loss = jax.jit(lambda s, t: nnx.merge(gdef, s).loss(t, jnp.zeros_like(t)))(state, tokens)
   assert np.isnan(float(loss))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_ragged_batch_padded_once(key, monkeypatch, reduction):
+  """A batch whose token count does not tile (2 x 63): the fused model pads every
+  sequence once at its end (blocks.ROW_MULTIPLE, here 128 so a tiny batch qualifies)
+  with ignored targets, and its loss and gradients equal the reference model's on the
+  unpadded batch; every block saw the padded count. fp32 on the XLA programs: the
+  padding is model code, exact up to summation order."""
+  from coda_jax import blocks
+  monkeypatch.setattr(blocks, "ROW_MULTIPLE", 128)
+  seen = []
+  real = blocks.post_block
+  monkeypatch.setattr(blocks, "post_block",
+                      lambda x0, *a: seen.append(x0.shape) or real(x0, *a))
+  toks = jax.random.randint(key, (2, 64), 0, V)
+  toks, tgt = toks[:, :-1], toks[:, 1:].at[1, 5].set(-100)
+  out = {}
+  for fused in (True, False):
+    m = Llama(CFG.replace(dtype=jnp.float32, impl="xla"), fused=fused, rngs=nnx.Rngs(5))
+    with jax.default_matmul_precision("highest"):
+      out[fused] = nnx.value_and_grad(
+          lambda m: jnp.sum(m.loss(toks, tgt, reduction=reduction)))(m)
+      per_token = m.loss(toks, tgt, reduction=reduction)
+    assert per_token.shape == (() if reduction == "mean" else (2, 63))
+  assert seen and set(seen) == {(2, 64, D)}, seen
+  np.testing.assert_allclose(float(out[True][0]), float(out[False][0]), rtol=1e-5)
+  for g, r in zip(jax.tree.leaves(out[True][1]), jax.tree.leaves(out[False][1])):
+    assert rel_err(g, r) < 1e-4, rel_err(g, r)
