@@ -94,15 +94,18 @@ def head_norm_columns(q_norm_w, k_norm_w, n_q_heads, n_kv_heads):
   return weight, normed
 
 
+def forward_program(head_dim, eps, dtype):
+  """The forward epilogue: u = r * acc stored (the backward's input), per-head RMSNorm,
+  RoPE, qkv stored. Operands: r, pos, freqs, qk_w, qk_sel."""
+  return [P.ScaleRow("r"), P.Store("u", dtype), HeadRmsNorm("qk_w", "qk_sel", head_dim, eps),
+          P.Rotate("pos", "freqs", head_dim // 2), P.Store("qkv", dtype)]
+
+
 def norm_qknorm_rope(h, r, w, positions, freqs, weight, normed, head_dim, eps, impl):
-  """The forward GEMM: u = r * (h @ w) stored (the backward's input), then per-head
-  RMSNorm and RoPE. Returns (qkv, u)."""
-  dt = h.dtype
-  out = gemm_epilogue(
-      h, w, [P.ScaleRow("r"), P.Store("u", dt), HeadRmsNorm("qk_w", "qk_sel", head_dim, eps),
-             P.Rotate("pos", "freqs", head_dim // 2), P.Store("qkv", dt)],
-      {"r": r, "pos": positions, "freqs": freqs, "qk_w": weight, "qk_sel": normed},
-      impl=impl)
+  """The forward GEMM (``forward_program``). Returns (qkv, u)."""
+  out = gemm_epilogue(h, w, forward_program(head_dim, eps, h.dtype),
+                      {"r": r, "pos": positions, "freqs": freqs, "qk_w": weight,
+                       "qk_sel": normed}, impl=impl)
   return out["qkv"], out["u"]
 
 
@@ -235,5 +238,5 @@ def _qknorm_bwd(heads, impl, saved, dqkv):
 
 _qknorm.defvjp(_qknorm_fwd, _qknorm_bwd)
 
-__all__ = ["HeadRmsNorm", "KERNEL_MAX_HEAD_DIM", "head_norm_columns", "norm_qknorm_rope",
-           "qk_norm_grad", "rmsnorm_qkv_qknorm_rope"]
+__all__ = ["HeadRmsNorm", "KERNEL_MAX_HEAD_DIM", "forward_program", "head_norm_columns",
+           "norm_qknorm_rope", "qk_norm_grad", "rmsnorm_qkv_qknorm_rope"]

@@ -15,7 +15,7 @@ import pytest
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as R
 from coda_jax import qk_norm as Q
-from coda_jax.ops import gemm_epilogue
+from coda_jax.ops import gemm_epilogue, kernel_config
 from coda_jax.primitives import Store
 from helpers import assert_within_baseline, f32_tree, normal, spread_rows
 
@@ -86,9 +86,17 @@ def test_op_and_grads_xla(case, key):
 
 
 def test_op_and_grads_kernel(key, kernel_impl):
-  """The kernel tile path: M = 100 pads to the row tile; head_dim 32 puts two heads in
-  each 64-wide epilogue sub-tile (the per-head loop inside one sub-tile runs)."""
-  check(_inputs(key, 100, 64, 4, 2, 32), _heads(4, 2, 32), kernel_impl)
+  """The kernel tile path: M = 100 pads to the row tile. Two heads share each 64-wide
+  epilogue sub-tile (checked below), so the per-head loop inside one sub-tile runs, and
+  the second sub-tile holds a k head beside a v head (the selector within a sub-tile)."""
+  x = _inputs(key, 100, 64, 2, 1, 32)
+  n = x["wqkv"].shape[1]
+  cfg = kernel_config(jnp.zeros((128, 64), jnp.bfloat16), x["wqkv"],  # M padded to 128
+                      Q.forward_program(32, EPS, jnp.bfloat16),
+                      {"r": jnp.ones((128,)), "pos": jnp.zeros((128,), jnp.int32),
+                       "freqs": jnp.ones((n,)), "qk_w": jnp.ones((n,)), "qk_sel": jnp.ones((n,))})
+  assert cfg.epi_tile_n == 64, cfg.describe()
+  check(x, _heads(2, 1, 32), kernel_impl)
 
 
 def _truth_f64(x, hq, hkv, hd):
