@@ -16,3 +16,7 @@ __all__ = [
     "ScaleRow", "Store", "finish_lse", "gemm_epilogue", "kernel_config", "reduce_like",
     "reference", "scalar_operand",
 ]
+# Appended (issue 13): QK-norm inside the QKV epilogue, before RoPE.
+from coda_jax.qk_norm import HeadRmsNorm, rmsnorm_qkv_qknorm_rope  # noqa: E402
+
+__all__ += ["HeadRmsNorm", "rmsnorm_qkv_qknorm_rope"]

@@ -152,3 +152,26 @@ def post_block(x0, y0, targets, params, *, eps=1e-5, block=32, activation="silu"
   _, h2, r2 = mlp_half(x0, y0, params["wo"], params["g_mlp"], params["w13"], params["w2"],
                        params["g_final"], block=block, activation=activation, eps=eps)
   return rmsnorm_lm_head_loss(h2, r2, params["wlm"], targets, ignore_index, reduction)
+
+
+def head_rmsnorm(x, w, head_dim, eps):
+  """RMSNorm of every head_dim-wide head of x (statistic in fp32, as Qwen3's), times
+  the (head_dim,) weight w shared by the heads: (M, H * head_dim) -> same, x's dtype."""
+  x3 = x.reshape(*x.shape[:-1], -1, head_dim)
+  xf = x3.astype(jnp.float32)
+  normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+  return (normed * w.astype(x.dtype)).reshape(x.shape)
+
+
+def rmsnorm_qkv_qknorm_rope(h, r, wqkv, positions, q_norm_w, k_norm_w, *, n_q_heads,
+                            n_kv_heads, head_dim, eps, theta, rope_scaling=None):
+  """RoPE(QK-norm(r * (h @ wqkv))): q heads RMS-normed with q_norm_w, k heads with
+  k_norm_w (each (head_dim,)), then RoPE on q and k; v as projected."""
+  z = _row_scale(h @ wqkv.astype(h.dtype), r)
+  q_end = n_q_heads * head_dim
+  k_end = q_end + n_kv_heads * head_dim
+  z = jnp.concatenate([head_rmsnorm(z[:, :q_end], q_norm_w, head_dim, eps),
+                       head_rmsnorm(z[:, q_end:k_end], k_norm_w, head_dim, eps),
+                       z[:, k_end:]], axis=1)
+  freqs = qkv_freqs(n_q_heads, n_kv_heads, head_dim, theta, rope_scaling)
+  return rotate(z, positions, freqs, head_dim // 2)

@@ -1,0 +1,242 @@
+"""QK-norm inside the QKV projection's epilogue, before RoPE (as Qwen3, OLMo 2, Gemma 3).
+
+    qkv = rmsnorm_qkv_qknorm_rope(h, r, wqkv, positions, q_norm_w, k_norm_w, ...)
+
+u = r * (h @ wqkv) in the kernel layout [q heads | k heads | v heads] of rotate-half
+heads (``layout.py``). Every q and every k head is RMS-normalised over its own head_dim
+columns and scaled by ``q_norm_w`` or ``k_norm_w`` (one (head_dim,) weight per kind,
+shared by all its heads); then RoPE rotates q and k. v passes as projected.
+
+Forward, one GEMM: ``[ScaleRow r, Store u, HeadRmsNorm, Rotate, Store qkv]``. The
+epilogue sub-tile holds whole heads (``HeadRmsNorm.column_group``), so each head's
+statistic is a reduction inside one sub-tile and never leaves the chip.
+
+Backward (derivation: ``docs/qk_norm_math.md``): one elementwise XLA fusion
+(``qk_norm_grad``: RoPE^T, the per-head norm backward, the norm weights' column sums,
+dr) as ``block_gemms.rope_grad`` is, since no GEMM of the backward produces the (M, N)
+cotangent tile; then the input norm's GEMMs dh = r * (du @ wqkv^T), dwqkv = (r h)^T du.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from coda_jax import block_gemms as S
+from coda_jax import dispatch
+from coda_jax import jnp_reference as ref
+from coda_jax import layout
+from coda_jax import primitives as P
+from coda_jax.fused_ops import check_act, check_heads, check_rows, check_weight, flat_rows
+from coda_jax.ops import gemm_epilogue
+from coda_jax.sharding import reduce_like
+from pallas_kernels import InputKind
+
+# The widest epilogue sub-tile the kernel's tilings offer (a warpgroup tile's N): a head
+# must fit in one, whole, so head_dim must divide it.
+KERNEL_MAX_HEAD_DIM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadRmsNorm(P.Primitive):
+  """Per head (each ``head_dim``-wide column block): x -> x * w[n] * rsqrt(mean(x^2) +
+  eps) on heads whose ``normed`` column operand is 1, x -> x * w[n] where it is 0 (v
+  heads ride through with w = 1).
+
+  ``weight`` and ``normed`` are (N,) fp32 column operands; ``normed`` is 0 or 1 and the
+  same across a head. The mean runs over the head's columns, which one sub-tile holds
+  whole (``column_group``)."""
+  _keeps_zero_rows = True  # a zero head stays zero (eps > 0 keeps rsqrt finite)
+  weight: str
+  normed: str
+  head_dim: int
+  eps: float
+
+  def __post_init__(self):
+    if self.head_dim <= 0 or self.head_dim % 8:
+      raise ValueError(f"HeadRmsNorm.head_dim={self.head_dim} must be a positive multiple "
+                       "of 8")
+    if not self.eps > 0:
+      raise ValueError(f"HeadRmsNorm.eps={self.eps} must be > 0")
+
+  def inputs(self):
+    return {self.weight: InputKind.COL, self.normed: InputKind.COL}
+
+  def column_group(self):
+    return self.head_dim
+
+  def apply(self, x, env):
+    w = env.load(self.weight).astype(jnp.float32)
+    sel = env.load(self.normed).astype(jnp.float32)
+    d = self.head_dim
+    out = []
+    for i in range(0, x.shape[1], d):
+      xb = x[:, i:i + d]
+      rstd = jax.lax.rsqrt(jnp.sum(xb * xb, axis=1) * (1.0 / d) + self.eps)
+      y = xb * w[None, i:i + d]
+      ys = y * sel[None, i:i + d]  # y on normed heads, 0 on pass-through ones: exact
+      out.append((y - ys) + ys * rstd[:, None])
+    return P._join(out)
+
+
+def head_norm_columns(q_norm_w, k_norm_w, n_q_heads, n_kv_heads):
+  """The (N,) fp32 ``weight`` and ``normed`` operands of ``HeadRmsNorm`` for a fused
+  [q | k | v]: q_norm_w tiled over the q heads, k_norm_w over the k heads, 1 on v;
+  ``normed`` 1 on q and k, 0 on v."""
+  hd = q_norm_w.shape[0]
+  weight = jnp.concatenate([jnp.tile(q_norm_w.astype(jnp.float32), n_q_heads),
+                            jnp.tile(k_norm_w.astype(jnp.float32), n_kv_heads),
+                            jnp.ones((n_kv_heads * hd,), jnp.float32)])
+  normed = jnp.concatenate([jnp.ones(((n_q_heads + n_kv_heads) * hd,), jnp.float32),
+                            jnp.zeros((n_kv_heads * hd,), jnp.float32)])
+  return weight, normed
+
+
+def forward_program(head_dim, eps, dtype):
+  """The forward epilogue: u = r * acc stored (the backward's input), per-head RMSNorm,
+  RoPE, qkv stored. Operands: r, pos, freqs, qk_w, qk_sel."""
+  return [P.ScaleRow("r"), P.Store("u", dtype), HeadRmsNorm("qk_w", "qk_sel", head_dim, eps),
+          P.Rotate("pos", "freqs", head_dim // 2), P.Store("qkv", dtype)]
+
+
+def norm_qknorm_rope(h, r, w, positions, freqs, weight, normed, head_dim, eps, impl):
+  """The forward GEMM (``forward_program``). Returns (qkv, u)."""
+  out = gemm_epilogue(h, w, forward_program(head_dim, eps, h.dtype),
+                      {"r": r, "pos": positions, "freqs": freqs, "qk_w": weight,
+                       "qk_sel": normed}, impl=impl)
+  return out["qkv"], out["u"]
+
+
+def qk_norm_grad(dqkv, u, positions, freqs, weight, normed, head_dim, eps):
+  """The per-head backward (XLA, elementwise per head; ``docs/qk_norm_math.md``).
+
+  Args:
+    dqkv: (M, N) cotangent of the op's output.
+    u: (M, N) the saved pre-norm projection r * (h @ wqkv).
+    positions, freqs, weight, normed: the forward's operands; head_dim, eps its
+      constants.
+
+  Returns:
+    (du (M, N) fp32, dweight (N,) fp32 column sums over rows, <du, u> (M,) fp32).
+  """
+  m = u.shape[0]
+  dy = ref.rotate(dqkv.astype(jnp.float32), positions, -freqs, head_dim // 2)  # RoPE^T
+  u3 = u.astype(jnp.float32).reshape(m, -1, head_dim)
+  dy3 = dy.reshape(m, -1, head_dim)
+  sel = normed.reshape(-1, head_dim)[:, :1]  # (H, 1): 1 on q and k heads, 0 on v
+  rstd = jax.lax.rsqrt(jnp.mean(u3 * u3, axis=-1, keepdims=True) + eps)
+  rstd = jnp.where(sel > 0, rstd, 1.0)
+  n = u3 * rstd  # the normalised head (u itself on v heads)
+  dn = dy3 * weight.reshape(-1, head_dim)
+  c = jnp.mean(dn * n, axis=-1, keepdims=True) * sel
+  du = rstd * (dn - n * c)
+  dweight = jnp.sum(dy3 * n, axis=0).reshape(-1)
+  return du.reshape(u.shape), dweight, jnp.sum(du * u3, axis=(1, 2))
+
+
+def _check_norm_weight(name, w, head_dim):
+  if not jnp.issubdtype(w.dtype, jnp.floating):
+    raise ValueError(f"{name}.dtype={w.dtype}: norm weights must be floating point")
+  if tuple(w.shape) != (head_dim,):
+    raise ValueError(f"{name} has shape {tuple(w.shape)}, expected ({head_dim},) = "
+                     "(head_dim,): one weight per head dimension, shared by every head of "
+                     "its kind (as Qwen3's q_norm / k_norm)")
+
+
+def check_head_dim_tiles(head_dim, impl):
+  """A head must fit whole in one epilogue sub-tile when only kernels may run."""
+  names = dispatch.resolve(impl)
+  if "xla" not in names and KERNEL_MAX_HEAD_DIM % head_dim:
+    raise ValueError(f"head_dim={head_dim}: the per-head norm needs a whole head in one "
+                     f"epilogue sub-tile, so head_dim must divide {KERNEL_MAX_HEAD_DIM} for "
+                     f"impl={names}; use head_dim 16, 32, 64 or 128, or an impl that "
+                     "includes 'xla' (e.g. 'auto')")
+
+
+def rmsnorm_qkv_qknorm_rope(h, r, wqkv, positions, q_norm_w, k_norm_w, *, n_q_heads: int,
+                            n_kv_heads: int, head_dim: int, eps: float, theta: float,
+                            rope_scaling: layout.RopeScaling | None = None,
+                            impl: str = "auto"):
+  """RoPE(per-head RMSNorm(r * (h @ wqkv))) on q and k; v as projected.
+
+  Args:
+    h: (..., D) normed-input activations (``residual_rmsnorm``'s h), bfloat16 or float16
+      (float32 runs the XLA program).
+    r: (...) the input RMSNorm's reciprocal RMS per row.
+    wqkv: (D, (Hq + 2 Hkv) * head_dim), [q | k | v] rotate-half heads.
+    positions: (...) integer token positions.
+    q_norm_w, k_norm_w: (head_dim,) QK-norm weights, each shared by the heads of its kind.
+    n_q_heads, n_kv_heads, head_dim: the head layout (head_dim a multiple of 16).
+    eps: the QK-norm's epsilon (> 0).
+    theta, rope_scaling: RoPE base and optional Llama 3 frequency scaling.
+    impl: as ``coda_jax.gemm_epilogue``.
+
+  Returns:
+    (..., (Hq + 2 Hkv) * head_dim) in h's dtype.
+
+  Raises:
+    ValueError: bad shapes or dtypes, a head_dim the kernel's sub-tile cannot hold whole
+      (kernel-only ``impl``), or eps <= 0.
+  """
+  check_act("h", h)
+  check_heads(n_q_heads, n_kv_heads, head_dim)  # before wqkv, whose shape they define
+  check_head_dim_tiles(head_dim, impl)
+  n = (n_q_heads + 2 * n_kv_heads) * head_dim
+  check_weight("wqkv", wqkv, (h.shape[-1], n))
+  check_rows("r", r, h.shape[:-1], "float")
+  check_rows("positions", positions, h.shape[:-1], "int")
+  _check_norm_weight("q_norm_w", q_norm_w, head_dim)
+  _check_norm_weight("k_norm_w", k_norm_w, head_dim)
+  if not eps > 0:
+    raise ValueError(f"eps={eps} must be > 0 (an all-zero head would divide by zero)")
+  lead = h.shape[:-1]
+  qkv = _qknorm(flat_rows(h), r.reshape(-1).astype(jnp.float32), wqkv,
+                positions.reshape(-1).astype(jnp.int32), q_norm_w, k_norm_w,
+                (n_q_heads, n_kv_heads, head_dim, float(theta), rope_scaling, float(eps)),
+                impl)
+  return qkv.reshape(*lead, -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _qknorm(h, r, wqkv, positions, q_norm_w, k_norm_w, heads, impl):
+  return _qknorm_fwd(h, r, wqkv, positions, q_norm_w, k_norm_w, heads, impl)[0]
+
+
+def _operands(q_norm_w, k_norm_w, heads):
+  n_q, n_kv, hd, theta, scaling, _ = heads
+  return (ref.qkv_freqs(n_q, n_kv, hd, theta, scaling),
+          *head_norm_columns(q_norm_w, k_norm_w, n_q, n_kv))
+
+
+def _qknorm_fwd(h, r, wqkv, positions, q_norm_w, k_norm_w, heads, impl):
+  freqs, weight, normed = _operands(q_norm_w, k_norm_w, heads)
+  qkv, u = norm_qknorm_rope(h, r, wqkv.astype(h.dtype), positions, freqs, weight, normed,
+                            heads[2], heads[5], impl)
+  # u (pre-norm) replaces the plain op's saved qkv: the same memory, and it gives the
+  # backward both the per-head rstd and the normalised heads (docs/qk_norm_math.md §3).
+  return qkv, (h, r, wqkv, positions, q_norm_w, k_norm_w, u)
+
+
+def _qknorm_bwd(heads, impl, saved, dqkv):
+  h, r, wqkv, positions, q_norm_w, k_norm_w, u = saved
+  n_q, n_kv, hd, _, _, eps = heads
+  freqs, weight, normed = _operands(q_norm_w, k_norm_w, heads)
+  du, dweight, udu = qk_norm_grad(dqkv, u, positions, freqs, weight, normed, hd, eps)
+  dq_w = dweight[:n_q * hd].reshape(n_q, hd).sum(axis=0)  # summed over the q heads
+  dk_w = dweight[n_q * hd:(n_q + n_kv) * hd].reshape(n_kv, hd).sum(axis=0)  # and k heads
+  du = du.astype(h.dtype)
+  w = wqkv.astype(h.dtype)
+  dh = S.input_grad(du, w, impl, r=r)  # r * (du @ wqkv^T)
+  n_in = (h.astype(jnp.float32) * r[:, None]).astype(h.dtype)
+  dw = S.weight_grad(n_in, du, impl, S.grad_dtype(wqkv))  # (r h)^T du
+  return (dh, udu / r, reduce_like(dw, wqkv).astype(wqkv.dtype), None,
+          reduce_like(dq_w, q_norm_w).astype(q_norm_w.dtype),
+          reduce_like(dk_w, k_norm_w).astype(k_norm_w.dtype))
+
+
+_qknorm.defvjp(_qknorm_fwd, _qknorm_bwd)
+
+__all__ = ["HeadRmsNorm", "KERNEL_MAX_HEAD_DIM", "forward_program", "head_norm_columns",
+           "norm_qknorm_rope", "qk_norm_grad", "rmsnorm_qkv_qknorm_rope"]

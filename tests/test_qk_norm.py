@@ -1,0 +1,188 @@
+"""QK-norm inside the QKV epilogue (coda_jax.qk_norm): outputs and the gradients of every
+input (h, r, wqkv and both norm weights) against jax.grad of the plain-jnp reference.
+Truth: the reference on fp32 inputs at HIGHEST precision. Bound: twice the error of the
+same reference run unfused in bf16/fp16 (helpers.assert_within_baseline), overall and per
+row. The table runs on impl="xla"; one small case runs the kernel tile path
+(``kernel_impl``: the Mosaic GPU interpreter off Hopper).
+
+The heads of wqkv are scaled by factors spread over [0.2, 5], so every head has its own
+RMS: a norm taken over the wrong columns, or skipped on a head, shows."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coda_jax import fused_ops as F
+from coda_jax import jnp_reference as R
+from coda_jax import qk_norm as Q
+from coda_jax.ops import gemm_epilogue, kernel_config
+from coda_jax.primitives import Store
+from helpers import assert_within_baseline, f32_tree, normal, spread_rows
+
+EPS, THETA = 1e-6, 1e6  # Qwen3's
+DIFF = ("h", "r", "wqkv", "qw", "kw")
+
+
+def _inputs(key, m, d, hq, hkv, hd, dt=jnp.bfloat16):
+  ks = jax.random.split(key, 8)
+  heads = hq + 2 * hkv
+  g = 1 + 0.1 * normal(ks[0], (d,))
+  xs = spread_rows(ks[1], (m, d))
+  head_scale = jnp.exp(jax.random.uniform(ks[2], (heads,), jnp.float32, np.log(0.2),
+                                          np.log(5.0)))
+  wqkv = normal(ks[3], (d, heads * hd)) * d ** -0.5 * jnp.repeat(head_scale, hd)
+  return dict(h=(xs * g).astype(dt), r=R.rms_scale(xs, 1e-5), wqkv=wqkv.astype(dt),
+              qw=1 + 0.3 * normal(ks[4], (hd,)), kw=1 + 0.3 * normal(ks[5], (hd,)),
+              pos=jnp.arange(m, dtype=jnp.int32) % 37 + 1000,
+              ct=normal(ks[6], (m, heads * hd)))
+
+
+def _heads(hq, hkv, hd):
+  return dict(n_q_heads=hq, n_kv_heads=hkv, head_dim=hd, eps=EPS, theta=THETA)
+
+
+def _fns(heads, impl):
+  ref = lambda p, pos: R.rmsnorm_qkv_qknorm_rope(p["h"], p["r"], p["wqkv"], pos, p["qw"],
+                                                 p["kw"], **heads)
+  fused = lambda p, pos: Q.rmsnorm_qkv_qknorm_rope(p["h"], p["r"], p["wqkv"], pos, p["qw"],
+                                                   p["kw"], **heads, impl=impl)
+  return ref, fused
+
+
+def check(x, heads, impl):
+  """Forward and every gradient under the tolerance rule."""
+  ref, fused = _fns(heads, impl)
+  diff, pos, ct = {k: x[k] for k in DIFF}, x["pos"], x["ct"]
+  proj = lambda fn: lambda p, ps: jnp.sum(fn(p, ps).astype(jnp.float32) * ct)
+  with jax.default_matmul_precision("highest"):
+    truth = jax.jit(ref)(f32_tree(diff), pos)
+    g_truth = jax.jit(jax.grad(proj(ref)))(f32_tree(diff), pos)
+  base, g_base = ref(diff, pos), jax.grad(proj(ref))(diff, pos)  # eager: unfused XLA
+  got, g_got = jax.jit(lambda p, ps: (fused(p, ps), jax.grad(proj(fused))(p, ps)))(diff, pos)
+  assert got.shape == truth.shape and got.dtype == x["h"].dtype
+  assert_within_baseline(got, truth, base, f"{impl} qkv")
+  for k in DIFF:
+    assert g_got[k].dtype == x[k].dtype, (k, g_got[k].dtype)
+    assert_within_baseline(g_got[k], g_truth[k], g_base[k], f"{impl} d{k}")
+
+
+# (M, D, Hq, Hkv, head_dim, dtype): M = 1 and odd M, GQA and MHA, head_dim 16 to 128.
+CASES = [
+    (1, 64, 2, 1, 32, jnp.bfloat16),
+    (63, 96, 4, 2, 32, jnp.bfloat16),
+    (128, 192, 4, 4, 64, jnp.bfloat16),
+    (65, 128, 2, 1, 128, jnp.bfloat16),
+    (300, 64, 6, 2, 64, jnp.bfloat16),
+    (33, 80, 3, 1, 16, jnp.bfloat16),
+    (96, 128, 4, 2, 64, jnp.float16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "m{}_d{}_hq{}_hkv{}_hd{}_{}".format(
+    *c[:5], jnp.dtype(c[5]).name))
+def test_op_and_grads_xla(case, key):
+  m, d, hq, hkv, hd, dt = case
+  check(_inputs(key, m, d, hq, hkv, hd, dt), _heads(hq, hkv, hd), "xla")
+
+
+def test_op_and_grads_kernel(key, kernel_impl):
+  """The kernel tile path: M = 100 pads to the row tile. Two heads share each 64-wide
+  epilogue sub-tile (checked below), so the per-head loop inside one sub-tile runs, and
+  the second sub-tile holds a k head beside a v head (the selector within a sub-tile)."""
+  x = _inputs(key, 100, 64, 2, 1, 32)
+  n = x["wqkv"].shape[1]
+  cfg = kernel_config(jnp.zeros((128, 64), jnp.bfloat16), x["wqkv"],  # M padded to 128
+                      Q.forward_program(32, EPS, jnp.bfloat16),
+                      {"r": jnp.ones((128,)), "pos": jnp.zeros((128,), jnp.int32),
+                       "freqs": jnp.ones((n,)), "qk_w": jnp.ones((n,)), "qk_sel": jnp.ones((n,))})
+  assert cfg.epi_tile_n == 64, cfg.describe()
+  check(x, _heads(2, 1, 32), kernel_impl)
+
+
+def _truth_f64(x, hq, hkv, hd):
+  """The forward in float64 numpy with exact angles: independent of the library's RoPE
+  frequencies and of the jnp reference."""
+  f = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+  u = f(x["r"])[:, None] * (f(x["h"]) @ f(x["wqkv"]))
+  m, heads = u.shape[0], hq + 2 * hkv
+  u3 = u.reshape(m, heads, hd).copy()
+  w = [f(x["qw"])] * hq + [f(x["kw"])] * hkv
+  for j in range(hq + hkv):
+    rms = np.sqrt(np.mean(u3[:, j] ** 2, axis=1, keepdims=True) + EPS)
+    u3[:, j] = u3[:, j] / rms * w[j]
+  p = hd // 2
+  t = f(x["pos"])[:, None] * THETA ** (-2.0 * np.arange(p) / hd)
+  c, s = np.cos(t)[:, None], np.sin(t)[:, None]
+  a, b = u3[:, :hq + hkv, :p].copy(), u3[:, :hq + hkv, p:].copy()
+  u3[:, :hq + hkv, :p], u3[:, :hq + hkv, p:] = a * c - b * s, b * c + a * s
+  return u3.reshape(m, -1)
+
+
+def test_forward_against_float64(key):
+  x = _inputs(key, 64, 96, 4, 2, 32)
+  got = Q.rmsnorm_qkv_qknorm_rope(x["h"], x["r"], x["wqkv"], x["pos"], x["qw"], x["kw"],
+                                  **_heads(4, 2, 32), impl="xla")
+  base = R.rmsnorm_qkv_qknorm_rope(x["h"], x["r"], x["wqkv"], x["pos"], x["qw"], x["kw"],
+                                   **_heads(4, 2, 32))
+  assert_within_baseline(got, _truth_f64(x, 4, 2, 32), base, "qkv vs float64")
+
+
+def test_v_rides_through_and_batched_layout(key):
+  """v columns equal the plain op's (no norm there), bit for bit; (B, T, D) inputs give
+  the (B * T, D) result reshaped."""
+  hq, hkv, hd = 4, 2, 32
+  x = _inputs(key, 62, 64, hq, hkv, hd)
+  args = (x["h"], x["r"], x["wqkv"], x["pos"], x["qw"], x["kw"])
+  got = Q.rmsnorm_qkv_qknorm_rope(*args, **_heads(hq, hkv, hd), impl="xla")
+  plain = F.rmsnorm_qkv_rope(*args[:4], n_q_heads=hq, n_kv_heads=hkv, head_dim=hd,
+                             theta=THETA, impl="xla")
+  v0 = (hq + hkv) * hd
+  np.testing.assert_array_equal(np.asarray(got[:, v0:], np.float32),
+                                np.asarray(plain[:, v0:], np.float32))
+  b = lambda a: a.reshape(2, 31, *a.shape[1:])
+  batched = Q.rmsnorm_qkv_qknorm_rope(b(x["h"]), b(x["r"]), x["wqkv"], b(x["pos"]), x["qw"],
+                                      x["kw"], **_heads(hq, hkv, hd), impl="xla")
+  np.testing.assert_array_equal(np.asarray(batched.reshape(got.shape), np.float32),
+                                np.asarray(got, np.float32))
+
+
+def test_head_rms_norm_primitive_keeps_heads_whole():
+  """The primitive declares its head as a column group: N must be whole heads."""
+  prim = Q.HeadRmsNorm("w", "sel", 64, EPS)
+  assert prim.column_group() == 64
+  a, b = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 96), jnp.bfloat16)
+  ops = {"w": jnp.ones((96,)), "sel": jnp.ones((96,))}
+  with pytest.raises(ValueError, match="N=96 must be a multiple of its column group"):
+    gemm_epilogue(a, b, [prim, Store("o")], ops, impl="xla")
+  with pytest.raises(ValueError, match=r"HeadRmsNorm.head_dim=12 must be a positive multiple"):
+    Q.HeadRmsNorm("w", "sel", 12, EPS)
+
+
+_x = lambda: _inputs(jax.random.key(0), 16, 64, 4, 2, 32)
+BAD = {
+    "head_dim_odd": (dict(head_dim=33), "head_dim=33 must be a positive multiple of 16"),
+    "head_dim_24": (dict(head_dim=24), "head_dim=24 must be a positive multiple of 16"),
+    "head_dim_untileable": (dict(head_dim=96, impl="interpret"),
+                            r"head_dim=96: .* must divide 128 .* use head_dim 16, 32, 64 or "
+                            r"128, or an impl that includes 'xla'"),
+    "q_norm_w_per_head": (dict(qw=jnp.ones((4, 32))),
+                          r"q_norm_w has shape \(4, 32\), expected \(32,\) = \(head_dim,\)"),
+    "k_norm_w_len": (dict(kw=jnp.ones((64,))),
+                     r"k_norm_w has shape \(64,\), expected \(32,\) = \(head_dim,\)"),
+    "k_norm_w_int": (dict(kw=jnp.ones((32,), jnp.int32)),
+                     r"k_norm_w\.dtype=int32: norm weights must be floating point"),
+    "eps_zero": (dict(eps=0.0), r"eps=0.0 must be > 0"),
+    "wqkv_width": (dict(n_kv_heads=1), r"wqkv has shape \(64, 256\), expected \(64, 192\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_inputs(case):
+  """Each bad input raises its own ValueError before any GEMM runs."""
+  kw, match = dict(BAD[case][0]), BAD[case][1]
+  x = _x()
+  qw, kw_ = kw.pop("qw", x["qw"]), kw.pop("kw", x["kw"])
+  heads = _heads(4, 2, 32) | kw
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(lambda: Q.rmsnorm_qkv_qknorm_rope(x["h"], x["r"], x["wqkv"], x["pos"], qw,
+                                                     kw_, **heads))
