@@ -16,3 +16,9 @@ __all__ = [
     "ScaleRow", "Store", "finish_lse", "gemm_epilogue", "kernel_config", "reduce_like",
     "reference", "scalar_operand",
 ]
+from coda_jax.layernorm_ops import (AddBias, AddOuter, Gelu, GeluGrad,  # noqa: E402
+                                    LayerNormConfig, LayerNormGrad, layernorm_gelu_mlp,
+                                    layernorm_matmul, residual_layernorm)
+
+__all__ += ["AddBias", "AddOuter", "Gelu", "GeluGrad", "LayerNormConfig", "LayerNormGrad",
+            "layernorm_gelu_mlp", "layernorm_matmul", "residual_layernorm"]
