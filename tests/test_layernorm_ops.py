@@ -18,7 +18,7 @@ import pytest
 import coda_jax as cj
 from coda_jax import jnp_reference as R
 from coda_jax import layernorm_ops as L
-from helpers import assert_within_baseline, f32_tree, normal, spread_rows
+from helpers import GATED_ACTS, assert_within_baseline, f32_tree, normal, spread_rows
 
 EPS = 1e-5
 M, K, D, N, FF = 128, 256, 192, 320, 384
@@ -258,6 +258,18 @@ def test_add_bias_and_outer_in_a_gemm(impl, key):
   if impl == "interpret":
     with pytest.raises(ValueError, match=r"does not tile, even with M and K padded"):
       cj.gemm_epilogue(a[:100], b, head + [cj.ColSum("cs")], ops100, impl=impl)
+
+
+def test_gelu_is_gpt2s_tanh_form():
+  """Gelu (kernel and reference alike) is GPT-2's tanh approximation, checked against
+  helpers' independent formula; GeluGrad's hand-written derivative against autodiff."""
+  z = jnp.linspace(-6.0, 6.0, 1001)
+  env = type("E", (), {"load": lambda self, nm: z[None], "store": lambda self, nm, v: None})()
+  np.testing.assert_allclose(np.asarray(cj.Gelu().apply(z, env)),
+                             np.asarray(GATED_ACTS["gelu"](z)), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(cj.GeluGrad("z", "a").apply(jnp.ones((1, 1001)), env)[0]),
+                             np.asarray(jax.vmap(jax.grad(GATED_ACTS["gelu"]))(z)),
+                             rtol=1e-5, atol=1e-6)
 
 
 def test_zero_row_claims():
