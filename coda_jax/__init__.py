@@ -2,7 +2,8 @@
 
 The public API for writing a fused op of your own (docs/new_fused_op.md): ``gemm_epilogue``,
 the primitives below, ``Primitive`` to subclass, the operand and output kinds, and
-``reduce_like`` for weight gradients under ``jax.shard_map``."""
+``reduce_like`` for weight gradients under ``jax.shard_map``. Beyond Llama: LayerNorm,
+biases and the GELU MLP (``layernorm_ops``), QK-norm (``qk_norm``)."""
 from coda_jax.ops import IMPLS, gemm_epilogue, kernel_config, reference, scalar_operand
 from coda_jax.primitives import (AddTile, ColSum, Env, Gated, PickColumn, Primitive, Rotate,
                                  RowLogSumExp, RowSum, ScaleCol, ScaleConst, ScaleRow, Store,
@@ -16,7 +17,13 @@ __all__ = [
     "ScaleRow", "Store", "finish_lse", "gemm_epilogue", "kernel_config", "reduce_like",
     "reference", "scalar_operand",
 ]
-# Appended (issue 13): QK-norm inside the QKV epilogue, before RoPE.
+
+# Each imports the library's own modules (above) first.
+from coda_jax.layernorm_ops import (AddBias, AddOuter, Gelu, GeluGrad,  # noqa: E402
+                                    LayerNormConfig, LayerNormGrad, layernorm_gelu_mlp,
+                                    layernorm_matmul, residual_layernorm)
 from coda_jax.qk_norm import HeadRmsNorm, rmsnorm_qkv_qknorm_rope  # noqa: E402
 
-__all__ += ["HeadRmsNorm", "rmsnorm_qkv_qknorm_rope"]
+__all__ += ["AddBias", "AddOuter", "Gelu", "GeluGrad", "HeadRmsNorm", "LayerNormConfig",
+            "LayerNormGrad", "layernorm_gelu_mlp", "layernorm_matmul", "residual_layernorm",
+            "rmsnorm_qkv_qknorm_rope"]

@@ -175,3 +175,48 @@ def rmsnorm_qkv_qknorm_rope(h, r, wqkv, positions, q_norm_w, k_norm_w, *, n_q_he
                        z[:, k_end:]], axis=1)
   freqs = qkv_freqs(n_q_heads, n_kv_heads, head_dim, theta, rope_scaling)
   return rotate(z, positions, freqs, head_dim // 2)
+
+
+# ---- LayerNorm, column bias, GPT-2's GELU MLP (coda_jax.layernorm_ops) --------------------
+def layernorm_stats(x: jax.Array, eps: float = 1e-5):
+  """LayerNorm's per-row (mean, 1/sqrt(var + eps)), fp32, variance in two passes."""
+  xf = x.astype(jnp.float32)
+  mu = jnp.mean(xf, axis=-1)
+  var = jnp.mean(jnp.square(xf - mu[..., None]), axis=-1)
+  return mu, jax.lax.rsqrt(var + eps)
+
+
+def layer_norm(x, g, beta, eps=1e-5):
+  """(x - mu) r g + beta, statistics and arithmetic in fp32, x's dtype out."""
+  mu, r = layernorm_stats(x, eps)
+  n = (x.astype(jnp.float32) - mu[..., None]) * r[..., None] * g + beta
+  return n.astype(x.dtype)
+
+
+def _add_bias(z, bias):
+  return z if bias is None else z + bias.astype(z.dtype)
+
+
+def residual_layernorm(y, w, residual, g, bias=None, eps=1e-5):
+  """x = y @ w + bias + residual; h = x * g; (mu, r) of x. Returns (x, h, mu, r)."""
+  x = _add_bias(y @ w.astype(y.dtype), bias) + residual
+  mu, r = layernorm_stats(x, eps)
+  return x, x * g.astype(x.dtype), mu, r
+
+
+def layernorm_matmul(h, mu, r, g, beta, w, bias=None):
+  """((h - mu g) r + beta) @ w + bias: LN(x) @ w + bias given h = x * g."""
+  n = (h.astype(jnp.float32) - mu[:, None] * g) * r[:, None] + beta
+  return _add_bias(n.astype(h.dtype) @ w.astype(h.dtype), bias)
+
+
+def layernorm_gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2):
+  """x + gelu(LN(x) @ w1 + b1) @ w2 + b2, LN(x) from (h = x * g, mu, r)."""
+  a = ACTIVATIONS["gelu"][0](layernorm_matmul(h, mu, r, g, beta, w1, b1))
+  return _add_bias(x + a @ w2.astype(x.dtype), b2)
+
+
+def gpt2_mlp(x, g, beta, w1, b1, w2, b2, eps=1e-5):
+  """GPT-2's MLP sub-block written plainly: x + gelu(LN(x) @ w1 + b1) @ w2 + b2."""
+  a = ACTIVATIONS["gelu"][0](_add_bias(layer_norm(x, g, beta, eps) @ w1.astype(x.dtype), b1))
+  return _add_bias(x + a @ w2.astype(x.dtype), b2)

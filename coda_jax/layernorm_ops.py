@@ -1,0 +1,451 @@
+"""LayerNorm, column bias and GPT-2's GELU MLP as GEMM-epilogue programs (issue 13).
+
+Math and derivation of the backward: ``docs/layernorm_math.md``.
+
+    x, h, mu, r = residual_layernorm(y, w, residual, g, bias=b)   x = y @ w + b + residual,
+                                                                  h = x * g, (mu, r) of x
+    z   = layernorm_matmul(h, mu, r, g, beta, w, bias=c)          LN(x) @ w + c
+    out = layernorm_gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2)
+                                                    x + gelu(LN(x) @ w1 + b1) @ w2 + b2
+
+As with RMSNorm (``fused_ops``), the norm is split: the GEMM that produces x emits row
+partials of sum(x) and sum(x^2) and stores x and h = x * g; the GEMM that consumes LN(x)
+applies ``ScaleRow(r)``, the rank-1 term ``-(r mu) (x) (g @ W)`` and the column vector
+``beta @ W (+ bias)``. Compose the ops (feed one's (x, h, mu, r) to the next) and
+``jax.grad`` yields the whole LayerNorm backward.
+
+Shapes, dtypes and ``impl`` as in ``fused_ops``: activations (..., D) bfloat16 or float16
+(float32 runs the XLA path), weights any float dtype (cast to the activations' dtype for
+the GEMM), norm weights and biases added in fp32, (mu, r) fp32, gradients returned in each
+parameter's own dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from coda_jax import block_gemms as S
+from coda_jax.fused_ops import check_act, check_residual, check_rows, check_weight, flat_rows
+from coda_jax.ops import gemm_epilogue
+from coda_jax.primitives import (ACTIVATIONS, AddTile, ColSum, Primitive, RowSum, ScaleCol,
+                                 ScaleRow, Store)
+from coda_jax.sharding import reduce_like
+from pallas_kernels import EpilogueOutput, InputKind, OutputKind
+
+_F32 = jnp.float32
+
+
+# ---- configuration -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LayerNormConfig:
+  """LayerNorm's settings.
+
+  Attributes:
+    eps: added to the variance before the reciprocal square root; a positive finite
+      number (GPT-2 uses 1e-5).
+  """
+  eps: float = 1e-5
+
+  def __post_init__(self):
+    eps = self.eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+      raise ValueError(f"LayerNormConfig.eps={eps!r}: must be a Python float, e.g. 1e-5")
+    if not (math.isfinite(eps) and eps > 0):
+      raise ValueError(f"LayerNormConfig.eps={eps!r}: must be positive and finite, e.g. 1e-5")
+
+
+# ---- primitives --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class AddBias(Primitive):
+  """x + b[n]; ``name`` is an (N,) fp32 column operand.
+
+  Its gradient is the column sum of the output's cotangent (a ``ColSum`` in the GEMM that
+  produces the cotangent). A bias moves a zero row, so it does not claim
+  ``keeps_zero_rows`` (rows padded onto M would add b to column sums)."""
+  name: str
+
+  def inputs(self):
+    return {self.name: InputKind.COL}
+
+  def apply(self, x, env):
+    return x + env.load(self.name).astype(_F32)[None, :]
+
+
+@dataclasses.dataclass(frozen=True)
+class AddOuter(Primitive):
+  """x + sign * u[m] * v[n]: a rank-1 update; ``row`` an (M,), ``col`` an (N,) operand,
+  ``sign`` +1 or -1 (LayerNorm's mean term is ``AddOuter("r_mu", "gw", -1)``)."""
+  _keeps_zero_rows = True  # u = 0 on a zero row
+  row: str
+  col: str
+  sign: float = 1.0
+
+  def __post_init__(self):
+    if self.sign not in (1, -1):
+      raise ValueError(f"AddOuter.sign={self.sign!r}: must be 1 or -1 (scale the operand "
+                       "for other factors)")
+
+  def inputs(self):
+    return {self.row: InputKind.ROW, self.col: InputKind.COL}
+
+  def apply(self, x, env):
+    u = env.load(self.row).astype(_F32)[:, None]
+    v = env.load(self.col).astype(_F32)[None, :]
+    return x + u * v if self.sign == 1 else x - u * v
+
+
+@dataclasses.dataclass(frozen=True)
+class Gelu(Primitive):
+  """gelu(x), tanh form (GPT-2's); the same definition as ``Gated``'s "gelu"."""
+  _keeps_zero_rows = True
+
+  def apply(self, x, env):
+    return ACTIVATIONS["gelu"][0](x)
+
+
+@dataclasses.dataclass(frozen=True)
+class GeluGrad(Primitive):
+  """da -> dz = da * gelu'(z), with ``z`` the (M, N) saved pre-activation (tile operand).
+  Stores the recomputed a = gelu(z) as ``a`` (the A operand of the next weight
+  gradient), so the forward need not keep it."""
+  _keeps_zero_rows = True  # da = 0 and z = 0 give dz = 0 and a = gelu(0) = 0
+  z: str
+  a: str
+  a_dtype: Any = jnp.bfloat16
+
+  def inputs(self):
+    return {self.z: InputKind.TILE}
+
+  def outputs(self, width):
+    return (EpilogueOutput(self.a, OutputKind.TILE, jnp.dtype(self.a_dtype)),)
+
+  def apply(self, da, env):
+    f, df = ACTIVATIONS["gelu"][1](env.load(self.z).astype(_F32))
+    env.store(self.a, f)
+    return da * df
+
+  def finish(self, raw):
+    return {self.a: raw[self.a]}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerNormGrad(Primitive):
+  """dn -> dh = r * dn, for a consumer z = r (h @ W) - (r mu) (x) (g @ W) + beta @ W + ...
+  whose accumulator here is dn = dz @ W^T (``docs/layernorm_math.md`` section 2).
+
+  Operands: ``h`` (M, N) tile (x * g), ``mu`` and ``r`` (M,) rows, ``g`` and ``beta`` (N,)
+  columns. Outputs (names are fields): ``dr`` and ``dmu`` row partials (the cotangents of
+  r and mu: sum dn (h - mu g) and -r sum dn g), ``dbeta`` and ``dg`` column partials
+  (sum dn, and g's path through g @ W: -sum mu dh, with dh rounded to ``dtype`` as it is
+  returned, so that it cancels exactly against the producer's sum dh x), and ``n`` =
+  r (h - mu g) + beta (the normalised input: the A operand of dW) in ``dtype``. A row
+  with r = 0 (only a zero-padded row: r = 1/sqrt(var + eps) > 0 otherwise) stores n = 0,
+  so a zero row stays zero in every output."""
+  _keeps_zero_rows = True
+  h: str
+  mu: str
+  r: str
+  g: str
+  beta: str
+  dr: str = "dr"
+  dmu: str = "dmu"
+  dbeta: str = "dbeta"
+  dg: str = "dg"
+  n: str = "n"
+  dtype: Any = jnp.bfloat16
+
+  def inputs(self):
+    return {self.h: InputKind.TILE, self.mu: InputKind.ROW, self.r: InputKind.ROW,
+            self.g: InputKind.COL, self.beta: InputKind.COL}
+
+  def outputs(self, width):
+    return (EpilogueOutput(self.dr, OutputKind.ROW_PARTIAL, _F32),
+            EpilogueOutput(self.dmu, OutputKind.ROW_PARTIAL, _F32),
+            EpilogueOutput(self.dbeta, OutputKind.COL_PARTIAL, _F32),
+            EpilogueOutput(self.dg, OutputKind.COL_PARTIAL, _F32),
+            EpilogueOutput(self.n, OutputKind.TILE, jnp.dtype(self.dtype)))
+
+  def apply(self, dn, env):
+    mu = env.load(self.mu).astype(_F32)
+    r = env.load(self.r).astype(_F32)
+    g = env.load(self.g).astype(_F32)[None, :]
+    beta = env.load(self.beta).astype(_F32)[None, :]
+    hc = env.load(self.h).astype(_F32) - mu[:, None] * g  # (x - mu) g
+    dh = r[:, None] * dn
+    dh_stored = dh.astype(self.dtype).astype(_F32)
+    env.store(self.dr, jnp.sum(dn * hc, axis=1))
+    env.store(self.dmu, -r * jnp.sum(dn * g, axis=1))
+    env.store(self.dbeta, jnp.sum(dn, axis=0))
+    env.store(self.dg, -jnp.sum(mu[:, None] * dh_stored, axis=0))
+    live = (r > 0).astype(_F32)[:, None]
+    env.store(self.n, r[:, None] * hc + live * beta)
+    return dh
+
+  def finish(self, raw):
+    out = {nm: jnp.sum(raw[nm], axis=0) for nm in (self.dr, self.dmu, self.dbeta, self.dg)}
+    out[self.n] = raw[self.n]
+    return out
+
+
+# ---- input checks ------------------------------------------------------------------------
+def check_vector(name, v, width):
+  """A (width,) floating parameter (a bias or a norm weight)."""
+  if not hasattr(v, "dtype") or not jnp.issubdtype(v.dtype, jnp.floating):
+    raise ValueError(f"{name}.dtype={getattr(v, 'dtype', type(v).__name__)}: must be a "
+                     "floating-point array")
+  if tuple(v.shape) != (width,):
+    raise ValueError(f"{name} has shape {tuple(v.shape)}, expected ({width},): one value "
+                     "per output column")
+
+
+def _check_stats(h, mu, r):
+  check_rows("mu", mu, h.shape[:-1], "float")
+  check_rows("r", r, h.shape[:-1], "float")
+  for name, v in (("mu", mu), ("r", r)):
+    if not jnp.issubdtype(v.dtype, jnp.floating):
+      raise ValueError(f"{name}.dtype={v.dtype}: must be floating point (float32, as "
+                       "residual_layernorm returns it)")
+
+
+def _f32(v):
+  return None if v is None else v.astype(_F32)
+
+
+# ---- GEMM-epilogue calls -----------------------------------------------------------------
+def stats_from_sums(s1, s2, d, eps):
+  """(mu, r) per row from the row sums of x and x^2 over d columns (fp32; var clamped at
+  0 against rounding; ``docs/layernorm_math.md`` section 4 on cancellation)."""
+  mu = s1 / d
+  var = jnp.maximum(s2 / d - mu * mu, 0.0)
+  return mu, jax.lax.rsqrt(var + eps)
+
+
+def norm_columns(g, beta, w, bias=None):
+  """(g @ w, beta @ w + bias) in fp32, from the 16-bit ``w`` the GEMM reads (one pass)."""
+  gb = jnp.matmul(jnp.stack([g, beta]).astype(_F32), w.astype(_F32),
+                  precision=jax.lax.Precision.HIGHEST)
+  return gb[0], gb[1] if bias is None else gb[1] + bias.astype(_F32)
+
+
+def norm_matmul_program(tail):
+  """The consumer's epilogue: r * acc - (r mu) (x) gw + cw, then ``tail``."""
+  return [ScaleRow("r"), AddOuter("r_mu", "gw", -1.0), AddBias("cw"), *tail]
+
+
+def norm_matmul_operands(mu, r, gw, cw):
+  return {"r": r, "r_mu": r * mu, "gw": gw, "cw": cw}
+
+
+def norm_matmul_grad(dz, w, h, mu, r, g, beta, impl):
+  """dn = dz @ w^T with ``LayerNormGrad``: returns dh, n, dr, dmu, dbeta, dg'."""
+  dt = dz.dtype
+  out = gemm_epilogue(dz, w, [LayerNormGrad("h", "mu", "r", "g", "beta", dtype=dt),
+                              Store("dh", dt)],
+                      {"h": h, "mu": mu, "r": r, "g": g.astype(_F32),
+                       "beta": beta.astype(_F32)}, trans_b=True, impl=impl)
+  return out["dh"], out["n"], out["dr"], out["dmu"], out["dbeta"], out["dg"]
+
+
+# ---- residual (+ bias) + LayerNorm statistics ---------------------------------------------
+def residual_layernorm(y, w, residual, g, *, bias=None, eps: float = 1e-5,
+                       impl: str = "auto"):
+  """The producer of a LayerNorm'd residual stream.
+
+  Args:
+    y: (..., K) activations, bfloat16 or float16 (float32 runs the XLA path).
+    w: (K, D) weight. residual: (..., D), y's dtype. g: (D,) LayerNorm weight.
+    bias: optional (D,) bias of the GEMM (added in fp32).
+    eps: LayerNorm's epsilon (``LayerNormConfig``).
+    impl: as ``coda_jax.gemm_epilogue``.
+
+  Returns:
+    (x, h, mu, r): x = y @ w + bias + residual and h = x * g (..., D) in y's dtype;
+    mu, r (...) fp32, the mean and 1/sqrt(var + eps) of each row of x (taken from the
+    fp32 accumulator). Feed (h, mu, r) to ``layernorm_matmul`` or ``layernorm_gelu_mlp``.
+  """
+  cfg = LayerNormConfig(eps)
+  check_act("y", y)
+  check_weight("w", w, (y.shape[-1], w.shape[-1]))
+  check_act("residual", residual, w.shape[-1])
+  check_vector("g", g, w.shape[-1])
+  if bias is not None:
+    check_vector("bias", bias, w.shape[-1])
+  check_residual(residual, y)
+  lead = y.shape[:-1]
+  x, h, mu, r = _residual_ln(flat_rows(y), w, flat_rows(residual), g, bias, cfg, impl)
+  return x.reshape(*lead, -1), h.reshape(*lead, -1), mu.reshape(lead), r.reshape(lead)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _residual_ln(y, w, residual, g, bias, cfg, impl):
+  return _residual_ln_fwd(y, w, residual, g, bias, cfg, impl)[0]
+
+
+def _residual_ln_fwd(y, w, residual, g, bias, cfg, impl):
+  dt = y.dtype
+  head, operands = [], {"res": residual, "g": g.astype(_F32)}
+  if bias is not None:
+    head, operands["b"] = [AddBias("b")], bias.astype(_F32)
+  out = gemm_epilogue(y, w.astype(dt), head + [AddTile("res"), RowSum("s1"),
+                                              RowSum("s2", square=True), Store("x", dt),
+                                              ScaleCol("g"), Store("h", dt)],
+                      operands, impl=impl)
+  mu, r = stats_from_sums(out["s1"], out["s2"], w.shape[1], cfg.eps)
+  return (out["x"], out["h"], mu, r), (y, w, out["x"], g, mu, r, bias)
+
+
+def _residual_ln_bwd(cfg, impl, saved, cts):
+  y, w, x, g, mu, r, bias = saved
+  dx, dh, dmu, dr = cts
+  d = x.shape[1]
+  xf = x.astype(_F32)
+  dhf = dh.astype(_F32)
+  # docs/layernorm_math.md section 2: dx + g dh + dmu / D - (dr r^3 / D) (x - mu).
+  dxt32 = (dx.astype(_F32) + dhf * g.astype(_F32) + (dmu / d)[:, None]
+           - (dr * r ** 3 / d)[:, None] * (xf - mu[:, None]))
+  dxt = dxt32.astype(x.dtype)
+  dg = jnp.sum(dhf * xf, axis=0)
+  dy = S.input_grad(dxt, w.astype(y.dtype), impl)
+  dw = S.weight_grad(y, dxt, impl, S.grad_dtype(w))
+  db = None if bias is None else reduce_like(jnp.sum(dxt32, axis=0), bias).astype(bias.dtype)
+  return (dy, reduce_like(dw, w).astype(w.dtype), dxt, reduce_like(dg, g).astype(g.dtype),
+          db)
+
+
+_residual_ln.defvjp(_residual_ln_fwd, _residual_ln_bwd)
+
+
+# ---- LayerNorm (from its statistics) + GEMM (+ bias) ---------------------------------------
+def layernorm_matmul(h, mu, r, g, beta, w, *, bias=None, impl: str = "auto"):
+  """LN(x) @ w + bias, from ``residual_layernorm``'s (h = x * g, mu, r).
+
+  Args:
+    h: (..., D) activations, bfloat16 or float16. mu, r: (...) float row statistics.
+    g, beta: (D,) LayerNorm weight and bias (the same g that made h).
+    w: (D, N) weight. bias: optional (N,) bias.
+    impl: as ``coda_jax.gemm_epilogue``.
+
+  Returns:
+    (..., N) in h's dtype: ((h - mu g) r + beta) @ w + bias, computed as
+    r (h @ w) - (r mu) (x) (g @ w) + beta @ w + bias in the GEMM's epilogue.
+  """
+  check_act("h", h)
+  check_weight("w", w, (h.shape[-1], w.shape[-1]))
+  _check_stats(h, mu, r)
+  check_vector("g", g, h.shape[-1])
+  check_vector("beta", beta, h.shape[-1])
+  if bias is not None:
+    check_vector("bias", bias, w.shape[-1])
+  lead = h.shape[:-1]
+  z = _ln_matmul(flat_rows(h), _f32(mu.reshape(-1)), _f32(r.reshape(-1)), g, beta, w, bias,
+                 impl)
+  return z.reshape(*lead, -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _ln_matmul(h, mu, r, g, beta, w, bias, impl):
+  return _ln_matmul_fwd(h, mu, r, g, beta, w, bias, impl)[0]
+
+
+def _ln_matmul_fwd(h, mu, r, g, beta, w, bias, impl):
+  dt = h.dtype
+  wd = w.astype(dt)
+  gw, cw = norm_columns(g, beta, wd, bias)
+  z = gemm_epilogue(h, wd, norm_matmul_program([Store("z", dt)]),
+                    norm_matmul_operands(mu, r, gw, cw), impl=impl)["z"]
+  return z, (h, mu, r, g, beta, w, bias)
+
+
+def _ln_matmul_bwd(impl, saved, dz):
+  h, mu, r, g, beta, w, bias = saved
+  wd = w.astype(h.dtype)
+  dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, wd, h, mu, r, g, beta, impl)
+  dw = S.weight_grad(n, dz, impl, S.grad_dtype(w))
+  db = None  # no GEMM produces dz here: an XLA column sum
+  if bias is not None:
+    db = reduce_like(jnp.sum(dz.astype(_F32), axis=0), bias).astype(bias.dtype)
+  return (dh, dmu, dr, reduce_like(dg, g).astype(g.dtype),
+          reduce_like(dbeta, beta).astype(beta.dtype), reduce_like(dw, w).astype(w.dtype), db)
+
+
+_ln_matmul.defvjp(_ln_matmul_fwd, _ln_matmul_bwd)
+
+
+# ---- GPT-2's MLP: LayerNorm -> w1 + b1 -> gelu -> w2 + b2 -> + residual --------------------
+def layernorm_gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, *, impl: str = "auto"):
+  """x + gelu(LN(x) @ w1 + b1) @ w2 + b2 (GELU in its tanh form, as GPT-2).
+
+  Args:
+    x: (..., D) the residual stream, bfloat16 or float16. h, mu, r: its
+      ``residual_layernorm`` outputs (h = x * g).
+    g, beta: (D,) LayerNorm weight and bias.
+    w1: (D, F), b1: (F,), w2: (F, D), b2: (D,).
+    impl: as ``coda_jax.gemm_epilogue``.
+
+  Returns:
+    (..., D) in x's dtype.
+  """
+  check_act("x", x)
+  check_act("h", h, x.shape[-1])
+  if h.shape != x.shape or h.dtype != x.dtype:
+    raise ValueError(f"h is {h.dtype}{list(h.shape)}, expected x's {x.dtype}{list(x.shape)} "
+                     "(h = x * g from residual_layernorm)")
+  d = x.shape[-1]
+  check_weight("w1", w1, (d, w1.shape[-1]))
+  check_weight("w2", w2, (w1.shape[-1], d))
+  _check_stats(h, mu, r)
+  check_vector("g", g, d)
+  check_vector("beta", beta, d)
+  check_vector("b1", b1, w1.shape[-1])
+  check_vector("b2", b2, d)
+  out = _gelu_mlp(flat_rows(x), flat_rows(h), _f32(mu.reshape(-1)), _f32(r.reshape(-1)), g,
+                  beta, w1, b1, w2, b2, impl)
+  return out.reshape(x.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, impl):
+  return _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, impl)[0]
+
+
+def _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, impl):
+  dt = x.dtype
+  w1d = w1.astype(dt)
+  gw, cw = norm_columns(g, beta, w1d, b1)
+  first = gemm_epilogue(h, w1d, norm_matmul_program([Store("z", dt), Gelu(), Store("a", dt)]),
+                        norm_matmul_operands(mu, r, gw, cw), impl=impl)
+  out = gemm_epilogue(first["a"], w2.astype(dt), [AddBias("b2"), AddTile("x"),
+                                                   Store("out", dt)],
+                      {"b2": b2.astype(_F32), "x": x}, impl=impl)["out"]
+  return out, (h, mu, r, g, beta, w1, b1, w2, b2, first["z"])
+
+
+def _gelu_mlp_bwd(impl, saved, dout):
+  h, mu, r, g, beta, w1, b1, w2, b2, z = saved
+  dt = dout.dtype
+  # B1: da = dout @ w2^T; gelu' rides here, with db1's column sums and the recomputed a.
+  b1_out = gemm_epilogue(dout, w2.astype(dt), [GeluGrad("z", "a", dt), ColSum("db1"),
+                                               Store("dz", dt)],
+                         {"z": z}, trans_b=True, impl=impl)
+  dz, a, db1 = b1_out["dz"], b1_out["a"], b1_out["db1"]
+  # B2: dn = dz @ w1^T -> dh and the LayerNorm terms. B3, B4: weight gradients.
+  dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, w1.astype(dt), h, mu, r, g, beta, impl)
+  dw1 = S.weight_grad(n, dz, impl, S.grad_dtype(w1))
+  dw2 = S.weight_grad(a, dout, impl, S.grad_dtype(w2))
+  db2 = jnp.sum(dout.astype(_F32), axis=0)  # no GEMM produces dout
+  cast = lambda grad, p: reduce_like(grad, p).astype(p.dtype)
+  return (dout, dh, dmu, dr, cast(dg, g), cast(dbeta, beta), cast(dw1, w1), cast(db1, b1),
+          cast(dw2, w2), cast(db2, b2))
+
+
+_gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
+
+
+__all__ = ["AddBias", "AddOuter", "Gelu", "GeluGrad", "LayerNormConfig", "LayerNormGrad",
+           "layernorm_gelu_mlp", "layernorm_matmul", "norm_columns", "residual_layernorm",
+           "stats_from_sums"]

@@ -1,0 +1,368 @@
+"""coda_jax.layernorm_ops (LayerNorm, column bias, GPT-2's GELU MLP): outputs and
+gradients against jax.grad of the plain-jnp reference (coda_jax.jnp_reference) under the
+tolerance rule (tests/helpers.assert_within_baseline): truth = the reference on fp32
+inputs at HIGHEST precision; bound = twice the error of the same reference run unfused
+in the activation dtype, overall and per row.
+
+Widths K, D, N, F all differ, the residual stream has per-row std in [2, 20]
+(helpers.spread_rows, so r = 1/std is far from 1) and, where named, a per-row mean offset
+of up to ``offset`` std (docs/layernorm_math.md section 4): the offset cases show that the
+fp32 E[x^2] - mu^2 of the fused statistics stays within the rule (the bf16 storage of x
+and h dominates both errors). Every op runs on impl="xla"; one small case per op runs the
+real kernel through the Mosaic GPU interpreter (impl="interpret")."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import coda_jax as cj
+from coda_jax import jnp_reference as R
+from coda_jax import layernorm_ops as L
+from helpers import GATED_ACTS, assert_within_baseline, f32_tree, normal, spread_rows
+
+EPS = 1e-5
+M, K, D, N, FF = 128, 256, 192, 320, 384
+
+
+def _inputs(key, m, k, d, n, f, dt=jnp.bfloat16, offset=0.0):
+  """Inputs of every op. ``xs`` (fp32) is a residual stream, per-row std 2-20 plus a
+  per-row mean offset uniform in [-offset, offset] std; (x, h, mu, r) are what
+  residual_layernorm hands on for it. w2 is scaled so the MLP's update is the size of the
+  stream (else the residual would hide the MLP in the output, and the MLP's gradient
+  paths into x would be small against dout's pass-through)."""
+  ks = jax.random.split(key, 16)
+  xs = spread_rows(ks[0], (m, d), lo=2.0, hi=20.0)
+  std = jnp.std(xs, axis=1, keepdims=True)
+  xs = xs + offset * std * jax.random.uniform(ks[1], (m, 1), minval=-1.0, maxval=1.0)
+  g = 1 + 0.2 * normal(ks[2], (d,))
+  mu, r = R.layernorm_stats(xs, EPS)
+  res = spread_rows(ks[3], (m, d), lo=2.0, hi=20.0)
+  res = res + offset * jnp.std(res, axis=1, keepdims=True) * jax.random.uniform(
+      ks[4], (m, 1), minval=-1.0, maxval=1.0)
+  return dict(
+      y=normal(ks[5], (m, k), dt), w=normal(ks[6], (k, d), dt) * k ** -0.5,
+      b=0.5 * normal(ks[7], (d,)), res=res.astype(dt), g=g, beta=0.3 * normal(ks[8], (d,)),
+      x=xs.astype(dt), h=(xs * g).astype(dt), mu=mu, r=r,
+      wq=normal(ks[9], (d, n), dt) * d ** -0.5, bq=0.5 * normal(ks[10], (n,)),
+      w1=normal(ks[11], (d, f), dt) * d ** -0.5, b1=0.5 * normal(ks[12], (f,)),
+      w2=normal(ks[13], (f, d), dt) * (8 * f ** -0.5), b2=0.5 * normal(ks[14], (d,)))
+
+
+def _producer_cts(key, truth, x):
+  """Cotangents of (x, h, mu, r) whose paths into dy have the same order: dx, dh unit
+  normal; the mu path adds dmu / D per element (dmu ~ D), the r path adds
+  -(dr r^3 / D)(x - mu) of row norm |dr| r^2 / sqrt(D) (dr ~ D / r^2)."""
+  ks = jax.random.split(key, 4)
+  xo, ho, mu, r = truth
+  d = xo.shape[-1]
+  return [normal(ks[0], xo.shape), normal(ks[1], ho.shape), normal(ks[2], mu.shape) * d,
+          normal(ks[3], r.shape) * d / r ** 2]
+
+
+def _stream_cts(key, truth, x):
+  """(x, out) of a composition: x's cotangent scaled by its row's r (else the pass-through
+  would swamp the LayerNorm paths, which carry a factor r)."""
+  ks = jax.random.split(key, 2)
+  _, r = R.layernorm_stats(truth[0], EPS)
+  return [normal(ks[0], truth[0].shape) * r[:, None], normal(ks[1], truth[1].shape)]
+
+
+def _ln_matmul_then(tail_fused, tail_ref):
+  """residual_layernorm feeding an (h, mu, r) op: returns (x, tail's output)."""
+  def fused(p, impl):
+    x, h, mu, r = L.residual_layernorm(p["y"], p["w"], p["res"], p["g"], bias=p["b"],
+                                       impl=impl)
+    return x, tail_fused(p, x, h, mu, r, impl)
+
+  def ref(p):
+    x = R.residual_layernorm(p["y"], p["w"], p["res"], p["g"], p["b"])[0]
+    return x, tail_ref(p, x)
+  return fused, ref
+
+
+_composed_qkv = _ln_matmul_then(
+    lambda p, x, h, mu, r, impl: L.layernorm_matmul(h, mu, r, p["g"], p["beta"], p["wq"],
+                                                    bias=p["bq"], impl=impl),
+    lambda p, x: R.layer_norm(x, p["g"], p["beta"]) @ p["wq"].astype(x.dtype)
+    + p["bq"].astype(x.dtype))
+_composed_mlp = _ln_matmul_then(
+    lambda p, x, h, mu, r, impl: L.layernorm_gelu_mlp(x, h, mu, r, p["g"], p["beta"], p["w1"],
+                                                      p["b1"], p["w2"], p["b2"], impl=impl),
+    lambda p, x: R.gpt2_mlp(x, p["g"], p["beta"], p["w1"], p["b1"], p["w2"], p["b2"]))
+
+# op name -> (fused(p, impl), reference(p), differentiable input names[, cotangents])
+OPS = {
+    "residual_layernorm": (
+        lambda p, impl: L.residual_layernorm(p["y"], p["w"], p["res"], p["g"], bias=p["b"],
+                                             impl=impl),
+        lambda p: R.residual_layernorm(p["y"], p["w"], p["res"], p["g"], p["b"]),
+        ("y", "w", "res", "g", "b"), _producer_cts),
+    "residual_layernorm_nobias": (
+        lambda p, impl: L.residual_layernorm(p["y"], p["w"], p["res"], p["g"], impl=impl),
+        lambda p: R.residual_layernorm(p["y"], p["w"], p["res"], p["g"]),
+        ("y", "w", "res", "g"), _producer_cts),
+    "layernorm_matmul": (
+        lambda p, impl: L.layernorm_matmul(p["h"], p["mu"], p["r"], p["g"], p["beta"], p["wq"],
+                                           bias=p["bq"], impl=impl),
+        lambda p: R.layernorm_matmul(p["h"], p["mu"], p["r"], p["g"], p["beta"], p["wq"],
+                                     p["bq"]),
+        ("h", "mu", "r", "g", "beta", "wq", "bq")),
+    "layernorm_matmul_nobias": (
+        lambda p, impl: L.layernorm_matmul(p["h"], p["mu"], p["r"], p["g"], p["beta"], p["wq"],
+                                           impl=impl),
+        lambda p: R.layernorm_matmul(p["h"], p["mu"], p["r"], p["g"], p["beta"], p["wq"]),
+        ("h", "mu", "r", "g", "beta", "wq")),
+    "layernorm_gelu_mlp": (
+        lambda p, impl: L.layernorm_gelu_mlp(p["x"], p["h"], p["mu"], p["r"], p["g"],
+                                             p["beta"], p["w1"], p["b1"], p["w2"], p["b2"],
+                                             impl=impl),
+        lambda p: R.layernorm_gelu_mlp(p["x"], p["h"], p["mu"], p["r"], p["g"], p["beta"],
+                                       p["w1"], p["b1"], p["w2"], p["b2"]),
+        ("x", "h", "mu", "r", "g", "beta", "w1", "b1", "w2", "b2")),
+    # jax.grad through a composition is the whole LayerNorm backward, checked against the
+    # plain LayerNorm of the reference (statistics of x, not (h, mu, r)).
+    "composed_ln_matmul": (*_composed_qkv, ("y", "w", "res", "g", "b", "beta", "wq", "bq"),
+                           _stream_cts),
+    "gpt2_mlp_half": (*_composed_mlp,
+                      ("y", "w", "res", "g", "b", "beta", "w1", "b1", "w2", "b2"),
+                      _stream_cts),
+}
+
+
+def _projected(fn, cts):
+  """Scalar <fn(p), cts>, so every output's gradient path is exercised."""
+  def loss(diff, rest):
+    outs = jax.tree.leaves(fn({**rest, **diff}))
+    return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outs, cts))
+  return loss
+
+
+def max_rel_err(got, truth):
+  got, truth = np.asarray(got, np.float64), np.asarray(truth, np.float64)
+  return float(np.max(np.abs(got - truth) / np.abs(truth)))
+
+
+def check_op(name, p, impl, key):
+  """Op ``name`` forward and backward under jit against the fp32 truth, under the
+  tolerance rule; r (positive) also per element."""
+  fused, reference, names, *make_cts = OPS[name]
+  diff = {k: p[k] for k in names}
+  rest = {k: v for k, v in p.items() if k not in names}
+  with jax.default_matmul_precision("highest"):
+    truth = jax.jit(reference)(f32_tree(p))
+  leaves = jax.tree.leaves(truth)
+  if make_cts:
+    cts = make_cts[0](key, leaves, p)
+  else:
+    cts = [normal(jax.random.fold_in(key, i), o.shape) for i, o in enumerate(leaves)]
+  with jax.default_matmul_precision("highest"):
+    g_truth = jax.jit(jax.grad(_projected(reference, cts)))(f32_tree(diff), f32_tree(rest))
+  base, g_base = reference(p), jax.grad(_projected(reference, cts))(diff, rest)
+  op = lambda z: fused(z, impl)
+  got, g_got = jax.jit(lambda d, r: (op({**r, **d}), jax.grad(_projected(op, cts))(d, r)))(
+      diff, rest)
+  for i, (a, t, b) in enumerate(zip(jax.tree.leaves(got), leaves, jax.tree.leaves(base))):
+    assert a.shape == t.shape and a.dtype == b.dtype, (name, i, a.shape, a.dtype, b.dtype)
+    assert_within_baseline(a, t, b, f"{name} output {i}")
+    if a.ndim == 1 and np.all(np.asarray(t) > 0):  # r: per element
+      e, e_base = max_rel_err(a, t), max_rel_err(b, t)
+      assert e <= 2 * e_base + 1e-6, f"{name} output {i}: {e:.3g} > 2 x {e_base:.3g}"
+  for k in names:
+    assert g_got[k].dtype == p[k].dtype, (k, g_got[k].dtype)
+    assert_within_baseline(g_got[k], g_truth[k], g_base[k], f"{name} d{k}")
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_op_and_grads_xla(name, key):
+  """Every op and the two compositions, bf16, forward and all gradients (XLA program)."""
+  check_op(name, _inputs(key, M, K, D, N, FF), "xla", key)
+
+
+@pytest.mark.parametrize("offset", [30.0, 300.0])
+@pytest.mark.parametrize("name", list(OPS))
+def test_rows_with_mean_offset(name, offset, key):
+  """Residual streams whose rows' means are up to 30 or 300 std from 0: the fused
+  statistics (fp32 E[x^2] - mu^2 from the accumulator) and the mean term (r mu) (x) gW
+  meet the tolerance rule; the bf16 rounding of x and h dominates both errors."""
+  check_op(name, _inputs(key, M, K, D, N, FF, offset=offset), "xla", key)
+
+
+@pytest.mark.parametrize("m", [1, 65])
+@pytest.mark.parametrize("name", ["residual_layernorm", "layernorm_matmul",
+                                  "layernorm_gelu_mlp"])
+def test_odd_shapes_fp16(name, m, key):
+  """fp16, M = 1 and 65 rows, narrow widths (K, D, N, F) = (64, 96, 80, 112)."""
+  check_op(name, _inputs(key, m, 64, 96, 80, 112, jnp.float16), "xla", key)
+
+
+@pytest.mark.parametrize("name", ["residual_layernorm", "layernorm_matmul",
+                                  "layernorm_gelu_mlp"])
+def test_op_and_grads_kernel(name, key, kernel_impl):
+  """The real kernel (Mosaic GPU interpreter on CPU; compiled on sm90), one small case
+  per op: M = 128, widths 64-256 (every call of the forward and backward programs)."""
+  check_op(name, _inputs(key, 128, 128, 64, 192, 256), kernel_impl, key)
+
+
+def test_stats_with_mean_offset():
+  """(mu, r) of residual_layernorm (fp32 E[x^2] - mu^2 from the accumulator) against a
+  float64 oracle, for rows whose |mean| / std = k runs from 0 to ~2000 (bf16 residuals at
+  offsets up to 3000 round to a few distinct values per row): r's relative error stays
+  below 8 (1 + k^2) 2^-24 for k < 1000 (docs/layernorm_math.md section 4), and is at
+  most an unfused LN's of the stored bf16 x wherever k > 30. Past k ~ 2000 the fp32
+  variance rounds to <= 0 (clamped: r = 1/sqrt(eps)); the unfused LN's is then 0 as well
+  (its bf16 x holds one value per row), so both are off by ~300x in the same way."""
+  ks = jax.random.split(jax.random.key(7), 3)
+  m, k, d = 64, 64, 256
+  y = normal(ks[0], (m, k), jnp.bfloat16)
+  w = (normal(ks[1], (k, d)) * k ** -0.5).astype(jnp.bfloat16)
+  offsets = jnp.concatenate([jnp.zeros(16), jnp.geomspace(1.0, 3000.0, m - 16)])
+  res = (normal(ks[2], (m, d)) + offsets[:, None]).astype(jnp.bfloat16)
+  x, _, mu, r = L.residual_layernorm(y, w, res, jnp.ones((d,)), impl="xla")
+  x64 = (np.asarray(y, np.float64) @ np.asarray(w, np.float64)
+         + np.asarray(res, np.float64))
+  r64 = 1 / np.sqrt(x64.var(axis=1) + EPS)
+  err = np.abs(np.asarray(r, np.float64) - r64) / r64
+  ratio = np.abs(x64.mean(axis=1)) / x64.std(axis=1)
+  assert ratio.max() > 1000
+  bound = 8 * (1 + ratio ** 2) * 2.0 ** -24
+  assert np.all((err <= bound)[ratio < 1000]), np.max((err / bound)[ratio < 1000])
+  np.testing.assert_allclose(np.asarray(mu), x64.mean(axis=1), rtol=1e-6, atol=1e-5)
+  _, r_unfused = R.layernorm_stats(x, EPS)  # LN of the stored bf16 x
+  base = np.abs(np.asarray(r_unfused, np.float64) - r64) / r64
+  far = ratio > 30
+  assert base.max() > 10 and np.all(err[far] <= base[far] * (1 + 1e-6)), (err[far], base[far])
+
+
+# ---- the primitives ----------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_add_bias_and_outer_in_a_gemm(impl, key):
+  """AddBias and AddOuter (both signs) in one program with a column sum, against the
+  fp64 product, M = 128; and M = 100: with only tile outputs the kernel pads M (padded
+  rows are sliced off), but with a column sum after AddBias it must not (the bias would
+  add b to every padded row's contribution), so the interpreter refuses the shape."""
+  ks = jax.random.split(key, 6)
+  m, k, n = 128, 64, 128
+  a, b = normal(ks[0], (m, k), jnp.bfloat16), normal(ks[1], (k, n), jnp.bfloat16)
+  bias, u, v = normal(ks[2], (n,)), normal(ks[3], (m,)), normal(ks[4], (n,))
+  head = [cj.AddBias("b"), cj.AddOuter("u", "v", -1.0), cj.AddOuter("u", "b"),
+          cj.Store("out", jnp.float32)]
+  out = cj.gemm_epilogue(a, b, head + [cj.ColSum("cs")], {"b": bias, "u": u, "v": v},
+                         impl=impl)
+  f = lambda t: np.asarray(t, np.float64)
+  want = f(a) @ f(b) + f(bias) - np.outer(f(u), f(v)) + np.outer(f(u), f(bias))
+  np.testing.assert_allclose(f(out["out"]), want, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(f(out["cs"]), want.sum(0), rtol=1e-5, atol=1e-3)
+  ops100 = {"b": bias, "u": u[:100], "v": v}
+  out = cj.gemm_epilogue(a[:100], b, head, ops100, impl=impl)
+  np.testing.assert_allclose(f(out["out"]), want[:100], rtol=1e-5, atol=1e-4)
+  if impl == "interpret":
+    with pytest.raises(ValueError, match=r"does not tile, even with M and K padded"):
+      cj.gemm_epilogue(a[:100], b, head + [cj.ColSum("cs")], ops100, impl=impl)
+
+
+def test_gelu_is_gpt2s_tanh_form():
+  """Gelu (kernel and reference alike) is GPT-2's tanh approximation, checked against
+  helpers' independent formula; GeluGrad's hand-written derivative against autodiff."""
+  z = jnp.linspace(-6.0, 6.0, 1001)
+  env = type("E", (), {"load": lambda self, nm: z[None], "store": lambda self, nm, v: None})()
+  np.testing.assert_allclose(np.asarray(cj.Gelu().apply(z, env)),
+                             np.asarray(GATED_ACTS["gelu"](z)), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(cj.GeluGrad("z", "a").apply(jnp.ones((1, 1001)), env)[0]),
+                             np.asarray(jax.vmap(jax.grad(GATED_ACTS["gelu"]))(z)),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_zero_row_claims():
+  """A bias moves a zero row (it must not claim keeps_zero_rows); the rank-1 update, the
+  activation steps and LayerNormGrad keep it."""
+  assert not cj.AddBias("b").keeps_zero_rows()
+  for prim in (cj.AddOuter("u", "v"), cj.Gelu(), cj.GeluGrad("z", "a"),
+               cj.LayerNormGrad("h", "mu", "r", "g", "beta")):
+    assert prim.keeps_zero_rows(), prim
+
+
+def test_layernorm_grad_matches_autodiff(key):
+  """LayerNormGrad's outputs are the VJP of z = r (h @ W) - (r mu) (x) (g @ W) w.r.t.
+  (h, r, mu, g), and n = r (h - mu g) + beta, on the XLA path in fp32."""
+  ks = jax.random.split(key, 6)
+  m, d, n = 64, 96, 128
+  h, w, dz = normal(ks[0], (m, d)), normal(ks[1], (d, n)), normal(ks[2], (m, n))
+  mu, r, g = normal(ks[3], (m,)), 1 + jnp.abs(normal(ks[4], (m,))), normal(ks[5], (d,))
+  beta = g[::-1]
+  zfn = lambda h, r, mu, g: r[:, None] * (h @ w) - (r * mu)[:, None] * (g @ w)[None, :]
+  with jax.default_matmul_precision("highest"):
+    want = jax.vjp(zfn, h, r, mu, g)[1](dz)
+    got = cj.gemm_epilogue(dz, w, [cj.LayerNormGrad("h", "mu", "r", "g", "beta",
+                                                    dtype=jnp.float32),
+                                   cj.Store("dh", jnp.float32)],
+                           {"h": h, "mu": mu, "r": r, "g": g, "beta": beta}, trans_b=True,
+                           impl="xla")
+  for nm, wv in zip(("dh", "dr", "dmu", "dg"), want):
+    np.testing.assert_allclose(np.asarray(got[nm]), np.asarray(wv), rtol=2e-4, atol=2e-3,
+                               err_msg=nm)
+  np.testing.assert_allclose(np.asarray(got["dbeta"]), np.asarray(dz @ w.T).sum(0),
+                             rtol=2e-4, atol=2e-3)
+  np.testing.assert_allclose(np.asarray(got["n"]),
+                             np.asarray(r[:, None] * (h - mu[:, None] * g) + beta),
+                             rtol=1e-5, atol=1e-5)
+
+
+# ---- errors ------------------------------------------------------------------------------
+_p = lambda: _inputs(jax.random.key(0), 128, 64, 128, 64, 64)
+BAD = {
+    "bias_shape": (lambda p: L.residual_layernorm(p["y"], p["w"], p["res"], p["g"],
+                                                  bias=p["b"][:-1]),
+                   r"bias has shape \(127,\), expected \(128,\)"),
+    "bias_int": (lambda p: L.layernorm_matmul(p["h"], p["mu"], p["r"], p["g"], p["beta"],
+                                              p["wq"], bias=jnp.zeros(64, jnp.int32)),
+                 r"bias\.dtype=int32: must be a floating-point array"),
+    "g_shape": (lambda p: L.residual_layernorm(p["y"], p["w"], p["res"], p["g"][:64]),
+                r"g has shape \(64,\), expected \(128,\)"),
+    "beta_shape": (lambda p: L.layernorm_matmul(p["h"], p["mu"], p["r"], p["g"],
+                                                p["beta"][None], p["wq"]),
+                   r"beta has shape \(1, 128\), expected \(128,\)"),
+    "act_int": (lambda p: L.residual_layernorm(p["y"].astype(jnp.int32), p["w"], p["res"],
+                                               p["g"]),
+                r"y\.dtype=int32: activations must be bfloat16, float16 or float32"),
+    "w_shape": (lambda p: L.layernorm_matmul(p["h"], p["mu"], p["r"], p["g"], p["beta"],
+                                             p["wq"][:-1]),
+                r"w has shape \(127, 64\), expected \(128, 64\)"),
+    "residual_dtype": (lambda p: L.residual_layernorm(p["y"], p["w"],
+                                                      p["res"].astype(jnp.float16), p["g"]),
+                       r"residual\.dtype=float16 must equal y\.dtype=bfloat16"),
+    "mu_shape": (lambda p: L.layernorm_matmul(p["h"], p["mu"][:-1], p["r"], p["g"], p["beta"],
+                                              p["wq"]),
+                 r"mu has shape \(127,\), expected the activations' leading shape \(128,\)"),
+    "r_int": (lambda p: L.layernorm_matmul(p["h"], p["mu"], p["r"].astype(jnp.int32), p["g"],
+                                           p["beta"], p["wq"]),
+              r"r\.dtype=int32: must be floating point"),
+    "mlp_w2": (lambda p: L.layernorm_gelu_mlp(p["x"], p["h"], p["mu"], p["r"], p["g"],
+                                              p["beta"], p["w1"], p["b1"], p["w2"].T, p["b2"]),
+               r"w2 has shape \(128, 64\), expected \(64, 128\)"),
+    "mlp_b1": (lambda p: L.layernorm_gelu_mlp(p["x"], p["h"], p["mu"], p["r"], p["g"],
+                                              p["beta"], p["w1"], p["b2"], p["w2"], p["b2"]),
+               r"b1 has shape \(128,\), expected \(64,\)"),
+    "mlp_h": (lambda p: L.layernorm_gelu_mlp(p["x"], p["h"][:64], p["mu"], p["r"], p["g"],
+                                             p["beta"], p["w1"], p["b1"], p["w2"], p["b2"]),
+              r"h is bfloat16\[64, 128\], expected x's bfloat16\[128, 128\]"),
+    "eps": (lambda p: L.residual_layernorm(p["y"], p["w"], p["res"], p["g"], eps=0.0),
+            r"LayerNormConfig\.eps=0\.0: must be positive and finite"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_inputs(case):
+  """Each bad input raises a ValueError naming the value and what is expected."""
+  fn, match = BAD[case]
+  p = _p()
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(lambda: fn(p))
+
+
+def test_config_checks_itself():
+  with pytest.raises(ValueError, match=r"eps=nan: must be positive and finite"):
+    L.LayerNormConfig(float("nan"))
+  with pytest.raises(ValueError, match=r"eps='1e-5': must be a Python float"):
+    L.LayerNormConfig("1e-5")
+  with pytest.raises(ValueError, match=r"AddOuter\.sign=2: must be 1 or -1"):
+    cj.AddOuter("u", "v", 2)
