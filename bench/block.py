@@ -52,6 +52,8 @@ class Shape(NamedTuple):
 SHAPES = {"1b": Shape(16384, 2048, 8192, 32, 8, 64, 128256),  # Llama-3.2-1B
           # 1B with a token count that does not tile (the kernels pad M; compare per token)
           "1b_m16000": Shape(16000, 2048, 8192, 32, 8, 64, 128256),
+          # ... and the 16128 rows Llama.loss runs 8 x 2000 tokens at (ROW_MULTIPLE padding)
+          "1b_m16128": Shape(16128, 2048, 8192, 32, 8, 64, 128256),
           "8b": Shape(8192, 4096, 14336, 32, 8, 128, 128256),  # Llama-3-8B
           "tiny": Shape(256, 128, 256, 4, 2, 32, 512)}  # CPU interpreter check
 

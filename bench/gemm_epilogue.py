@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 import coda_jax as cj
 from coda_jax import layout
+from coda_jax import layernorm_ops as LN
+from coda_jax import qk_norm as QN
 from pallas_kernels import autotune
 from bench import common
 
@@ -38,6 +41,8 @@ def make_inputs(m, k, n, key):
       g=1 + 0.1 * jax.random.normal(ks[3], (n,), jnp.float32),
       r=jax.random.uniform(ks[4], (m,), jnp.float32, 0.5, 2.0),
       pos=jax.random.randint(ks[5], (m,), 0, 8192, jnp.int32),
+      bias=0.1 * jax.random.normal(ks[3], (n,), jnp.float32),
+      mu=0.1 * jax.random.normal(ks[4], (m,), jnp.float32),
   )
 
 
@@ -74,6 +79,33 @@ def programs(n):
     z = (x["a"] @ x["b"]).astype(jnp.float32) * x["r"][:, None]
     return {"lse": jax.nn.logsumexp(z, axis=-1)}
 
+  def xla_ln_stats(x):  # the producer half of a LayerNorm: x1, its row sums, x1 * g
+    x1 = (x["a"] @ x["b"]).astype(jnp.float32) + x["bias"] + x["x0"].astype(jnp.float32)
+    x1 = x1.astype(jnp.bfloat16)
+    x1f = x1.astype(jnp.float32)
+    return {"x1": x1, "s1": jnp.sum(x1f, axis=-1), "s2": jnp.sum(x1f * x1f, axis=-1),
+            "h": (x1f * x["g"]).astype(jnp.bfloat16)}
+
+  def xla_ln_consumer(x):  # r * acc - (r mu) (x) gw + cw
+    acc = (x["a"] @ x["b"]).astype(jnp.float32)
+    r = x["r"][:, None]
+    return {"out": (r * acc - (r * x["mu"][:, None]) * x["g"][None] + x["bias"][None]
+                    ).astype(jnp.bfloat16)}
+
+  def xla_gelu(x):
+    z = ((x["a"] @ x["b"]).astype(jnp.float32) + x["bias"]).astype(jnp.bfloat16)
+    return {"z": z, "a": jax.nn.gelu(z, approximate=True)}
+
+  def xla_qknorm_rope(x):
+    u = ((x["a"] @ x["b"]).astype(jnp.float32) * x["r"][:, None]).astype(jnp.bfloat16)
+    z = u.reshape(u.shape[0], -1, HEAD).astype(jnp.float32)
+    z = z * jax.lax.rsqrt(jnp.mean(z * z, -1, keepdims=True) + 1e-6)
+    z = z * x["g"].reshape(-1, HEAD)[None]
+    t = x["pos"].astype(jnp.float32)[:, None, None] * fr[None, None, :HEAD]
+    rot = jnp.concatenate([-z[..., HEAD // 2:], z[..., :HEAD // 2]], axis=-1)
+    q = (z * jnp.cos(t) + rot * jnp.sin(t)).reshape(u.shape[0], -1).astype(jnp.bfloat16)
+    return {"u": u, "qkv": q}
+
   return {
       "plain": (run([cj.Store("out")]), lambda x: {"out": x["a"] @ x["b"]}),
       "residual_sumsq_aux": (
@@ -86,6 +118,21 @@ def programs(n):
           lambda x: cj.gemm_epilogue(x["a"], x["b"], [cj.ScaleRow("r"), cj.Rotate("pos", "fr", HEAD // 2), cj.Store("q")],
                                      {"r": x["r"], "pos": x["pos"], "fr": fr}), xla_rope),
       "rowscale_lse": (run([cj.ScaleRow("r"), cj.RowLogSumExp("lse")], r="r"), xla_lse),
+      # issue 13: GPT-2 / Qwen3 epilogues
+      "bias_layernorm_stats": (
+          run([cj.AddBias("bias"), cj.AddTile("x0"), cj.RowSum("s1"),
+               cj.RowSum("s2", square=True), cj.Store("x1"), cj.ScaleCol("g"), cj.Store("h")],
+              bias="bias", x0="x0", g="g"), xla_ln_stats),
+      "layernorm_consumer": (
+          lambda x: cj.gemm_epilogue(x["a"], x["b"], LN.norm_matmul_program([cj.Store("out")]),
+                                     LN.norm_matmul_operands(x["mu"], x["r"], x["g"], x["bias"])),
+          xla_ln_consumer),
+      "bias_gelu": (run([cj.AddBias("bias"), cj.Store("z"), cj.Gelu(), cj.Store("a")],
+                        bias="bias"), xla_gelu),
+      "qknorm_rope": (
+          lambda x: cj.gemm_epilogue(x["a"], x["b"], QN.forward_program(HEAD, 1e-6, jnp.bfloat16),
+                                     {"r": x["r"], "pos": x["pos"], "freqs": fr, "qk_w": x["g"],
+                                      "qk_sel": jnp.ones((n,), jnp.float32)}), xla_qknorm_rope),
   }
 
 
@@ -115,6 +162,7 @@ def main():
   p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
   p.add_argument("--programs", default="all")
   p.add_argument("--iterations", type=int, default=30)
+  p.add_argument("--out", type=Path, default=None, help="default bench/results/<device>/")
   args = p.parse_args()
   if jax.devices()[0].platform != "gpu":
     cpu_demo()
@@ -172,7 +220,7 @@ def main():
   if plain:
     gm = math.exp(sum(math.log(v) for v in plain) / len(plain))
     md += ["", f"plain GEMM speed vs XLA: geometric mean {gm:.3f}, min {min(plain):.3f}"]
-  out = common.write_results("gemm_epilogue", rows, "\n".join(md) + "\n")
+  out = common.write_results("gemm_epilogue", rows, "\n".join(md) + "\n", out=args.out)
   try:
     from bench import plot
     plot.plot(out / "gemm_epilogue.json")
