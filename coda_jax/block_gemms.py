@@ -93,17 +93,17 @@ def rope_grad(dqkv, qkv, positions, freqs, head_dim, d_model):
   return dz, c
 
 
-def norm_input_grad(dz, w, x, r, c, g, d_residual, impl, w_nk=False):
+def norm_input_grad(dz, w, x, r, c, g, d_residual, impl, w_nk=False, dx_dtype=None):
   """B2/B4: dn = dz @ w^T; dx = r * (g * dn - r x c) (+ d_residual). Returns
-  (dx, n = r x g, dg)."""
+  (dx, n = r x g, dg); dx in ``dx_dtype`` (default dz's)."""
   dt = dz.dtype
   program = [RmsNormGrad("x", "r", "c", "g", "dg", "n", dt)]
   operands = {"x": x, "r": r, "c": c, "g": g.astype(jnp.float32)}
   if d_residual is not None:
     program.append(P.AddTile("dres"))
     operands["dres"] = d_residual
-  out = gemm_epilogue(dz, w, program + [P.Store("dx", dt)], operands, trans_b=not w_nk,
-                      impl=impl)
+  out = gemm_epilogue(dz, w, program + [P.Store("dx", dx_dtype or dt)], operands,
+                      trans_b=not w_nk, impl=impl)
   return out["dx"], out["n"], out["dg"]
 
 
@@ -130,9 +130,9 @@ def xent_logits_grad(h, r, wlm, lse, targets, weight, impl, w_nk=False):
   return out["dlogits"], out["zdz"]
 
 
-def input_grad(dout, w, impl, r=None, w_nk=False):
-  """dA = dout @ w^T (times r[m] when given)."""
-  program, operands = [P.Store("da", dout.dtype)], {}
+def input_grad(dout, w, impl, r=None, w_nk=False, dtype=None):
+  """dA = dout @ w^T (times r[m] when given), in ``dtype`` (default dout's)."""
+  program, operands = [P.Store("da", dtype or dout.dtype)], {}
   if r is not None:
     program, operands = [P.ScaleRow("r")] + program, {"r": r}
   return gemm_epilogue(dout, w, program, operands, trans_b=not w_nk, impl=impl)["da"]

@@ -258,25 +258,27 @@ def _post_fwd(x0, y0, targets, params, cfg):
   # now, while each chunk's logits are at hand (3 GEMMs per chunk), and scale them in
   # the backward (fused_ops.rmsnorm_lm_head_loss).
   d = x2.shape[1]
-  weight = F.loss_row_weights(1.0, targets, cfg.ignore_index, cfg.reduction, vocab)
+  weight, norm = F.unit_row_weights(targets, cfg.ignore_index, cfg.reduction, vocab)
 
   def chunk_grad(dlogits, zdz, h2c, r2c, x2c):
+    # dxa in fp32 until the backward has scaled it (one rounding, as fused_ops' head)
     dxa, n2, dg = S.norm_input_grad(dlogits, p["wlm"], x2c, r2c, zdz / d, p["g_final"], None,
-                                    cfg.impl, w_nk)
+                                    cfg.impl, w_nk, dx_dtype=jnp.float32)
     return n2, dxa, dg
 
   lse, tgt, dwlm, dxa, dg = F.lm_head_unit_grads(
       h2, r2, p["wlm"], targets, weight, cfg.lm_chunk_rows, cfg.impl, chunk_grad,
       sums0=jnp.zeros((d,), jnp.float32), per_row=(x2,), w_nk=w_nk)
   loss = F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction, vocab)
-  return loss, (params, (dxa, dg, dwlm), mlp_saved)
+  return loss, (params, (dxa, dg, dwlm), norm, mlp_saved)
 
 
 def _post_bwd(cfg, saved, dloss):
   if cfg.reduction != "none":
-    params, unit, mlp_saved = saved
+    params, unit, norm, mlp_saved = saved
     p = _cast(params, mlp_saved[0].dtype)
-    dxa, dgf, dwlm = F.scale_grads(unit, dloss)
+    dxa, dgf, dwlm = F.scale_grads(unit, dloss * norm)
+    dxa = dxa.astype(mlp_saved[0].dtype)
   else:
     params, targets, x2, h2, r2, lse, mlp_saved = saved
     p = _cast(params, x2.dtype)

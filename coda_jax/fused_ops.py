@@ -366,7 +366,8 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
   shaped like the column sums, which add up over the chunks.
 
   Returns (lse, target logit, dW in fp32 and ``wlm``'s layout, per-row outputs, column
-  sums over all rows)."""
+  sums over all rows). Under ``shard_map`` with the rows split, dW and the sums are this
+  shard's: ``reduce_like`` them once scaled by the cotangent (which may vary too)."""
   w = wlm.astype(h.dtype)
 
   def step(carry, args):
@@ -382,8 +383,19 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
   vary = lambda x: vary_like(x, h)  # the accumulators vary with the rows' shards
   init = (vary(jnp.zeros(wlm.shape, jnp.float32)), jax.tree.map(vary, sums0))
   (dw, sums), (lse, tgt, ys) = jax.lax.scan(step, init, xs)
-  return (unchunked(lse), unchunked(tgt), reduce_like(dw, wlm),
-          jax.tree.map(unchunked, ys), sums)
+  return unchunked(lse), unchunked(tgt), dw, jax.tree.map(unchunked, ys), sums
+
+
+def unit_row_weights(targets, ignore_index, reduction, vocab):
+  """The forward-formed head gradient's row weights, and the scalar that turns them
+  into d loss / d (lse - logit) once multiplied by the cotangent: the weights are a
+  "sum"'s (1 per counted row), and a mean's 1 / count goes into that scalar. So the
+  bf16 dlogits are the same whether the mean is taken here or by a caller that sums
+  per device and divides by the global count."""
+  weight = loss_row_weights(1.0, targets, ignore_index, "sum", vocab)
+  if reduction == "mean":
+    return weight, 1.0 / jnp.maximum(jnp.sum(targets != ignore_index), 1).astype(jnp.float32)
+  return weight, jnp.ones((), jnp.float32)
 
 
 def scale_grads(grads, scale):
@@ -399,26 +411,31 @@ def _lm_fwd(h, r, wlm, targets, opts, impl):
     lse, tgt = lm_head_lse(h, r, wlm, targets, rows, impl, w_nk)
     return (loss_from_stats(lse, tgt, targets, ignore_index, reduction, vocab),
             (h, r, wlm, targets, lse))
-  weight = loss_row_weights(1.0, targets, ignore_index, reduction, vocab)
+  weight, norm = unit_row_weights(targets, ignore_index, reduction, vocab)
   w = wlm.astype(h.dtype)
 
   def chunk_grad(dlogits, zdz, hc, rc):  # dh = r * (dlogits @ W^T); dr = zdz / r
     n = (hc.astype(jnp.float32) * rc[:, None]).astype(hc.dtype)
-    return n, (S.input_grad(dlogits, w, impl, r=rc, w_nk=w_nk), zdz / rc), ()
+    # dh in fp32 until the backward has scaled it: one rounding to h's dtype, as when
+    # the cotangent is inside dlogits (the "none" path, or another device count).
+    return n, (S.input_grad(dlogits, w, impl, r=rc, w_nk=w_nk, dtype=jnp.float32),
+               zdz / rc), ()
 
   lse, tgt, dw, (dh, dr), _ = lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl,
                                                  chunk_grad, w_nk=w_nk)
   loss = loss_from_stats(lse, tgt, targets, ignore_index, reduction, vocab)
-  # dW stays fp32 until it is scaled; the empty array carries the weight's dtype.
-  return loss, (dh, dr, dw, jnp.zeros((0,), wlm.dtype))
+  # dh and dW stay fp32 until they are scaled; the empty arrays carry h's and the
+  # weight's dtypes (and the weight's varying mesh axes, for reduce_like).
+  return loss, (dh, dr, dw, norm, jnp.zeros((0,), h.dtype),
+                vary_like(jnp.zeros((0,), wlm.dtype), wlm))
 
 
 def _lm_bwd(opts, impl, saved, dloss):
   ignore_index, reduction, rows, w_nk = opts
   if reduction != "none":  # the forward's gradients for a unit cotangent, scaled
-    dh, dr, dw, wdt = saved
-    dh, dr, dw = scale_grads((dh, dr, dw), dloss)
-    return dh, dr, dw.astype(wdt.dtype), None
+    dh, dr, dw, norm, hdt, wdt = saved
+    dh, dr, dw = scale_grads((dh, dr, dw), dloss * norm)
+    return dh.astype(hdt.dtype), dr, reduce_like(dw, wdt).astype(wdt.dtype), None
   h, r, wlm, targets, lse = saved
   weight = loss_row_weights(dloss, targets, ignore_index, reduction, head_vocab(wlm, w_nk))
   w = wlm.astype(h.dtype)

@@ -328,6 +328,31 @@ MUTATIONS = [
         "    out = dict(out)",
         ("tests/test_dispatch.py",),
         "the padded rows reach the caller"),
+    # ---- issue 12 (second session): 3-GEMM LM head, tied head, ragged batches -------------
+    Mutation(
+        "lm_unit_grads_not_scaled", "coda_jax/fused_ops.py",
+        "    dh, dr, dw = scale_grads((dh, dr, dw), dloss)\n",
+        "",
+        ("tests/test_losses.py", "-k", "loss_and_grads"),
+        "the forward's unit-cotangent gradients are returned without the real cotangent"),
+    Mutation(
+        "lm_unit_weights_ignore_mean", "coda_jax/fused_ops.py",
+        "    return weight, 1.0 / jnp.maximum(jnp.sum(targets != ignore_index), 1)",
+        "    return weight, 1.0 + 0 * jnp.maximum(jnp.sum(targets != ignore_index), 1)",
+        ("tests/test_losses.py", "-k", "loss_and_grads"),
+        "the forward-formed gradient of a mean loss misses the 1 / count"),
+    Mutation(
+        "post_block_zdz_dropped", "coda_jax/blocks.py",
+        "    dxa, n2, dg = S.norm_input_grad(dlogits, p[\"wlm\"], x2c, r2c, zdz / d, p[\"g_final\"], None,",
+        "    dxa, n2, dg = S.norm_input_grad(dlogits, p[\"wlm\"], x2c, r2c, 0 * zdz, p[\"g_final\"], None,",
+        ("tests/test_blocks.py", "-k", "scalar_loss"),
+        "the final norm's backward loses its <dlogits, logits> term on the 3-GEMM path"),
+    Mutation(
+        "ragged_padding_targets_counted", "flax_layers/model.py",
+        "jnp.pad(targets, pad, constant_values=self.head.ignore_index)",
+        "jnp.pad(targets, pad)",
+        ("tests/test_flax_layers.py", "-k", "ragged"),
+        "padded tokens of a ragged batch count in the loss"),
 ]
 
 

@@ -250,3 +250,39 @@ def test_bad_block_inputs(case, key):
   args = _bad_args(key)
   with pytest.raises(ValueError, match=match):
     jax.eval_shape(lambda: fn(args))
+
+
+@pytest.mark.parametrize("reduction, wlm_layout", [("mean", "dv"), ("sum", "vd")])
+def test_post_block_scalar_loss(reduction, wlm_layout, key, kernel_impl):
+  """The post-block of a "mean" or "sum" loss: its head gradient is formed in the
+  forward (3 vocabulary-sized GEMMs per chunk) and scaled in the backward. Every
+  gradient under the tolerance rule for a cotangent of 0.75; the loss equals the mean
+  or sum of the fused per-token losses. With "vd" the head is passed (V, D), as a tied
+  embedding, and its gradient comes back (V, D)."""
+  args = _args(key, jnp.bfloat16)
+  x0, y0, p = args[0], args[1], args[5]
+  tgt = jax.random.randint(jax.random.fold_in(key, 1), (M,), 0, V).at[::5].set(-100)
+  cfg = dataclasses.replace(CFG, impl=kernel_impl, reduction=reduction,
+                            wlm_layout=wlm_layout)
+  vd = wlm_layout == "vd"
+
+  def fused(x0, y0, p):
+    p = {**p, "wlm": p["wlm"].T} if vd else p  # jax.grad turns (V, D) back into (D, V)
+    return 0.75 * B.post_block(x0, y0, tgt, p, cfg)
+
+  def ref(x0, y0, p):
+    return 0.75 * R.post_block(x0, y0, tgt, p, reduction=reduction)
+
+  with jax.default_matmul_precision("highest"):
+    truth = jax.grad(ref, (0, 1, 2))(*f32_tree((x0, y0, p)))
+  base = jax.grad(ref, (0, 1, 2))(x0, y0, p)
+  loss, got = jax.jit(jax.value_and_grad(fused, (0, 1, 2)))(x0, y0, p)
+  names = ["d" + jax.tree_util.keystr(q) for q, _ in
+           jax.tree_util.tree_flatten_with_path(truth)[0]]
+  _check_leaves(got, truth, base, names)
+  per_token = B.post_block(x0, y0, tgt, {**p, "wlm": p["wlm"].T} if vd else p,
+                           dataclasses.replace(cfg, reduction="none"))
+  counted = np.asarray(tgt) != -100
+  want = np.asarray(per_token, np.float64)[counted]
+  want = want.mean() if reduction == "mean" else want.sum()
+  np.testing.assert_allclose(float(loss), 0.75 * want, rtol=1e-5)
