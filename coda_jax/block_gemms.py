@@ -165,16 +165,18 @@ def head_weight_grad(n, dlogits, impl, w_nk, accumulate):
   return weight_grad(n, dlogits, impl, accumulate=accumulate)
 
 
-def row_chunks(m: int, v: int, chunk_rows: int | None, budget_bytes: int = 1 << 30) -> int:
-  """Rows per LM-head chunk: M if its 16-bit (M, V) logits fit in ``budget_bytes``, else
-  the largest divisor of M that fits, preferring multiples of 256, then of 64, then of 8
-  (the kernel pads a chunk to its tile). M with no such divisor (e.g. a prime) runs as
-  one chunk."""
+def row_chunks(m: int, v: int, chunk_rows: int | None, budget_bytes: int = 1 << 30,
+               buffers: int = 1) -> int:
+  """Rows per LM-head chunk: M if ``buffers`` 16-bit (M, V) arrays fit in
+  ``budget_bytes``, else the largest divisor of M that fits, preferring multiples of 256,
+  then of 64, then of 8 (the kernel pads a chunk to its tile). M with no such divisor
+  (e.g. a prime) runs as one chunk. The recomputing backward holds one (rows, V) array
+  per chunk (dlogits), the forward-formed gradient two (the logits and dlogits)."""
   if chunk_rows is not None:
     if chunk_rows <= 0 or m % chunk_rows:
       raise ValueError(f"chunk_rows={chunk_rows} must be a positive divisor of M={m}")
     return chunk_rows
-  fits = lambda rows: rows * v * 2 <= budget_bytes
+  fits = lambda rows: rows * v * 2 * buffers <= budget_bytes
   if fits(m):
     return m
   for align in (256, 64, 8):

@@ -231,7 +231,8 @@ def post_block(x0, y0, targets, params, cfg: BlockConfig):
   F.check_rows("targets", targets, x0.shape[:-1], "int")
   if cfg.reduction not in F.REDUCTIONS:
     raise ValueError(f"reduction={cfg.reduction!r}: one of {F.REDUCTIONS}")
-  rows = S.row_chunks(targets.size, _vocab(params, cfg), cfg.lm_chunk_rows)
+  rows = S.row_chunks(targets.size, _vocab(params, cfg), cfg.lm_chunk_rows,
+                      buffers=1 if cfg.reduction == "none" else 2)
   loss = _post(F.flat_rows(x0), F.flat_rows(y0), targets.reshape(-1).astype(jnp.int32),
                params, dataclasses.replace(cfg, lm_chunk_rows=rows))
   return loss.reshape(targets.shape) if cfg.reduction == "none" else loss
@@ -278,7 +279,9 @@ def _post_bwd(cfg, saved, dloss):
     params, unit, norm, mlp_saved = saved
     p = _cast(params, mlp_saved[0].dtype)
     dxa, dgf, dwlm = F.scale_grads(unit, dloss * norm)
-    dxa = dxa.astype(mlp_saved[0].dtype)
+    # Rounded once, here: the barrier keeps XLA from moving the scale past the cast into
+    # the next GEMM, which it did differently for one device and two.
+    dxa = jax.lax.optimization_barrier(dxa.astype(mlp_saved[0].dtype))
   else:
     params, targets, x2, h2, r2, lse, mlp_saved = saved
     p = _cast(params, x2.dtype)

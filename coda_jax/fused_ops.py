@@ -257,7 +257,8 @@ def rmsnorm_lm_head_loss(h, r, wlm, targets, *, ignore_index: int = -100,
       read transposed by the GEMMs instead of copied; its gradient comes back (V, D)).
     targets: (...) int token ids; ``ignore_index`` entries are skipped.
     ignore_index, reduction: as ``jnp_reference.cross_entropy``.
-    chunk_rows: rows per chunk (a divisor of the token count); default ``row_chunks``.
+    chunk_rows: rows per chunk (a divisor of the token count); default
+      ``block_gemms.row_chunks``: a chunk's 16-bit (rows, V) buffers fit in 1 GiB.
     wlm_layout: "dv" or "vd".
     impl: as ``gemm_epilogue``.
 
@@ -265,8 +266,7 @@ def rmsnorm_lm_head_loss(h, r, wlm, targets, *, ignore_index: int = -100,
     fp32: a scalar ("mean" over non-ignored targets, or "sum"), or per token ("none",
     shaped like targets).
 
-  Rows run in chunks of at most ``chunk_rows`` (default: a chunk's (rows, V) logits fit
-  in 1 GiB); only one chunk's logits ever exist. Without differentiation, one GEMM per
+  Rows run in chunks of ``chunk_rows``; only one chunk's logits ever exist. Without differentiation, one GEMM per
   chunk computes each row's log-sum-exp and target logit in its epilogue. Under
   ``jax.grad`` of a "mean" or "sum" loss, the forward also forms the gradient, chunk by
   chunk, while the chunk's logits are at hand: the loss is linear in its scalar
@@ -285,7 +285,8 @@ def rmsnorm_lm_head_loss(h, r, wlm, targets, *, ignore_index: int = -100,
   if reduction not in REDUCTIONS:
     raise ValueError(f"reduction={reduction!r}: one of {REDUCTIONS}")
   m = targets.size
-  rows = S.row_chunks(m, wlm.shape[0 if w_nk else 1], chunk_rows)
+  rows = S.row_chunks(m, head_vocab(wlm, w_nk), chunk_rows,
+                      buffers=1 if reduction == "none" else 2)
   out = _lm_head_loss(flat_rows(h), r.reshape(-1).astype(jnp.float32), wlm,
                       targets.reshape(-1).astype(jnp.int32),
                       (int(ignore_index), reduction, rows, w_nk), impl)

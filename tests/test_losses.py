@@ -182,8 +182,10 @@ def test_default_chunking_three_chunks(key, monkeypatch, reduction):
   chunks, kernel_rows = [], []
   row_chunks = S.row_chunks
 
-  def small_budget(m_, v_, chunk_rows, budget_bytes=1 << 30):
-    chunks.append(row_chunks(m_, v_, chunk_rows, budget_bytes=256 * v_ * 2))
+  def small_budget(m_, v_, chunk_rows, budget_bytes=1 << 30, buffers=1):
+    # room for 256 rows of each buffer the path holds (1 recomputing, 2 forward-formed)
+    chunks.append(row_chunks(m_, v_, chunk_rows, budget_bytes=256 * v_ * 2 * buffers,
+                             buffers=buffers))
     return chunks[-1]
 
   def spy(fn):
@@ -207,12 +209,15 @@ def test_default_chunking_three_chunks(key, monkeypatch, reduction):
 
 def test_row_chunks_odd_token_counts():
   """Chunks at the 1B vocabulary under the default 1 GiB budget: a multiple of 256
-  where M has one, else of 64 or 8; M itself when it fits or has no such divisor."""
+  where M has one, else of 64 or 8; M itself when it fits or has no such divisor; half
+  as many rows for a path that holds two (rows, V) buffers."""
   v = 128256
   assert S.row_chunks(16384, v, None) == 4096
   assert S.row_chunks(16000, v, None) == 3200  # 2^7 * 125: no multiple of 256 divides it
   assert S.row_chunks(4000, v, None) == 4000  # fits whole
   assert S.row_chunks(16001, v, None) == 16001  # 16001 = 16001: prime, one chunk
+  # the forward-formed gradient holds the logits and dlogits: half the rows
+  assert S.row_chunks(16384, v, None, buffers=2) == 2048
   with pytest.raises(ValueError, match="chunk_rows=300"):
     S.row_chunks(1000, v, 300)
 
