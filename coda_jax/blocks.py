@@ -279,9 +279,7 @@ def _post_bwd(cfg, saved, dloss):
     params, unit, norm, mlp_saved = saved
     p = _cast(params, mlp_saved[0].dtype)
     dxa, dgf, dwlm = F.scale_grads(unit, dloss * norm)
-    # Rounded once, here: the barrier keeps XLA from moving the scale past the cast into
-    # the next GEMM, which it did differently for one device and two.
-    dxa = jax.lax.optimization_barrier(dxa.astype(mlp_saved[0].dtype))
+    dxa = dxa.astype(mlp_saved[0].dtype)  # rounded once, after the scale
   else:
     params, targets, x2, h2, r2, lse, mlp_saved = saved
     p = _cast(params, x2.dtype)
