@@ -166,9 +166,13 @@ class Llama(nnx.Module):
                                impl=c.impl, rngs=rngs)
     self.config, self.fused = config, fused
 
-  def _inputs(self, tokens, positions):
+  @staticmethod
+  def _check_tokens(tokens):
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"tokens must be (B, T) integers, got {tokens.shape} {tokens.dtype}")
+
+  def _inputs(self, tokens, positions):
+    self._check_tokens(tokens)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
                                    tokens.shape)
@@ -204,6 +208,7 @@ class Llama(nnx.Module):
       fp32: a scalar, or (B, T) with ``reduction="none"`` (0 where ignored).
     """
     c = self.config
+    self._check_tokens(tokens)  # before the padding reads (B, T)
     if targets.shape != tokens.shape:
       raise ValueError(f"targets {targets.shape} must match tokens {tokens.shape}")
     if reduction not in REDUCTIONS:
