@@ -152,9 +152,10 @@ def test_qwen3_loss_and_grads(path, key, kernel_impl):
   pre- and shifted blocks, its backward in ``qk_norm_grad``) against the reference,
   under the tolerance rule (as ``test_llama_loss_and_grads``). "xla" runs the fused
   blocks' XLA programs, "kernels" the kernels (the interpreter on CPU)."""
-  # The kernels' case: 2 layers (no shifted-block loop, which "xla" covers), as the
-  # interpreter on CPU takes minutes for 3.
-  cfg, impl = (QWEN_CFG, "xla") if path == "xla" else (QWEN_CFG.replace(n_layers=2),
+  # The kernels' case: 1 layer (pre-block -> post-block: the QK-norm epilogue and its
+  # backward GEMMs; the shifted blocks' loop runs in "xla"), as the interpreter on CPU
+  # takes minutes for 3.
+  cfg, impl = (QWEN_CFG, "xla") if path == "xla" else (QWEN_CFG.replace(n_layers=1),
                                                        kernel_impl)
   paths = _check_model_loss_and_grads(cfg, key, impl, 10)
   assert "['layers']['attn']['q_norm'].value" in paths, paths
