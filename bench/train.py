@@ -35,6 +35,7 @@ WARMUP = 3  # steps left out of the timing: the first runs right after compilati
 SMOOTH = 9  # width of the moving average the reference's noise is measured against
 BIG = dict(batch=8, seq=2048, steps=200, lr=3e-4)
 DEFAULTS = {"tiny": dict(batch=8, seq=128, steps=200, lr=1e-3)}  # ~3 min, both paths, 2 CPUs
+DEFAULTS["qwen3-tiny"] = DEFAULTS["tiny"]  # the same sizes with Qwen3's QK-norm
 
 
 def parse_args():
@@ -43,7 +44,7 @@ def parse_args():
                  help="default llama-3.2-1b on an sm90 GPU, else tiny")
   p.add_argument("--layers", type=int, help="override the config's n_layers")
   for flag, kind in (("batch", int), ("seq", int), ("steps", int), ("lr", float)):
-    p.add_argument(f"--{flag}", type=kind, help=f"default {BIG[flag]} (tiny: "
+    p.add_argument(f"--{flag}", type=kind, help=f"default {BIG[flag]} (tiny, qwen3-tiny: "
                    f"{DEFAULTS['tiny'][flag]})")
   p.add_argument("--warmup-steps", type=int, help="learning-rate warm-up (default steps/10)")
   p.add_argument("--seed", type=int, default=0, help="parameters and batch order")

@@ -14,6 +14,11 @@ layer's ``g_attn`` (D,) and ``wqkv`` (D, (Hq + 2 Hkv) hd). ``post_block`` replac
 two with ``g_final`` (D,) and ``wlm`` (D, V) (or (V, D), a tied embedding table, with
 ``BlockConfig.wlm_layout="vd"``).
 
+With ``BlockConfig.qk_norm`` (Qwen3) the QKV epilogue also RMS-normalises each q and k
+head (``coda_jax.qk_norm``): ``pre_block`` takes the weights as ``qk_norm_w`` and
+``shifted_block``'s params gain ``g_q_norm`` and ``g_k_norm`` (head_dim,) (the next
+layer's, as ``g_attn``); the pre-norm projection u is saved in place of qkv.
+
 Only what §2 lists is saved for the backward: y0, x1, x2, z (pre-activation), qkv, r1, r2
 (the post-block also keeps h2 and each row's log-sum-exp); h1, y1 and every n = r x g
 are recomputed by backward epilogues. Cast policy and shapes as ``fused_ops``.
@@ -32,6 +37,7 @@ from coda_jax import block_gemms as S
 from coda_jax import dispatch
 from coda_jax import layout
 from coda_jax import primitives as P
+from coda_jax import qk_norm as Q
 from coda_jax.sharding import reduce_like, vary_like
 
 
@@ -50,6 +56,7 @@ class BlockConfig:
   reduction: str = "mean"
   lm_chunk_rows: int | None = None
   wlm_layout: str = "dv"  # post-block head: "dv" (D, V), or "vd" (V, D): a tied embedding
+  qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm in the QKV epilogue (eps = eps)
   impl: str | tuple[str, ...] = "auto"  # implementations to try (coda_jax.dispatch)
 
   def __post_init__(self):
@@ -68,6 +75,10 @@ class BlockConfig:
     if not isinstance(self.impl, str):
       object.__setattr__(self, "impl", tuple(self.impl))  # hashable: a static argument
     dispatch.resolve(self.impl)  # raises on an unknown implementation name
+    if not isinstance(self.qk_norm, bool):
+      raise ValueError(f"qk_norm={self.qk_norm!r} must be a bool")
+    if self.qk_norm:
+      Q.check_head_dim_tiles(self.head_dim, self.impl)
 
   @property
   def qkv_width(self) -> int:
@@ -80,6 +91,9 @@ class BlockConfig:
 
 SHIFTED_KEYS = ("wo", "g_mlp", "w13", "w2", "g_attn", "wqkv")
 POST_KEYS = ("wo", "g_mlp", "w13", "w2", "g_final", "wlm")
+# The QK-norm weights (BlockConfig.qk_norm): extra shifted-block params, "g_" as every
+# norm weight (kept in fp32 by the casts).
+QK_NORM_KEYS = ("g_q_norm", "g_k_norm")
 # Token counts (M) that every kernel config tiles as they are: any other M is padded to
 # a tile by each GEMM (``dispatch.padded_shape``), or once per step by a caller that can
 # (``flax_layers.model.Llama.loss`` pads its sequences).
@@ -92,7 +106,8 @@ def _check_params(params, keys, d, cfg: BlockConfig):
   f = params["w13"].shape[-1] // 2
   want = {"wo": (cfg.n_q_heads * cfg.head_dim, d), "g_mlp": (d,), "w13": (d, 2 * f),
           "w2": (f, d), "g_attn": (d,), "wqkv": (d, cfg.qkv_width), "g_final": (d,),
-          "wlm": (d, params["wlm"].shape[-1] if "wlm" in params else 0)}
+          "wlm": (d, params["wlm"].shape[-1] if "wlm" in params else 0),
+          "g_q_norm": (cfg.head_dim,), "g_k_norm": (cfg.head_dim,)}
   if "wlm" in params and cfg.wlm_layout == "vd":
     want["wlm"] = (params["wlm"].shape[0], d)
   for k in keys:
@@ -145,38 +160,87 @@ def _mlp_bwd(dxa, saved, p, params, cfg):
 
 
 # ---- pre-block ---------------------------------------------------------------------------
-def pre_block(x0, positions, g_attn, wqkv, cfg: BlockConfig):
-  """x0 (..., D) embeddings, positions (...) int, g_attn (D,), wqkv (D, qkv_width)
-  -> qkv (..., qkv_width): the first layer's normed, projected, RoPE'd q, k, v."""
+def pre_block(x0, positions, g_attn, wqkv, cfg: BlockConfig, qk_norm_w=None):
+  """The embedding output -> the first layer's normed, projected, RoPE'd q, k, v.
+
+  Args:
+    x0: (..., D) embeddings.
+    positions: (...) int token positions.
+    g_attn: (D,) the input RMSNorm's weight.
+    wqkv: (D, qkv_width) [q | k | v] projection.
+    cfg: the block's static config.
+    qk_norm_w: (q_norm_w, k_norm_w), each (head_dim,), exactly when ``cfg.qk_norm``.
+
+  Returns:
+    qkv (..., qkv_width) in x0's dtype.
+  """
   F.check_act("x0", x0)
   F.check_rows("positions", positions, x0.shape[:-1], "int")
   d = x0.shape[-1]
   F.check_weight("g_attn", g_attn, (d,))
   F.check_weight("wqkv", wqkv, (d, cfg.qkv_width))
+  if (qk_norm_w is not None) != cfg.qk_norm:
+    raise ValueError(f"pass qk_norm_w=(q_norm_w, k_norm_w) exactly when BlockConfig.qk_norm "
+                     f"(it is {cfg.qk_norm}; got {'none' if qk_norm_w is None else 'weights'})")
+  norms = {}
+  if cfg.qk_norm:
+    for k, w in zip(QK_NORM_KEYS, qk_norm_w):
+      F.check_weight(k, w, (cfg.head_dim,))
+    norms = dict(zip(QK_NORM_KEYS, qk_norm_w))
   lead = x0.shape[:-1]
-  qkv = _pre(F.flat_rows(x0), positions.reshape(-1).astype(jnp.int32), g_attn, wqkv, cfg)
+  qkv = _pre(F.flat_rows(x0), positions.reshape(-1).astype(jnp.int32), g_attn, wqkv, norms,
+             cfg)
   return qkv.reshape(*lead, -1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _pre(x0, positions, g, wqkv, cfg):
-  return _pre_fwd(x0, positions, g, wqkv, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _pre(x0, positions, g, wqkv, norms, cfg):
+  return _pre_fwd(x0, positions, g, wqkv, norms, cfg)[0]
 
 
-def _pre_fwd(x0, positions, g, wqkv, cfg):
+def _qk_operands(norms, cfg):
+  """(weight, normed) column operands of the QK-norm epilogue (``qk_norm``)."""
+  return Q.head_norm_columns(norms["g_q_norm"], norms["g_k_norm"], cfg.n_q_heads,
+                             cfg.n_kv_heads)
+
+
+def _norm_qkv(h, r, w, positions, norms, cfg):
+  """K4: the QKV GEMM. Returns (qkv, what the backward keeps: qkv, or u with QK-norm)."""
+  if not cfg.qk_norm:
+    qkv = S.norm_rope(h, r, w, positions, cfg.freqs(), cfg.head_dim, cfg.impl)
+    return qkv, qkv
+  return Q.norm_qknorm_rope(h, r, w, positions, cfg.freqs(), *_qk_operands(norms, cfg),
+                            cfg.head_dim, cfg.eps, cfg.impl)
+
+
+def _qkv_grad(dqkv, kept, positions, norms, cfg, d_model):
+  """B1: dz (the cotangent of r * (h @ wqkv), x's dtype), c = <dz, z> / D per row, and
+  the QK-norm weights' gradients ({} without QK-norm)."""
+  if not cfg.qk_norm:
+    dz, c = S.rope_grad(dqkv, kept, positions, cfg.freqs(), cfg.head_dim, d_model)
+    return dz, c, {}
+  du, dweight, udu = Q.qk_norm_grad(dqkv, kept, positions, cfg.freqs(),
+                                    *_qk_operands(norms, cfg), cfg.head_dim, cfg.eps)
+  hd, n_q, n_kv = cfg.head_dim, cfg.n_q_heads, cfg.n_kv_heads
+  grads = {"g_q_norm": dweight[:n_q * hd].reshape(n_q, hd).sum(axis=0),  # over q heads
+           "g_k_norm": dweight[n_q * hd:(n_q + n_kv) * hd].reshape(n_kv, hd).sum(axis=0)}
+  return du.astype(kept.dtype), udu / d_model, grads
+
+
+def _pre_fwd(x0, positions, g, wqkv, norms, cfg):
   r0 = ref.rms_scale(x0, cfg.eps)
   h0 = (x0.astype(jnp.float32) * g.astype(jnp.float32)).astype(x0.dtype)
-  qkv = S.norm_rope(h0, r0, wqkv.astype(x0.dtype), positions, cfg.freqs(), cfg.head_dim,
-                    cfg.impl)
-  return qkv, (x0, positions, g, wqkv, r0, qkv)
+  qkv, kept = _norm_qkv(h0, r0, wqkv.astype(x0.dtype), positions, norms, cfg)
+  return qkv, (x0, positions, g, wqkv, norms, r0, kept)
 
 
 def _pre_bwd(cfg, saved, dqkv):
-  x0, positions, g, wqkv, r0, qkv = saved
-  dz, c = S.rope_grad(dqkv, qkv, positions, cfg.freqs(), cfg.head_dim, x0.shape[1])
+  x0, positions, g, wqkv, norms, r0, kept = saved
+  dz, c, dnorms = _qkv_grad(dqkv, kept, positions, norms, cfg, x0.shape[1])
   dx0, n0, dg = S.norm_input_grad(dz, wqkv.astype(x0.dtype), x0, r0, c, g, None, cfg.impl)
   dw = S.weight_grad(n0, dz, cfg.impl, S.grad_dtype(wqkv))
-  return dx0, None, reduce_like(dg, g).astype(g.dtype), reduce_like(dw, wqkv).astype(wqkv.dtype)
+  return (dx0, None, reduce_like(dg, g).astype(g.dtype),
+          reduce_like(dw, wqkv).astype(wqkv.dtype), _grads_like(dnorms, norms))
 
 
 _pre.defvjp(_pre_fwd, _pre_bwd)
@@ -184,9 +248,21 @@ _pre.defvjp(_pre_fwd, _pre_bwd)
 
 # ---- shifted block -----------------------------------------------------------------------
 def shifted_block(x0, y0, positions, params, cfg: BlockConfig):
-  """x0 (..., D) residual stream, y0 (..., Hq*hd) attention output, positions (...) int
-  -> (x2 (..., D) residual stream after the MLP, qkv (..., qkv_width) of the next layer)."""
-  _check_params(params, SHIFTED_KEYS, x0.shape[-1], cfg)
+  """One layer's out-projection and MLP, then the next layer's norm, QKV (and QK-norm) and
+  RoPE.
+
+  Args:
+    x0: (..., D) residual stream.
+    y0: (..., Hq*hd) attention output.
+    positions: (...) int token positions.
+    params: ``SHIFTED_KEYS`` (plus ``QK_NORM_KEYS`` exactly when ``cfg.qk_norm``).
+    cfg: the block's static config.
+
+  Returns:
+    (x2 (..., D) residual stream after the MLP, qkv (..., qkv_width) of the next layer).
+  """
+  _check_params(params, SHIFTED_KEYS + (QK_NORM_KEYS if cfg.qk_norm else ()), x0.shape[-1],
+                cfg)
   _check_acts(x0, y0, params["wo"].shape[0])
   F.check_rows("positions", positions, x0.shape[:-1], "int")
   lead = x0.shape[:-1]
@@ -203,19 +279,19 @@ def _shifted(x0, y0, positions, params, cfg):
 def _shifted_fwd(x0, y0, positions, params, cfg, keep_z=True):
   p = _cast(params, x0.dtype)
   (x2, h2, r2), mlp_saved = _mlp_fwd(x0, y0, p, p["g_attn"], cfg, keep_z)
-  qkv = S.norm_rope(h2, r2, p["wqkv"], positions, cfg.freqs(), cfg.head_dim, cfg.impl)
-  return (x2, qkv), (params, positions, x2, r2, qkv, mlp_saved)
+  qkv, kept = _norm_qkv(h2, r2, p["wqkv"], positions, p, cfg)
+  return (x2, qkv), (params, positions, x2, r2, kept, mlp_saved)
 
 
 def _shifted_bwd(cfg, saved, cts):
-  params, positions, x2, r2, qkv, mlp_saved = saved
+  params, positions, x2, r2, kept, mlp_saved = saved
   dx2, dqkv = cts
   p = _cast(params, x2.dtype)
-  dz4, c2 = S.rope_grad(dqkv, qkv, positions, cfg.freqs(), cfg.head_dim, x2.shape[1])
+  dz4, c2, dnorms = _qkv_grad(dqkv, kept, positions, p, cfg, x2.shape[1])
   dxa, n2, dg2 = S.norm_input_grad(dz4, p["wqkv"], x2, r2, c2, p["g_attn"], dx2, cfg.impl)
   dwqkv = S.weight_grad(n2, dz4, cfg.impl, S.grad_dtype(params["wqkv"]))
   dx0, dy0, grads = _mlp_bwd(dxa, mlp_saved, p, params, cfg)
-  grads.update(g_attn=dg2, wqkv=dwqkv)
+  grads.update(g_attn=dg2, wqkv=dwqkv, **dnorms)
   return dx0, dy0, None, _grads_like(grads, params)
 
 

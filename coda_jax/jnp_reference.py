@@ -119,13 +119,34 @@ def rmsnorm_lm_head_loss(h, r, wlm, targets, ignore_index=-100, reduction="mean"
   return cross_entropy(logits, targets, ignore_index, reduction)
 
 
+def _qkv(h, r, wqkv, positions, qk_norm_w, *, n_q_heads, n_kv_heads, head_dim, theta,
+         rope_scaling, eps):
+  """The QKV projection + RoPE, with Qwen3's per-head q/k RMSNorm when ``qk_norm_w``."""
+  heads = dict(n_q_heads=n_q_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, theta=theta,
+               rope_scaling=rope_scaling)
+  if qk_norm_w is None:
+    return rmsnorm_qkv_rope(h, r, wqkv, positions, **heads)
+  q_norm_w, k_norm_w = qk_norm_w
+  return rmsnorm_qkv_qknorm_rope(h, r, wqkv, positions, q_norm_w, k_norm_w, eps=eps, **heads)
+
+
 def pre_block(x0, g_attn, wqkv, positions, *, n_q_heads, n_kv_heads, head_dim,
-              theta=500000.0, rope_scaling=None, eps=1e-5):
-  """Embedding output -> the first layer's RoPE'd QKV."""
+              theta=500000.0, rope_scaling=None, eps=1e-5, qk_norm_w=None):
+  """Embedding output -> the first layer's RoPE'd QKV.
+
+  Args:
+    x0: (M, D) embeddings; g_attn (D,); wqkv (D, (Hq + 2 Hkv) head_dim); positions (M,).
+    n_q_heads, n_kv_heads, head_dim, theta, rope_scaling, eps: the layer's constants.
+    qk_norm_w: None (Llama), or (q_norm_w, k_norm_w), each (head_dim,): Qwen3's per-head
+      q/k RMSNorm (eps ``eps``) before RoPE.
+
+  Returns:
+    (M, (Hq + 2 Hkv) head_dim) in x0's dtype.
+  """
   r = rms_scale(x0, eps)
-  return rmsnorm_qkv_rope(x0 * g_attn.astype(x0.dtype), r, wqkv, positions,
-                          n_q_heads=n_q_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                          theta=theta, rope_scaling=rope_scaling)
+  return _qkv(x0 * g_attn.astype(x0.dtype), r, wqkv, positions, qk_norm_w,
+              n_q_heads=n_q_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, theta=theta,
+              rope_scaling=rope_scaling, eps=eps)
 
 
 def mlp_half(x0, y0, wo, g_mlp, w13, w2, g_next, *, block=32, activation="silu", eps=1e-5):
@@ -136,13 +157,25 @@ def mlp_half(x0, y0, wo, g_mlp, w13, w2, g_next, *, block=32, activation="silu",
 
 
 def shifted_block(x0, y0, positions, params, *, n_q_heads, n_kv_heads, head_dim,
-                  theta=500000.0, rope_scaling=None, eps=1e-5, block=32, activation="silu"):
-  """Attention output -> the next layer's RoPE'd QKV: returns (x2, qkv)."""
+                  theta=500000.0, rope_scaling=None, eps=1e-5, block=32, activation="silu",
+                  qk_norm_w=None):
+  """Attention output -> the next layer's RoPE'd QKV.
+
+  Args:
+    x0: (M, D) residual stream; y0 (M, Hq head_dim) attention output; positions (M,).
+    params: ``wo``, ``g_mlp``, ``w13``, ``w2`` of this layer, ``g_attn``, ``wqkv`` of the
+      next (other keys are ignored).
+    n_q_heads ... activation: the layers' constants.
+    qk_norm_w: None (Llama), or the next layer's (q_norm_w, k_norm_w) (Qwen3).
+
+  Returns:
+    (x2 (M, D), qkv (M, (Hq + 2 Hkv) head_dim)).
+  """
   x2, h2, r2 = mlp_half(x0, y0, params["wo"], params["g_mlp"], params["w13"], params["w2"],
                         params["g_attn"], block=block, activation=activation, eps=eps)
-  qkv = rmsnorm_qkv_rope(h2, r2, params["wqkv"], positions, n_q_heads=n_q_heads,
-                         n_kv_heads=n_kv_heads, head_dim=head_dim, theta=theta,
-                         rope_scaling=rope_scaling)
+  qkv = _qkv(h2, r2, params["wqkv"], positions, qk_norm_w, n_q_heads=n_q_heads,
+             n_kv_heads=n_kv_heads, head_dim=head_dim, theta=theta,
+             rope_scaling=rope_scaling, eps=eps)
   return x2, qkv
 
 

@@ -1,6 +1,8 @@
 """Standard Llama checkpoints in and out: Hugging Face ``LlamaForCausalLM`` state-dict names
 and layouts ((out, in) matrices, rotate-half q/k), converted once to and from the kernel
-layout that ``Llama`` stores (``coda_jax.layout``).
+layout that ``Llama`` stores (``coda_jax.layout``). ``Qwen3ForCausalLM`` checkpoints
+(``LlamaConfig.qk_norm``) add ``self_attn.q_norm.weight`` and ``self_attn.k_norm.weight``
+(head_dim,) per layer.
 
 ``load_hf_checkpoint(dir)`` / ``save_hf_checkpoint(model, dir)`` read and write a whole
 Hugging Face checkpoint directory: ``config.json`` plus ``model.safetensors``, or shards
@@ -31,12 +33,37 @@ _LAYER = {"wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
           "mlp_norm": "post_attention_layernorm.weight"}
 _STACKED = {"g_attn": ("attn", "norm"), "wqkv": ("attn", "wqkv"), "wo": ("out", "wo"),
             "g_mlp": ("mlp", "norm"), "w13": ("mlp", "w13"), "w2": ("mlp", "w2")}
+# Qwen3's QK-norm weights: HF name, and the (module, param) of LlamaBlock holding them.
+_QK_NORM = {"q_norm": ("self_attn.q_norm.weight", ("attn", "q_norm")),
+            "k_norm": ("self_attn.k_norm.weight", ("attn", "k_norm"))}
+
+
+def _qk_norm_names(config) -> dict:
+  return {k: v[0] for k, v in _QK_NORM.items()} if config.qk_norm else {}
+
+
+def _stacked(model):
+  """The model's stacked layer params (n_layers, ...) by _STACKED / _QK_NORM key."""
+  where = dict(_STACKED)
+  if model.config.qk_norm:
+    where.update({k: v[1] for k, v in _QK_NORM.items()})
+  return {k: getattr(getattr(model.layers, mod), name) for k, (mod, name) in where.items()}
+
+
+def _qk_norm_rope_order(w, rope, to_hf):
+  """A (head_dim,) QK-norm weight in the checkpoint's q/k column order: the kernels'
+  rotate-half order, permuted as wq's columns are for ``rope="interleaved"``."""
+  if rope == "rotate_half":
+    return w
+  return (layout.rotate_half_to_interleaved if to_hf else layout.interleaved_to_rotate_half)(
+      jnp.asarray(w), w.shape[-1])
 
 
 def hf_keys(config) -> list[str]:
   """The state-dict names a checkpoint of ``config`` has."""
   keys = ["model.embed_tokens.weight", "model.norm.weight"]
-  keys += [f"model.layers.{i}.{n}" for i in range(config.n_layers) for n in _LAYER.values()]
+  names = [*_LAYER.values(), *_qk_norm_names(config).values()]
+  keys += [f"model.layers.{i}.{n}" for i in range(config.n_layers) for n in names]
   return keys + ([] if config.tie_embeddings else ["lm_head.weight"])
 
 
@@ -46,23 +73,24 @@ def _layout_kw(config, rope):
 
 
 def to_hf_state_dict(model: Llama, *, rope: str = "rotate_half") -> dict[str, np.ndarray]:
-  """The model's parameters as a Hugging Face Llama state dict of numpy arrays (in the
+  """The model's parameters as a Hugging Face Llama (or Qwen3) state dict of numpy arrays (in the
   parameters' dtype). ``rope="interleaved"`` writes Meta's q/k column order instead."""
   c = model.config
-  stacked = {k: getattr(getattr(model.layers, mod), name)[...]
-             for k, (mod, name) in _STACKED.items()}
+  stacked = {k: v[...] for k, v in _stacked(model).items()}
   out = {"model.embed_tokens.weight": model.embed[...], "model.norm.weight": model.head.norm[...]}
   for i in range(c.n_layers):
-    layer = layout.kernel_layer_to_llama({k: v[i] for k, v in stacked.items()},
+    layer = layout.kernel_layer_to_llama({k: stacked[k][i] for k in _STACKED},
                                          **_layout_kw(c, rope))
     out.update({f"model.layers.{i}.{_LAYER[k]}": v for k, v in layer.items()})
+    out.update({f"model.layers.{i}.{n}": _qk_norm_rope_order(stacked[k][i], rope, True)
+                for k, n in _qk_norm_names(c).items()})
   if not c.tie_embeddings:
     out["lm_head.weight"] = model.head.wlm[...].T
   return {k: np.asarray(v) for k, v in out.items()}
 
 
 def load_hf_state_dict(model: Llama, state_dict, *, rope: str = "rotate_half") -> Llama:
-  """Overwrites ``model``'s parameters with a Hugging Face Llama state dict (numpy or
+  """Overwrites ``model``'s parameters with a Hugging Face Llama (or Qwen3) state dict (numpy or
   jax arrays; ``rope="interleaved"`` for q/k in Meta's order). Shapes and names are
   checked against the model's config; values are cast to its ``param_dtype``."""
   c = model.config
@@ -91,9 +119,15 @@ def load_hf_state_dict(model: Llama, state_dict, *, rope: str = "rotate_half") -
   layers = [layout.llama_layer_to_kernel(
       {k: state_dict[f"model.layers.{i}.{n}"] for k, n in _LAYER.items()},
       **_layout_kw(c, rope)) for i in range(c.n_layers)]
-  for k, (mod, name) in _STACKED.items():
-    put(getattr(getattr(model.layers, mod), name), jnp.stack([l[k] for l in layers]),
-        f"layers' {k}")
+  for k, n in _qk_norm_names(c).items():
+    for i in range(c.n_layers):
+      layers[i][k] = _qk_norm_rope_order(state_dict[f"model.layers.{i}.{n}"], rope, False)
+      if layers[i][k].shape != (c.head_dim,):
+        raise ValueError(f"model.layers.{i}.{n} has shape {tuple(layers[i][k].shape)}, "
+                         f"expected ({c.head_dim},) = (head_dim,): check the config's "
+                         "head_dim")
+  for k, param in _stacked(model).items():
+    put(param, jnp.stack([jnp.asarray(l[k]) for l in layers]), f"layers' {k}")
   return model
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from coda_jax import qk_norm as qk_norm_ops
 from coda_jax.blocks import BlockConfig
 from coda_jax.layout import RopeScaling
 
@@ -14,17 +15,22 @@ from coda_jax.layout import RopeScaling
 # "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 LLAMA_3_2_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                              original_context=8192)
+# Hugging Face ``model_type``s that ``LlamaConfig.from_hf_config`` reads.
+HF_MODEL_TYPES = ("llama", "qwen3")
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-  """Static hyper-parameters of a Llama-style decoder (hashable).
+  """Static hyper-parameters of a Llama-style decoder (hashable), Qwen3 included.
 
   ``dtype`` is the compute dtype of activations (bfloat16 or float16 for the kernels);
   ``param_dtype`` the stored parameters' (float32: the optimizer's master copy).
   RoPE frequencies are ``rope_theta``'s, scaled by ``rope_scaling`` where set (Llama
   3.1/3.2's "llama3" scaling, ``coda_jax.layout.RopeScaling``). ``attention_impl`` is passed to ``jax.nn.dot_product_attention``;
   None picks "cudnn" on a GPU for 16-bit activations and "xla" elsewhere.
+  ``qk_norm`` adds Qwen3's per-head RMSNorm of q and k (weights ``q_norm``, ``k_norm`` of
+  shape (head_dim,), shared by the heads of their kind, eps = ``eps``) between the QKV
+  projection and RoPE (``coda_jax.qk_norm``).
   """
   vocab_size: int
   d_model: int
@@ -43,6 +49,7 @@ class LlamaConfig:
   activation: str = "silu"
   init_std: float = 0.02
   attention_impl: str | None = None
+  qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
   impl: str = "auto"  # coda_jax kernel dispatch ("auto", "mosaic", "interpret", "xla")
 
   def __post_init__(self):
@@ -61,6 +68,11 @@ class LlamaConfig:
     if jnp.dtype(self.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                                      jnp.dtype(jnp.float32)):
       raise ValueError(f"dtype={self.dtype}: bfloat16, float16 or float32")
+    if not isinstance(self.qk_norm, bool):
+      raise ValueError(f"qk_norm={self.qk_norm!r} must be a bool (True: Qwen3's per-head "
+                       "q/k RMSNorm)")
+    if self.qk_norm:
+      qk_norm_ops.check_head_dim_tiles(self.head_dim, self.impl)
 
   @property
   def q_width(self) -> int:
@@ -72,23 +84,49 @@ class LlamaConfig:
 
   @classmethod
   def from_hf_config(cls, hf: dict, **overrides) -> "LlamaConfig":
-    """A config from a Hugging Face Llama ``config.json`` (as a dict): sizes, eps,
-    ``rope_theta``, ``rope_scaling`` ("llama3" or none) and tied embeddings.
-    ``overrides`` set the fields HF does not carry (dtype, impl, ...).
+    """A config from a Hugging Face Llama or Qwen3 ``config.json`` (as a dict).
+
+    Reads the sizes, eps, ``rope_theta``, ``rope_scaling`` ("llama3" or none) and tied
+    embeddings; ``model_type`` "qwen3" also sets ``qk_norm`` and takes ``head_dim`` as
+    written (Qwen3's is not hidden_size // heads: 128 with hidden_size 1024 and 16 heads).
+
+    Args:
+      hf: the parsed ``config.json``.
+      **overrides: fields HF does not carry (dtype, impl, ...), or ones to replace.
+
+    Returns:
+      The ``LlamaConfig``.
 
     Raises:
-      ValueError: a model type, activation or RoPE scaling this model does not implement
-        (it would compute different logits), or a missing size.
+      ValueError: a model type, activation, RoPE scaling, attention bias or sliding window
+        this model does not implement (it would compute different logits), a missing
+        size, or a Qwen3 config without ``head_dim``.
     """
-    if hf.get("model_type", "llama") != "llama":
-      raise ValueError(f"model_type={hf['model_type']!r}: only Llama checkpoints are supported")
+    model_type = hf.get("model_type", "llama")
+    if model_type not in HF_MODEL_TYPES:
+      raise ValueError(f"model_type={model_type!r}: only {HF_MODEL_TYPES} checkpoints are "
+                       "supported")
+    qwen3 = model_type == "qwen3"
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "gelu_pytorch_tanh"):
       raise ValueError(f"hidden_act={act!r}: silu (or gelu_pytorch_tanh) only")
+    if hf.get("attention_bias", False):
+      raise ValueError(f"attention_bias={hf['attention_bias']!r}: this model's q/k/v/o "
+                       "projections have no bias; only checkpoints with attention_bias "
+                       "false (Llama, Qwen3) load")
+    if hf.get("mlp_bias", False):
+      raise ValueError(f"mlp_bias={hf['mlp_bias']!r}: this model's MLP has no bias; only "
+                       "checkpoints with mlp_bias false load")
+    if hf.get("use_sliding_window", False):
+      raise ValueError("use_sliding_window=True: attention here is full causal; set "
+                       "use_sliding_window false (every released Qwen3 has it false)")
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
-                           "num_attention_heads", "intermediate_size") if k not in hf]
+                           "num_attention_heads", "intermediate_size")
+               + (("head_dim",) if qwen3 else ()) if k not in hf]
     if missing:
-      raise ValueError(f"Hugging Face config lacks {missing}")
+      raise ValueError(f"Hugging Face {model_type} config lacks {missing}"
+                       + (" (Qwen3's head_dim is explicit: add it, e.g. 128)"
+                          if "head_dim" in missing else ""))
     scaling = hf.get("rope_scaling")
     rope = None
     if scaling:
@@ -109,17 +147,26 @@ class LlamaConfig:
         ffn_dim=hf["intermediate_size"], rope_theta=float(hf.get("rope_theta", 10000.0)),
         rope_scaling=rope, eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        activation="silu" if act == "silu" else "gelu")
+        activation="silu" if act == "silu" else "gelu", qk_norm=qwen3)
     return cls(**(fields | overrides))
 
   def to_hf_config(self) -> dict:
-    """This config as a Hugging Face Llama ``config.json`` dict."""
+    """This config as a Hugging Face ``config.json`` dict: Llama's, or Qwen3's
+    (``Qwen3ForCausalLM``) when ``qk_norm``.
+
+    Returns:
+      A JSON-serialisable dict that ``from_hf_config`` maps back to this config's
+      checkpoint fields.
+    """
     rope = None if self.rope_scaling is None else {
         "rope_type": "llama3", "factor": self.rope_scaling.factor,
         "low_freq_factor": self.rope_scaling.low_freq_factor,
         "high_freq_factor": self.rope_scaling.high_freq_factor,
         "original_max_position_embeddings": self.rope_scaling.original_context}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    kind = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+            "use_sliding_window": False, "sliding_window": None} if self.qk_norm else {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "mlp_bias": False}
+    return {**kind,
             "vocab_size": self.vocab_size, "hidden_size": self.d_model,
             "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_q_heads,
             "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim,
@@ -127,7 +174,7 @@ class LlamaConfig:
             "rope_scaling": rope, "rms_norm_eps": self.eps,
             "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "silu" if self.activation == "silu" else "gelu_pytorch_tanh",
-            "attention_bias": False, "mlp_bias": False,
+            "attention_bias": False,
             "torch_dtype": jnp.dtype(self.param_dtype).name}
 
   def replace(self, **changes) -> "LlamaConfig":
@@ -138,11 +185,12 @@ class LlamaConfig:
                        head_dim=self.head_dim, rope_theta=self.rope_theta,
                        rope_scaling=self.rope_scaling, eps=self.eps,
                        swiglu_block=self.swiglu_block, activation=self.activation,
-                       impl=self.impl)
+                       qk_norm=self.qk_norm, impl=self.impl)
 
   def param_count(self) -> int:
     d, f = self.d_model, self.ffn_dim
     layer = d * self.qkv_width + self.q_width * d + 3 * d * f + 2 * d
+    layer += 2 * self.head_dim if self.qk_norm else 0
     head = 0 if self.tie_embeddings else d * self.vocab_size
     return self.vocab_size * d + self.n_layers * layer + d + head
 
@@ -156,6 +204,16 @@ CONFIGS = {
                                 rope_scaling=LLAMA_3_2_ROPE, tie_embeddings=True),
     "llama-3-8b": LlamaConfig(vocab_size=128256, d_model=4096, n_layers=32, n_q_heads=32,
                               n_kv_heads=8, head_dim=128, ffn_dim=14336),
+    # Qwen3's layout at the tiny size: q/k per-head RMSNorm, q width (4 x 64) = d_model,
+    # tied head, Qwen3's theta and eps.
+    "qwen3-tiny": LlamaConfig(vocab_size=256, d_model=256, n_layers=4, n_q_heads=4,
+                              n_kv_heads=2, head_dim=64, ffn_dim=512, rope_theta=1000000.0,
+                              eps=1e-6, tie_embeddings=True, qk_norm=True),
+    # Qwen3-0.6B (Qwen/Qwen3-0.6B config.json): q width 16 x 128 = 2048 != d_model 1024;
+    # vocab 151936 = 64 x 2374 tiles the kernels.
+    "qwen3-0.6b": LlamaConfig(vocab_size=151936, d_model=1024, n_layers=28, n_q_heads=16,
+                              n_kv_heads=8, head_dim=128, ffn_dim=3072, rope_theta=1000000.0,
+                              eps=1e-6, tie_embeddings=True, qk_norm=True),
 }
 
 

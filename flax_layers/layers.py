@@ -17,6 +17,7 @@ from flax import nnx
 
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as ref
+from coda_jax import qk_norm as qk_norm_ops
 
 
 def _normal(rngs, shape, std, dtype):
@@ -63,6 +64,32 @@ def qkv_rope(h, r, wqkv, positions, heads, theta, fused, impl="auto", rope_scali
   qkv = ref.rmsnorm_qkv_rope(F.flat_rows(h), r.reshape(-1), wqkv, positions.reshape(-1),
                              n_q_heads=n_q, n_kv_heads=n_kv, head_dim=hd, theta=theta,
                              rope_scaling=rope_scaling)
+  return qkv.reshape(*h.shape[:-1], -1)
+
+
+def qkv_qknorm_rope(h, r, wqkv, positions, qk_norm_w, heads, theta, eps, fused, impl="auto",
+                    rope_scaling=None):
+  """``qkv_rope`` with Qwen3's per-head RMSNorm of q and k before RoPE.
+
+  Args:
+    h, r: the input norm's split (``norm_stats``), (..., D) and (...).
+    wqkv: (D, (Hq + 2 Hkv) hd); positions: (...) int.
+    qk_norm_w: (q_norm_w, k_norm_w), each (hd,).
+    heads: (Hq, Hkv, hd); theta, rope_scaling: RoPE's; eps: the QK-norm's epsilon.
+    fused, impl: the fused op (``coda_jax.qk_norm``) or the jnp reference.
+
+  Returns:
+    qkv (..., (Hq + 2 Hkv) hd) in h's dtype.
+  """
+  n_q, n_kv, hd = heads
+  q_norm_w, k_norm_w = qk_norm_w
+  kw = dict(n_q_heads=n_q, n_kv_heads=n_kv, head_dim=hd, eps=eps, theta=theta,
+            rope_scaling=rope_scaling)
+  if fused:
+    return qk_norm_ops.rmsnorm_qkv_qknorm_rope(h, r, wqkv, positions, q_norm_w, k_norm_w,
+                                               impl=impl, **kw)
+  qkv = ref.rmsnorm_qkv_qknorm_rope(F.flat_rows(h), r.reshape(-1), wqkv,
+                                    positions.reshape(-1), q_norm_w, k_norm_w, **kw)
   return qkv.reshape(*h.shape[:-1], -1)
 
 
@@ -126,26 +153,35 @@ class FusedMLP(nnx.Module):
 
 
 class QKVProjection(nnx.Module):
-  """Pre-norm fused q/k/v projection with rotate-half RoPE on q and k.
+  """Pre-norm fused q/k/v projection with rotate-half RoPE on q and k (and, with
+  ``qk_norm``, Qwen3's per-head RMSNorm of q and k before RoPE).
 
-  Parameters: ``norm`` (D,), ``wqkv`` (D, (Hq + 2 Hkv) hd) = [q heads | k heads | v heads].
+  Parameters: ``norm`` (D,), ``wqkv`` (D, (Hq + 2 Hkv) hd) = [q heads | k heads | v heads];
+  with ``qk_norm`` also ``q_norm`` and ``k_norm`` (hd,) (ones at init; None without).
   Call: x (B, T, D), positions (B, T) int -> qkv (B, T, (Hq + 2 Hkv) hd), ready for
-  ``causal_attention``. Fused: norm scale and RoPE in the GEMM's epilogue.
+  ``causal_attention``. Fused: norm scale, QK-norm and RoPE in the GEMM's epilogue.
   """
 
   def __init__(self, d_model: int, n_q_heads: int, n_kv_heads: int, head_dim: int, *,
                rope_theta: float = 500000.0, rope_scaling=None, eps: float = 1e-5,
-               param_dtype=jnp.float32, init_std: float = 0.02, fused: bool = True,
-               impl: str = "auto", rngs: nnx.Rngs):
+               qk_norm: bool = False, param_dtype=jnp.float32, init_std: float = 0.02,
+               fused: bool = True, impl: str = "auto", rngs: nnx.Rngs):
     width = (n_q_heads + 2 * n_kv_heads) * head_dim
     self.rope_scaling = rope_scaling  # coda_jax.layout.RopeScaling or None
     self.norm = _ones((d_model,), param_dtype)
     self.wqkv = _normal(rngs, (d_model, width), init_std, param_dtype)
+    self.q_norm = _ones((head_dim,), param_dtype) if qk_norm else None
+    self.k_norm = _ones((head_dim,), param_dtype) if qk_norm else None
     self.heads, self.rope_theta, self.eps = (n_q_heads, n_kv_heads, head_dim), rope_theta, eps
     self.fused, self.impl = fused, impl
 
   def __call__(self, x, positions):
     h, r = norm_stats(x, self.norm[...], self.eps)
+    if self.q_norm is not None:
+      return qkv_qknorm_rope(h, r, self.wqkv[...], positions,
+                             (self.q_norm[...], self.k_norm[...]), self.heads,
+                             self.rope_theta, self.eps, self.fused, self.impl,
+                             self.rope_scaling)
     return qkv_rope(h, r, self.wqkv[...], positions, self.heads, self.rope_theta, self.fused,
                     self.impl, self.rope_scaling)
 

@@ -36,7 +36,8 @@ class LlamaBlock(nnx.Module):
 
   Submodules: ``attn`` (``QKVProjection``: ``norm`` (D,), ``wqkv`` (D, (Hq + 2 Hkv) hd)),
   ``out`` (``OutProjection``: ``wo`` (Hq hd, D)), ``mlp`` (``FusedMLP``: ``norm`` (D,),
-  ``w13`` (D, 2F), ``w2`` (F, D)). Call: x (B, T, D), positions (B, T) int -> (B, T, D).
+  ``w13`` (D, 2F), ``w2`` (F, D)); with ``config.qk_norm`` (Qwen3) ``attn`` also holds
+  ``q_norm`` and ``k_norm`` (hd,). Call: x (B, T, D), positions (B, T) int -> (B, T, D).
   Fused, the out-projection's epilogue adds the residual and emits the MLP norm's
   statistics.
   """
@@ -47,7 +48,7 @@ class LlamaBlock(nnx.Module):
                   rngs=rngs)
     self.attn = Lyr.QKVProjection(c.d_model, c.n_q_heads, c.n_kv_heads, c.head_dim,
                                   rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
-                                  eps=c.eps, **common)
+                                  eps=c.eps, qk_norm=c.qk_norm, **common)
     self.out = Lyr.OutProjection(c.q_width, c.d_model, **common)
     self.mlp = Lyr.FusedMLP(c.d_model, c.ffn_dim, block=c.swiglu_block,
                             activation=c.activation, eps=c.eps, **common)
@@ -58,10 +59,14 @@ class LlamaBlock(nnx.Module):
 
   def params(self) -> dict:
     """This layer's parameters under ``coda_jax.blocks`` names (kernel layout); with a
-    leading layer axis when the block is stacked."""
-    return {"g_attn": self.attn.norm[...], "wqkv": self.attn.wqkv[...],
-            "wo": self.out.wo[...], "g_mlp": self.mlp.norm[...], "w13": self.mlp.w13[...],
-            "w2": self.mlp.w2[...]}
+    leading layer axis when the block is stacked. With QK-norm, also ``g_q_norm`` and
+    ``g_k_norm`` (``blocks.QK_NORM_KEYS``)."""
+    p = {"g_attn": self.attn.norm[...], "wqkv": self.attn.wqkv[...],
+         "wo": self.out.wo[...], "g_mlp": self.mlp.norm[...], "w13": self.mlp.w13[...],
+         "w2": self.mlp.w2[...]}
+    if self.config.qk_norm:
+      p.update(g_q_norm=self.attn.q_norm[...], g_k_norm=self.attn.k_norm[...])
+    return p
 
 
 def heads(c: LlamaConfig):
@@ -71,12 +76,21 @@ def heads(c: LlamaConfig):
 def block_forward(p, x, positions, c: LlamaConfig, fused: bool):
   """One layer, op by op (the fused ops where ``fused``): (B, T, D) -> (B, T, D)."""
   h, r = Lyr.norm_stats(x, p["g_attn"], c.eps)
-  qkv = Lyr.qkv_rope(h, r, p["wqkv"], positions, heads(c), c.rope_theta, fused, c.impl,
-                     c.rope_scaling)
+  if c.qk_norm:
+    qkv = Lyr.qkv_qknorm_rope(h, r, p["wqkv"], positions, _qk_norm_w(p), heads(c),
+                              c.rope_theta, c.eps, fused, c.impl, c.rope_scaling)
+  else:
+    qkv = Lyr.qkv_rope(h, r, p["wqkv"], positions, heads(c), c.rope_theta, fused, c.impl,
+                       c.rope_scaling)
   y = Lyr.causal_attention(qkv, heads(c), c.attention_impl)
   x1, h1, r1 = Lyr.residual_rmsnorm(y, p["wo"], x, p["g_mlp"], c.eps, fused, c.impl)
   y1 = Lyr.swiglu(h1, r1, p["w13"], c.swiglu_block, c.activation, fused, c.impl)
   return Lyr.residual_matmul(y1, p["w2"], x1, fused, c.impl)
+
+
+def _qk_norm_w(p):
+  """(q_norm_w, k_norm_w) of a layer's params, or None without QK-norm."""
+  return (p["g_q_norm"], p["g_k_norm"]) if "g_q_norm" in p else None
 
 
 class _ReferenceBlocks:
@@ -87,14 +101,16 @@ class _ReferenceBlocks:
                    theta=c.rope_theta, rope_scaling=c.rope_scaling, eps=c.eps)
     self.mlp = dict(eps=c.eps, block=c.swiglu_block, activation=c.activation)
 
-  def pre_block(self, x0, positions, g_attn, wqkv):
-    qkv = ref.pre_block(flat_rows(x0), g_attn, wqkv, positions.reshape(-1), **self.kw)
+  def pre_block(self, x0, positions, g_attn, wqkv, qk_norm_w=None):
+    qkv = ref.pre_block(flat_rows(x0), g_attn, wqkv, positions.reshape(-1), **self.kw,
+                        qk_norm_w=qk_norm_w)
     return qkv.reshape(*x0.shape[:-1], -1)
 
   def shifted_block(self, x0, y0, positions, params):
     x2, qkv = ref.shifted_block(flat_rows(x0), flat_rows(y0), positions.reshape(-1),
                                 params, **self.kw, block=self.mlp["block"],
-                                activation=self.mlp["activation"])
+                                activation=self.mlp["activation"],
+                                qk_norm_w=_qk_norm_w(params))
     return x2.reshape(x0.shape), qkv.reshape(*x0.shape[:-1], -1)
 
   def post_block(self, x0, y0, targets, params, reduction="mean", wlm_layout="dv"):
@@ -109,8 +125,8 @@ class _FusedBlocks:
   def __init__(self, c: LlamaConfig):
     self.cfg = c.block_config()
 
-  def pre_block(self, x0, positions, g_attn, wqkv):
-    return blocks.pre_block(x0, positions, g_attn, wqkv, self.cfg)
+  def pre_block(self, x0, positions, g_attn, wqkv, qk_norm_w=None):
+    return blocks.pre_block(x0, positions, g_attn, wqkv, self.cfg, qk_norm_w)
 
   def shifted_block(self, x0, y0, positions, params):
     return blocks.shifted_block(x0, y0, positions, params, self.cfg)
@@ -150,9 +166,13 @@ class Llama(nnx.Module):
                                impl=c.impl, rngs=rngs)
     self.config, self.fused = config, fused
 
-  def _inputs(self, tokens, positions):
+  @staticmethod
+  def _check_tokens(tokens):
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"tokens must be (B, T) integers, got {tokens.shape} {tokens.dtype}")
+
+  def _inputs(self, tokens, positions):
+    self._check_tokens(tokens)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
                                    tokens.shape)
@@ -188,6 +208,7 @@ class Llama(nnx.Module):
       fp32: a scalar, or (B, T) with ``reduction="none"`` (0 where ignored).
     """
     c = self.config
+    self._check_tokens(tokens)  # before the padding reads (B, T)
     if targets.shape != tokens.shape:
       raise ValueError(f"targets {targets.shape} must match tokens {tokens.shape}")
     if reduction not in REDUCTIONS:
@@ -202,15 +223,17 @@ class Llama(nnx.Module):
     # slices cost nothing beyond the cast every step pays anyway.
     p = {k: (v if k.startswith("g_") else v.astype(c.dtype)) for k, v in p.items()}
     attend = lambda qkv: Lyr.causal_attention(qkv, heads(c), c.attention_impl)
-    qkv = impl.pre_block(x, positions, p["g_attn"][0], p["wqkv"][0])
+    norms = [k for k in blocks.QK_NORM_KEYS if k in p]  # the next layer's, as g_attn
+    qkv = impl.pre_block(x, positions, p["g_attn"][0], p["wqkv"][0],
+                         _qk_norm_w({k: p[k][0] for k in norms}))
 
     def layer(carry, lp):
       x, qkv = carry
       return impl.shifted_block(x, attend(qkv), positions, lp), None
 
     # Block i: layer i's out-proj and MLP, then layer i + 1's norm and QKV.
-    shifted = {**{k: p[k][:-1] for k in _MLP_KEYS}, "g_attn": p["g_attn"][1:],
-               "wqkv": p["wqkv"][1:]}
+    shifted = {**{k: p[k][:-1] for k in _MLP_KEYS},
+               **{k: p[k][1:] for k in ("g_attn", "wqkv", *norms)}}
     (x, qkv), _ = jax.lax.scan(layer, (x, qkv), shifted)
     # A tied head is the (V, D) embedding itself: the kernels read it transposed, so
     # neither it nor its gradient is copied into a (D, V) layout each step.

@@ -197,6 +197,53 @@ def test_shifted_block_batched_and_vmapped(key, kernel_impl):
       assert_within_baseline(o, t, r, f"{name} ({what})")
 
 
+QK_CFG = dataclasses.replace(CFG, qk_norm=True, eps=1e-6, impl="xla")
+
+
+def test_qk_norm_blocks_forward_and_grads(key):
+  """Qwen3's QK-norm in the pre- and shifted blocks (``BlockConfig.qk_norm``): qkv0, x2,
+  qkv and the gradient of every input and weight, the q/k-norm weights (pre_block's
+  ``qk_norm_w``, the shifted params' ``g_q_norm`` / ``g_k_norm``) included, against the
+  jnp reference blocks with ``qk_norm_w``, under the tolerance rule. impl "xla": the
+  blocks' XLA programs (the kernels run in test_flax_layers' Qwen3 model case)."""
+  x0, y0, g0, wqkv0, ps, _ = _args(key, jnp.bfloat16)
+  ks = jax.random.split(jax.random.fold_in(key, 3), 8)
+  qn0 = tuple(1 + 0.3 * normal(k, (CFG.head_dim,)) for k in ks[:2])
+  ps = {**ps, **{k: 1 + 0.3 * normal(kk, (CFG.head_dim,))
+                 for k, kk in zip(B.QK_NORM_KEYS, ks[2:4])}}
+  pos = jnp.arange(M, dtype=jnp.int32) % 100 + 3000
+  heads = dict(HEADS, eps=QK_CFG.eps)
+
+  def reference(x0, y0, g0, wqkv0, qn0, ps):
+    qkv0 = R.pre_block(x0, g0, wqkv0, pos, **heads, qk_norm_w=qn0)
+    x2, qkv = R.shifted_block(x0, y0, pos, ps, **heads,
+                              qk_norm_w=(ps["g_q_norm"], ps["g_k_norm"]))
+    return qkv0, x2, qkv
+
+  def fused(x0, y0, g0, wqkv0, qn0, ps):
+    return (B.pre_block(x0, pos, g0, wqkv0, QK_CFG, qn0),
+            *B.shifted_block(x0, y0, pos, ps, QK_CFG))
+
+  args = (x0, y0, g0, wqkv0, qn0, ps)
+  up = f32_tree(args)
+  with jax.default_matmul_precision("highest"):
+    outs_truth = reference(*up)
+  qkv0, x2, qkv = outs_truth
+  cts = [_qkv_cotangent(ks[4], qkv0), residual_cotangent(ks[5], x2, up[0]),
+         _qkv_cotangent(ks[6], qkv)]
+  loss = lambda fn: lambda *a: _project(fn(*a), cts)
+  argnums = tuple(range(len(args)))
+  with jax.default_matmul_precision("highest"):
+    g_truth = jax.grad(loss(reference), argnums)(*up)
+  g_base = jax.grad(loss(reference), argnums)(*args)
+  outs, g_got = jax.jit(lambda *a: (fused(*a), jax.grad(loss(fused), argnums)(*a)))(*args)
+  _check_leaves(outs, outs_truth, reference(*args), ["qkv0", "x2", "qkv"])
+  names = ["d" + jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(g_truth)[0]]
+  assert len(names) == 14 and sum("_norm" in n for n in names) == 2, names
+  _check_leaves(g_got, g_truth, g_base, names)
+
+
 def _bad_args(key):
   x0, y0, g0, wqkv0, ps, pp = _args(key, jnp.bfloat16)
   return dict(x0=x0, y0=y0, g0=g0, wqkv0=wqkv0, ps=ps, pp=pp,
@@ -229,6 +276,32 @@ BAD = {
     "positions-float": (
         lambda a: B.pre_block(a["x0"], a["pos"].astype(jnp.float32), a["g0"], a["wqkv0"], CFG),
         r"positions\.dtype=float32: must be an integer type"),
+    "qk-norm-keys-without-qk-norm": (
+        lambda a: B.shifted_block(a["x0"], a["y0"], a["pos"],
+                                  {**a["ps"], "g_q_norm": a["g0"][:32],
+                                   "g_k_norm": a["g0"][:32]}, CFG),
+        r"params must have exactly the keys \('wo', 'g_mlp', 'w13', 'w2', 'g_attn', 'wqkv'\)"),
+    "qk-norm-without-its-keys": (
+        lambda a: B.shifted_block(a["x0"], a["y0"], a["pos"], a["ps"], QK_CFG),
+        r"params must have exactly the keys \('wo', 'g_mlp', 'w13', 'w2', 'g_attn', 'wqkv', "
+        r"'g_q_norm', 'g_k_norm'\)"),
+    "qk-norm-weight-head-dim": (
+        lambda a: B.shifted_block(a["x0"], a["y0"], a["pos"],
+                                  {**a["ps"], "g_q_norm": a["g0"][:64],
+                                   "g_k_norm": a["g0"][:32]}, QK_CFG),
+        r"g_q_norm has shape \(64,\), expected \(32,\)"),
+    "pre-qk-norm-weights-missing": (
+        lambda a: B.pre_block(a["x0"], a["pos"], a["g0"], a["wqkv0"], QK_CFG),
+        r"pass qk_norm_w=\(q_norm_w, k_norm_w\) exactly when BlockConfig.qk_norm \(it is "
+        r"True; got none\)"),
+    "pre-qk-norm-weights-unasked": (
+        lambda a: B.pre_block(a["x0"], a["pos"], a["g0"], a["wqkv0"], CFG,
+                              (a["g0"][:32], a["g0"][:32])),
+        r"exactly when BlockConfig.qk_norm \(it is False; got weights\)"),
+    "pre-k-norm-head-dim": (
+        lambda a: B.pre_block(a["x0"], a["pos"], a["g0"], a["wqkv0"], QK_CFG,
+                              (a["g0"][:32], a["g0"][:16])),
+        r"g_k_norm has shape \(16,\), expected \(32,\)"),
     "post-with-shifted-keys": (
         lambda a: B.post_block(a["x0"], a["y0"], a["tgt"], a["ps"], CFG),
         r"params must have exactly the keys \('wo', 'g_mlp', 'w13', 'w2', 'g_final', 'wlm'\)"),

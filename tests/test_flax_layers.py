@@ -137,12 +137,40 @@ def test_llama_loss_and_grads(case, key, kernel_impl):
   follows the inputs' run: the model casts embeddings to ``config.dtype``, so build each
   run with its own."""
   tied, act = MODEL_CASES[case]
+  _check_model_loss_and_grads(CFG.replace(tie_embeddings=tied, activation=act), key,
+                              kernel_impl, 8 if tied else 9)
+
+
+# Qwen3's layout at the test sizes: per-head q/k RMSNorm, tied head, theta 1e6, eps 1e-6.
+QWEN_CFG = CFG.replace(qk_norm=True, tie_embeddings=True, rope_theta=1e6, eps=1e-6)
+
+
+@pytest.mark.parametrize("path", ["xla", "kernels"])
+def test_qwen3_loss_and_grads(path, key, kernel_impl):
+  """A Qwen3-style model (``qk_norm``): the loss token by token and every gradient, the
+  q_norm and k_norm weights' included, fused (the QK-norm in the QKV epilogues of the
+  pre- and shifted blocks, its backward in ``qk_norm_grad``) against the reference,
+  under the tolerance rule (as ``test_llama_loss_and_grads``). "xla" runs the fused
+  blocks' XLA programs, "kernels" the kernels (the interpreter on CPU)."""
+  # The kernels' case: 1 layer (pre-block -> post-block: the QK-norm epilogue and its
+  # backward GEMMs; the shifted blocks' loop runs in "xla"), as the interpreter on CPU
+  # takes minutes for 3.
+  cfg, impl = (QWEN_CFG, "xla") if path == "xla" else (QWEN_CFG.replace(n_layers=1),
+                                                       kernel_impl)
+  paths = _check_model_loss_and_grads(cfg, key, impl, 10)
+  assert "['layers']['attn']['q_norm'].value" in paths, paths
+  assert "['layers']['attn']['k_norm'].value" in paths, paths
+
+
+def _check_model_loss_and_grads(cfg0, key, impl, n_grads):
+  """``Llama(cfg0).loss`` and its parameter gradients: ours (fused, bf16, ``impl``)
+  against the truth (reference, fp32) within twice the baseline's (reference, bf16)
+  error, per token and per gradient leaf. Returns the gradients' key paths."""
   toks, tgt = _tokens(key)
   tgt = tgt.at[0, :3].set(-100)
   runs, per_token = {}, {}
   for name, fused, dt in RUNS:
-    cfg = CFG.replace(tie_embeddings=tied, activation=act, dtype=dt,
-                      impl=kernel_impl if fused else "auto")
+    cfg = cfg0.replace(dtype=dt, impl=impl if fused else "auto")
     m = Llama(cfg, fused=fused, rngs=nnx.Rngs(7))
     _perturb_norms(m, key)
     with jax.default_matmul_precision("highest"):
@@ -159,9 +187,10 @@ def test_llama_loss_and_grads(case, key, kernel_impl):
   paths = [jax.tree_util.keystr(p) for p, _ in
            jax.tree_util.tree_flatten_with_path(runs["truth"][1])[0]]
   grads = [jax.tree.leaves(runs[n][1]) for n in ("ours", "truth", "base")]
-  assert len(paths) == len(grads[0]) == len(grads[2]) == (8 if tied else 9), paths
+  assert len(paths) == len(grads[0]) == len(grads[2]) == n_grads, paths
   for p, g, t, b in zip(paths, *grads):
     assert_within_baseline(g, t, b, f"grad {p}")
+  return paths
 
 
 def _three_runs(make, fn, kernel_impl):
@@ -196,7 +225,8 @@ def _rms(x, w, eps):
 def _standard_layer(w, x, cfg):
   """An independent Llama layer in the standard layout (``w`` as
   ``coda_jax.layout``'s standard layer: (in, out) matrices, separate q/k/v and gate/up,
-  rotate-half RoPE at positions 0..T-1, repeated kv heads), fp32: x (B, T, D) -> same."""
+  rotate-half RoPE at positions 0..T-1, repeated kv heads; Qwen3's per-head q/k RMSNorm
+  where ``w`` has ``q_norm``, ``k_norm``), fp32: x (B, T, D) -> same."""
   hd, nq, nkv = cfg.head_dim, cfg.n_q_heads, cfg.n_kv_heads
   b, t, _ = x.shape
   inv = cfg.rope_theta ** (-jnp.arange(0, hd, 2) / hd)
@@ -208,8 +238,10 @@ def _standard_layer(w, x, cfg):
     return x * cos[:, None] + rot * sin[:, None]
 
   h = _rms(x, w["attn_norm"], cfg.eps)
-  q = rope((h @ w["wq"]).reshape(b, t, nq, hd))
-  k = rope((h @ w["wk"]).reshape(b, t, nkv, hd))
+  q, k = (h @ w["wq"]).reshape(b, t, nq, hd), (h @ w["wk"]).reshape(b, t, nkv, hd)
+  if "q_norm" in w:  # Qwen3: each head RMS-normed over its hd, before RoPE
+    q, k = _rms(q, w["q_norm"], cfg.eps), _rms(k, w["k_norm"], cfg.eps)
+  q, k = rope(q), rope(k)
   v = (h @ w["wv"]).reshape(b, t, nkv, hd)
   k, v = jnp.repeat(k, nq // nkv, axis=2), jnp.repeat(v, nq // nkv, axis=2)
   s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
@@ -234,6 +266,8 @@ def _standard_llama_logits(sd, cfg, toks):
     w = lambda n: sd[f"model.layers.{i}.{n}.weight"]
     layer = {k: w(n).T for k, n in _HF_LAYER.items()}
     layer.update(attn_norm=w("input_layernorm"), mlp_norm=w("post_attention_layernorm"))
+    if cfg.qk_norm:
+      layer.update(q_norm=w("self_attn.q_norm"), k_norm=w("self_attn.k_norm"))
     x = _standard_layer(layer, x, cfg)
   head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
   return _rms(x, sd["model.norm.weight"], cfg.eps) @ head.T
@@ -300,9 +334,11 @@ def test_llama_block_value_and_grads(key, kernel_impl):
     assert_within_baseline(got, truth, base, f"LlamaBlock {name}")
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_checkpoint_round_trip_and_standard_layout(tied, key):
-  cfg = CFG.replace(tie_embeddings=tied, dtype=jnp.float32)
+@pytest.mark.parametrize("tied,qk_norm", [(False, False), (True, False), (True, True)])
+def test_checkpoint_round_trip_and_standard_layout(tied, qk_norm, key):
+  """HF state dict -> model -> HF state dict is exact, and the model's logits are an
+  independent standard-layout Llama's (Qwen3's with ``qk_norm``: q_norm / k_norm)."""
+  cfg = CFG.replace(tie_embeddings=tied, dtype=jnp.float32, qk_norm=qk_norm)
   ks = jax.random.split(key, len(ck.hf_keys(cfg)) + 1)
   shapes = {k: v.shape for k, v in ck.to_hf_state_dict(Llama(cfg, rngs=nnx.Rngs(0))).items()}
   assert sorted(shapes) == sorted(ck.hf_keys(cfg))
@@ -317,6 +353,15 @@ def test_checkpoint_round_trip_and_standard_layout(tied, key):
     got, want = m(toks), _standard_llama_logits(sd, cfg, toks)
   err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
   assert err < 1e-5, err
+  if qk_norm:  # q/k norm weights follow wq / wk's columns into Meta's interleaved order
+    assert any(k.endswith("q_norm.weight") for k in sd)
+    meta = ck.to_hf_state_dict(m, rope="interleaved")
+    name = "model.layers.1.self_attn.q_norm.weight"
+    np.testing.assert_array_equal(meta[name], np.asarray(
+        layout.rotate_half_to_interleaved(jnp.asarray(sd[name]), cfg.head_dim)))
+    again = ck.load_hf_state_dict(Llama(cfg, fused=False, rngs=nnx.Rngs(2)), meta,
+                                  rope="interleaved")
+    assert all(np.array_equal(v, sd[k]) for k, v in ck.to_hf_state_dict(again).items())
 
 
 def test_checkpoint_errors():
@@ -344,6 +389,11 @@ def _small_llama():
   return Llama(CFG, rngs=nnx.Rngs(0))
 
 
+@functools.cache
+def _small_qwen3():
+  return Llama(QWEN_CFG.replace(n_layers=1), rngs=nnx.Rngs(0))
+
+
 # id -> (the call, given a Llama of CFG, and the one message it must raise)
 BAD = {
     "tokens-rank": (lambda m: m.loss(jnp.zeros((8,), jnp.int32), jnp.zeros((8,), jnp.int32)),
@@ -361,6 +411,17 @@ BAD = {
     "gqa-heads": (lambda m: get_config("tiny", n_kv_heads=3),
                   r"n_q_heads=4 must be a multiple of n_kv_heads=3"),
     "unknown-config": (lambda m: get_config("llama-9"), r"unknown config 'llama-9'"),
+    "qk-norm-not-bool": (lambda m: get_config("qwen3-tiny", qk_norm=1),
+                         r"qk_norm=1 must be a bool"),
+    "qk-norm-head-dim-kernel-only": (
+        lambda m: get_config("qwen3-tiny", head_dim=256, impl="mosaic"),
+        r"head_dim=256: the per-head norm needs a whole head in one epilogue sub-tile"),
+    "qwen3-q-norm-shape": (
+        lambda m: ck.load_hf_state_dict(_small_qwen3(), {
+            **ck.to_hf_state_dict(_small_qwen3()),
+            "model.layers.0.self_attn.q_norm.weight": np.ones(64, np.float32)}),
+        r"model\.layers\.0\.self_attn\.q_norm\.weight has shape \(64,\), expected \(32,\) "
+        r"= \(head_dim,\)"),
     "tied-head-needs-wlm": (lambda m: _head_call(True, None),
                             r"pass wlm exactly when the head is tied"),
     "untied-head-takes-no-wlm": (lambda m: _head_call(False, jnp.zeros((D, V))),
