@@ -32,7 +32,8 @@ from flax import nnx
 from bench import common, corpus
 from coda_jax import ops
 from flax_layers import CONFIGS, Llama, LlamaConfig, get_config, load_hf_checkpoint, train
-from flax_layers.gpt2 import GPT2, GPT2_CONFIGS, GPT2Config, get_gpt2_config
+from flax_layers.gpt2 import (GPT2, GPT2_CONFIGS, GPT2Config, get_gpt2_config,
+                              load_gpt2_checkpoint)
 
 WARMUP = 3  # steps left out of the timing: the first runs right after compilation
 SMOOTH = 9  # width of the moving average the reference's noise is measured against
@@ -167,7 +168,8 @@ def device_peak_bytes():
 def run_path(path, cfg, args, train_batches, val_batches):
   """Trains one path from scratch; everything it allocated is freed on return."""
   if args.init_from is not None:
-    model = load_hf_checkpoint(args.init_from, fused=path == "fused", seed=args.seed)
+    load = load_gpt2_checkpoint if isinstance(cfg, GPT2Config) else load_hf_checkpoint
+    model = load(args.init_from, fused=path == "fused", seed=args.seed)
   else:
     model = (GPT2 if isinstance(cfg, GPT2Config) else Llama)(
         cfg, rngs=nnx.Rngs(args.seed), fused=path == "fused")
@@ -352,14 +354,16 @@ def main():
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   if args.init_from is not None:
     hf = json.loads((args.init_from / "config.json").read_text())
-    cfg = LlamaConfig.from_hf_config(hf, **({"n_layers": args.layers} if args.layers else {}))
+    kind = GPT2Config if hf.get("model_type") == "gpt2" else LlamaConfig
+    cfg = kind.from_hf_config(hf, **({"n_layers": args.layers} if args.layers else {}))
   else:
     get = get_gpt2_config if args.config in GPT2_CONFIGS else get_config
     cfg = get(args.config, **({"n_layers": args.layers} if args.layers else {}))
-    if isinstance(cfg, GPT2Config) and args.mesh and "model" in args.mesh:
-      sys.exit("--mesh with a 'model' axis: tensor parallelism is Llama-only")
-    if isinstance(cfg, GPT2Config) and args.seq > cfg.n_positions:
-      sys.exit(f"--seq {args.seq} exceeds {args.config}'s n_positions={cfg.n_positions}")
+  if isinstance(cfg, GPT2Config) and args.mesh and "model" in args.mesh:
+    sys.exit("--mesh with a 'model' axis: tensor parallelism is Llama-only")
+  if isinstance(cfg, GPT2Config) and args.seq > cfg.n_positions:
+    sys.exit(f"--seq {args.seq} exceeds {args.config}'s n_positions={cfg.n_positions}: "
+             f"pass --seq {cfg.n_positions} or less")
   name = (f"train_{args.config}" + (f"_{cfg.n_layers}l" if args.layers else "")
           + (f"_{args.mesh.replace('=', '').replace(',', '_')}" if args.mesh else "")
           + ("_fsdp" if args.fsdp else "")
