@@ -1,6 +1,8 @@
-"""Trains a Llama twice, on the fused path and on the plain-XLA reference, and compares.
+"""Trains a Llama or a GPT-2 twice, on the fused path and on the plain-XLA reference, and compares.
 
     PYTHONPATH=. python -m bench.train [--config llama-3.2-1b] [--steps 200] [--out DIR]
+
+(GPT-2: ``--config gpt2-tiny`` or ``gpt2-small``, ``flax_layers.gpt2``.)
 
 Both runs start from the same initial parameters and see the same batches of bytes of
 Python source (bench/corpus.py). Reported per path: step time and tokens/s, compile time,
@@ -30,17 +32,22 @@ from flax import nnx
 from bench import common, corpus
 from coda_jax import ops
 from flax_layers import CONFIGS, Llama, LlamaConfig, get_config, load_hf_checkpoint, train
+from flax_layers.gpt2 import (GPT2, GPT2_CONFIGS, GPT2Config, get_gpt2_config,
+                              load_gpt2_checkpoint)
 
 WARMUP = 3  # steps left out of the timing: the first runs right after compilation
 SMOOTH = 9  # width of the moving average the reference's noise is measured against
 BIG = dict(batch=8, seq=2048, steps=200, lr=3e-4)
 DEFAULTS = {"tiny": dict(batch=8, seq=128, steps=200, lr=1e-3)}  # ~3 min, both paths, 2 CPUs
 DEFAULTS["qwen3-tiny"] = DEFAULTS["tiny"]  # the same sizes with Qwen3's QK-norm
+DEFAULTS["gpt2-tiny"] = DEFAULTS["tiny"]
+DEFAULTS["gpt2-small"] = dict(batch=16, seq=1024, steps=200, lr=6e-4)  # 1024 positions
+ALL_CONFIGS = sorted({**CONFIGS, **GPT2_CONFIGS})  # Llama and GPT-2 (flax_layers.gpt2)
 
 
 def parse_args():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--config", choices=sorted(CONFIGS), default=None,
+  p.add_argument("--config", choices=ALL_CONFIGS, default=None,
                  help="default llama-3.2-1b on an sm90 GPU, else tiny")
   p.add_argument("--layers", type=int, help="override the config's n_layers")
   for flag, kind in (("batch", int), ("seq", int), ("steps", int), ("lr", float)):
@@ -162,9 +169,11 @@ def device_peak_bytes():
 def run_path(path, cfg, args, train_batches, val_batches):
   """Trains one path from scratch; everything it allocated is freed on return."""
   if args.init_from is not None:
-    model = load_hf_checkpoint(args.init_from, fused=path == "fused", seed=args.seed)
+    load = load_gpt2_checkpoint if isinstance(cfg, GPT2Config) else load_hf_checkpoint
+    model = load(args.init_from, fused=path == "fused", seed=args.seed)
   else:
-    model = Llama(cfg, rngs=nnx.Rngs(args.seed), fused=path == "fused")
+    model = (GPT2 if isinstance(cfg, GPT2Config) else Llama)(
+        cfg, rngs=nnx.Rngs(args.seed), fused=path == "fused")
   r = dict(path=path, runs_on=train.describe_path(model))
   runs_on = r["runs_on"]
   print(runs_on if runs_on.startswith(path) else f"{path}: {runs_on}", flush=True)
@@ -346,9 +355,16 @@ def main():
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   if args.init_from is not None:
     hf = json.loads((args.init_from / "config.json").read_text())
-    cfg = LlamaConfig.from_hf_config(hf, **({"n_layers": args.layers} if args.layers else {}))
+    kind = GPT2Config if hf.get("model_type") == "gpt2" else LlamaConfig
+    cfg = kind.from_hf_config(hf, **({"n_layers": args.layers} if args.layers else {}))
   else:
-    cfg = get_config(args.config, **({"n_layers": args.layers} if args.layers else {}))
+    get = get_gpt2_config if args.config in GPT2_CONFIGS else get_config
+    cfg = get(args.config, **({"n_layers": args.layers} if args.layers else {}))
+  if isinstance(cfg, GPT2Config) and args.mesh and "model" in args.mesh:
+    sys.exit("--mesh with a 'model' axis: tensor parallelism is Llama-only")
+  if isinstance(cfg, GPT2Config) and args.seq > cfg.n_positions:
+    sys.exit(f"--seq {args.seq} exceeds {args.config}'s n_positions={cfg.n_positions}: "
+             f"pass --seq {cfg.n_positions} or less")
   name = (f"train_{args.config}" + (f"_{cfg.n_layers}l" if args.layers else "")
           + (f"_{args.mesh.replace('=', '').replace(',', '_')}" if args.mesh else "")
           + ("_fsdp" if args.fsdp else "")

@@ -171,6 +171,21 @@ def _weight_map(directory: Path) -> dict[str, str]:
                    "checkpoint directory holds one of them)")
 
 
+def open_checkpoint(directory):
+  """(config, tensors) of a Hugging Face checkpoint directory of any model: the parsed
+  ``config.json`` and a lazy name -> numpy mapping over its safetensors (one file or
+  shards with an index). Call ``tensors.close()`` when done.
+
+  Raises:
+    ValueError: no ``config.json``, or no safetensors file or index.
+  """
+  directory = Path(directory)
+  if not (directory / CONFIG_FILE).exists():
+    raise ValueError(f"{directory}: no {CONFIG_FILE}")
+  config = json.loads((directory / CONFIG_FILE).read_text())
+  return config, _LazyTensors(directory, _weight_map(directory))
+
+
 def load_hf_checkpoint(directory, *, fused: bool = True, rope: str = "rotate_half",
                        seed: int = 0, **config_overrides) -> Llama:
   """A ``Llama`` from a Hugging Face checkpoint directory.
@@ -210,34 +225,57 @@ def save_hf_checkpoint(model: Llama, directory, *, rope: str = "rotate_half",
   ``LlamaForCausalLM.from_pretrained`` reads: ``config.json`` and safetensors (one file,
   or shards of at most ``max_shard_bytes`` with an index). ``dtype`` casts the tensors
   (default: the parameters' dtype). Returns the files written."""
+  return write_checkpoint(directory, to_hf_state_dict(model, rope=rope),
+                          hf_keys(model.config), model.config.to_hf_config(),
+                          max_shard_bytes=max_shard_bytes,
+                          dtype=dtype or model.config.param_dtype)
+
+
+def write_checkpoint(directory, state: dict, keys: list[str], config: dict, *,
+                     max_shard_bytes: int = 5 << 30, dtype=None) -> list[Path]:
+  """Writes a Hugging Face checkpoint directory of any model: ``config.json`` and the
+  tensors of ``state`` in the order of ``keys``, in one safetensors file or in shards of
+  at most ``max_shard_bytes`` with an index.
+
+  Args:
+    directory: created if missing.
+    state: name -> numpy array (a Hugging Face state dict).
+    keys: the names to write, in order (every one must be in ``state``).
+    config: the ``config.json`` dict; its ``torch_dtype`` is set to the written dtype.
+    max_shard_bytes: the largest shard (a tensor larger than it gets a shard alone).
+    dtype: casts the tensors; default: each its own dtype.
+
+  Returns:
+    The files written (config first).
+  """
   directory = Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   from safetensors.numpy import save_file
-  state = to_hf_state_dict(model, rope=rope)
   if dtype is not None:
-    state = {k: v.astype(jnp.dtype(dtype)) for k, v in state.items()}
+    state = {k: np.asarray(state[k]).astype(jnp.dtype(dtype)) for k in keys}
   shards, size = [[]], 0
-  for name in hf_keys(model.config):
+  for name in keys:
     nbytes = state[name].nbytes
     if shards[-1] and size + nbytes > max_shard_bytes:
       shards.append([])
       size = 0
     shards[-1].append(name)
     size += nbytes
-  config = model.config.to_hf_config()
-  config["torch_dtype"] = jnp.dtype(dtype or model.config.param_dtype).name
+  config = dict(config)
+  if dtype is not None:
+    config["torch_dtype"] = jnp.dtype(dtype).name
   written = [directory / CONFIG_FILE]
   written[0].write_text(json.dumps(config, indent=2) + "\n")
   names = ([SINGLE_FILE] if len(shards) == 1 else
            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-  for fname, keys in zip(names, shards):
-    save_file({k: np.ascontiguousarray(state[k]) for k in keys}, os.fspath(directory / fname),
-              metadata={"format": "pt"})
+  for fname, group in zip(names, shards):
+    save_file({k: np.ascontiguousarray(state[k]) for k in group},
+              os.fspath(directory / fname), metadata={"format": "pt"})
     written.append(directory / fname)
   if len(shards) > 1:
-    total = sum(v.nbytes for v in state.values())
+    total = sum(state[k].nbytes for k in keys)
     index = {"metadata": {"total_size": total},
-             "weight_map": {k: f for f, keys in zip(names, shards) for k in keys}}
+             "weight_map": {k: f for f, group in zip(names, shards) for k in group}}
     written.append(directory / INDEX_FILE)
     written[-1].write_text(json.dumps(index, indent=2) + "\n")
   return written

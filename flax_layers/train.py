@@ -1,4 +1,4 @@
-"""A jitted optax training step for ``Llama`` (or any module with ``loss(tokens, targets)``).
+"""A jitted optax training step for ``Llama``, ``GPT2`` (or any module with ``loss(tokens, targets)``).
 
     tx = make_optimizer(3e-4, total_steps=1000)
     graphdef, state = init_state(model, tx)
@@ -22,9 +22,11 @@ import coda_jax.ops
 
 
 def _decay_mask(params):
-  """Weight decay on matrices only: not on norm weights (whose paths say "norm")."""
+  """Weight decay on matrices only: not on norm weights or biases (whose paths say "norm"
+  or "bias": Llama's norms, GPT-2's LayerNorm weights and biases and its GEMM biases)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: not any("norm" in str(getattr(k, "key", k)) for k in path), params)
+      lambda path, _: not any(w in str(getattr(k, "key", k)) for k in path
+                              for w in ("norm", "bias")), params)
 
 
 def make_optimizer(learning_rate: float = 3e-4, *, total_steps: int,
