@@ -331,7 +331,7 @@ MUTATIONS = [
     # ---- issue 12 (second session): 3-GEMM LM head, tied head, ragged batches -------------
     Mutation(
         "lm_unit_grads_not_scaled", "coda_jax/fused_ops.py",
-        "    dh, dr, dw = scale_grads((dh, dr, dw), dloss)\n",
+        "    dh, dr, dw = scale_grads((dh, dr, dw), dloss * norm)\n",
         "",
         ("tests/test_losses.py", "-k", "loss_and_grads"),
         "the forward's unit-cotangent gradients are returned without the real cotangent"),
