@@ -123,3 +123,41 @@ def gated_pairs(z, p, activation="silu"):
   block, b the next p): (M, 2N) -> (M, N), in z's array type and dtype."""
   z4 = z.reshape(z.shape[0], -1, 2, p)
   return (GATED_ACTS[activation](z4[:, :, 0]) * z4[:, :, 1]).reshape(z.shape[0], -1)
+
+
+# Ours: fused kernels in bf16; truth: the reference in fp32 (highest precision); the
+# baseline: the reference in bf16, whose error sets the tolerance.
+MODEL_RUNS = (("ours", True, jnp.bfloat16), ("truth", False, jnp.float32),
+              ("base", False, jnp.bfloat16))
+
+
+def check_model_loss_and_grads(make_model, toks, tgt, n_grads):
+  """A model's ``loss(toks, tgt)`` and every parameter gradient: ours
+  (``make_model(True, bf16)``) against the truth (``make_model(False, fp32)``) within
+  twice the baseline's (``make_model(False, bf16)``) error, per token
+  (``reduction="none"``: a mean of many losses can land close by cancellation) and per
+  gradient leaf; the mean equals the mean of the per-token losses. Returns the
+  gradients' key paths."""
+  from flax import nnx
+  runs, per_token = {}, {}
+  for name, fused, dt in MODEL_RUNS:
+    m = make_model(fused, dt)
+    with jax.default_matmul_precision("highest"):
+      runs[name] = nnx.value_and_grad(lambda m: m.loss(toks, tgt))(m)
+      per_token[name] = m.loss(toks, tgt, reduction="none")
+  assert per_token["ours"].shape == tgt.shape
+  assert np.all(np.asarray(per_token["ours"])[np.asarray(tgt) == -100] == 0)
+  assert_within_baseline(per_token["ours"], per_token["truth"], per_token["base"],
+                         "per-token loss")
+  counted = np.asarray(tgt) != -100
+  for name in ("ours", "truth"):
+    mean = np.asarray(per_token[name], np.float64)[counted].mean()
+    np.testing.assert_allclose(float(runs[name][0]), mean, rtol=1e-5, err_msg=name)
+  paths = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(runs["truth"][1])[0]]
+  grads = [jax.tree.leaves(runs[n][1]) for n in ("ours", "truth", "base")]
+  assert len(paths) == len(grads[0]) == len(grads[2]) == n_grads, paths
+  for p, g, t, b in zip(paths, *grads):
+    assert g.shape == t.shape, p
+    assert_within_baseline(g, t, b, f"grad {p}")
+  return paths

@@ -22,8 +22,8 @@ from coda_jax.jnp_reference import cross_entropy
 from flax_layers import (FusedMLP, LMHeadLoss, Llama, LlamaBlock, OutProjection,
                          QKVProjection, get_config, train)
 from flax_layers import checkpoint as ck
-from helpers import (assert_within_baseline, normal, rel_err, residual_cotangent,
-                     spread_rows)
+from helpers import (MODEL_RUNS, assert_within_baseline, check_model_loss_and_grads, normal,
+                     rel_err, residual_cotangent, spread_rows)
 
 D, F, V = 192, 256, 384
 # 3 layers: Llama.loss scans the 2 shifted blocks between its pre- and post-block, a real
@@ -33,10 +33,7 @@ CFG = get_config("tiny", d_model=D, n_layers=3, n_q_heads=4, n_kv_heads=2, head_
 Q = CFG.q_width  # 128
 assert len({D, Q, F, 2 * F, V}) == 5
 B, T = 2, 64
-# Ours: fused kernels in bf16; truth: the reference in fp32 (highest precision); the
-# baseline: the reference in bf16, whose error sets the tolerance.
-RUNS = (("ours", True, jnp.bfloat16), ("truth", False, jnp.float32),
-        ("base", False, jnp.bfloat16))
+RUNS = MODEL_RUNS  # (name, fused, dtype): ours, the truth, the baseline
 
 
 def _perturb_norms(module, key):
@@ -163,34 +160,16 @@ def test_qwen3_loss_and_grads(path, key, kernel_impl):
 
 
 def _check_model_loss_and_grads(cfg0, key, impl, n_grads):
-  """``Llama(cfg0).loss`` and its parameter gradients: ours (fused, bf16, ``impl``)
-  against the truth (reference, fp32) within twice the baseline's (reference, bf16)
-  error, per token and per gradient leaf. Returns the gradients' key paths."""
+  """``Llama(cfg0).loss`` and its gradients under the tolerance rule
+  (``helpers.check_model_loss_and_grads``), ours on ``impl``."""
   toks, tgt = _tokens(key)
-  tgt = tgt.at[0, :3].set(-100)
-  runs, per_token = {}, {}
-  for name, fused, dt in RUNS:
-    cfg = cfg0.replace(dtype=dt, impl=impl if fused else "auto")
-    m = Llama(cfg, fused=fused, rngs=nnx.Rngs(7))
+
+  def make(fused, dt):
+    m = Llama(cfg0.replace(dtype=dt, impl=impl if fused else "auto"), fused=fused,
+              rngs=nnx.Rngs(7))
     _perturb_norms(m, key)
-    with jax.default_matmul_precision("highest"):
-      runs[name] = nnx.value_and_grad(lambda m: m.loss(toks, tgt))(m)
-      per_token[name] = m.loss(toks, tgt, reduction="none")
-  assert per_token["ours"].shape == tgt.shape
-  assert np.all(np.asarray(per_token["ours"])[np.asarray(tgt) == -100] == 0)
-  assert_within_baseline(per_token["ours"], per_token["truth"], per_token["base"],
-                         "per-token loss")
-  counted = np.asarray(tgt) != -100
-  for name in ("ours", "truth"):
-    mean = np.asarray(per_token[name], np.float64)[counted].mean()
-    np.testing.assert_allclose(float(runs[name][0]), mean, rtol=1e-5, err_msg=name)
-  paths = [jax.tree_util.keystr(p) for p, _ in
-           jax.tree_util.tree_flatten_with_path(runs["truth"][1])[0]]
-  grads = [jax.tree.leaves(runs[n][1]) for n in ("ours", "truth", "base")]
-  assert len(paths) == len(grads[0]) == len(grads[2]) == n_grads, paths
-  for p, g, t, b in zip(paths, *grads):
-    assert_within_baseline(g, t, b, f"grad {p}")
-  return paths
+    return m
+  return check_model_loss_and_grads(make, toks, tgt.at[0, :3].set(-100), n_grads)
 
 
 def _three_runs(make, fn, kernel_impl):

@@ -18,13 +18,12 @@ from flax_layers import train
 from flax_layers.gpt2 import (GPT2, GPT2_CONFIGS, GPT2Config, get_gpt2_config,
                               gpt2_from_hf_state_dict, gpt2_hf_keys, gpt2_to_hf_state_dict,
                               load_gpt2_checkpoint, save_gpt2_checkpoint)
-from helpers import assert_within_baseline, normal
+from helpers import MODEL_RUNS, assert_within_baseline, check_model_loss_and_grads, normal
 
 CFG = GPT2Config(vocab_size=320, n_positions=96, d_model=128, n_layers=3, n_heads=2,
                  init_std=0.1, impl="xla")
 B, T = 2, 64
-RUNS = (("ours", True, jnp.bfloat16), ("truth", False, jnp.float32),
-        ("base", False, jnp.bfloat16))
+RUNS = MODEL_RUNS  # (name, fused, dtype): ours, the truth, the baseline
 N_PARAMS = 4 + 12  # wte, wpe, norm_f, norm_f_bias + 12 stacked per-layer tensors
 
 
@@ -53,28 +52,8 @@ def _model(cfg, fused, key, dt):
 
 def _check_loss_and_grads(cfg, key, b=B, t=T):
   toks, tgt = _tokens(key, cfg.vocab_size, b, t)
-  tgt = tgt.at[0, :3].set(-100)
-  runs, per_token = {}, {}
-  for name, fused, dt in RUNS:
-    m = _model(cfg, fused, key, dt)
-    with jax.default_matmul_precision("highest"):
-      runs[name] = nnx.value_and_grad(lambda m: m.loss(toks, tgt))(m)
-      per_token[name] = m.loss(toks, tgt, reduction="none")
-  assert per_token["ours"].shape == tgt.shape
-  assert np.all(np.asarray(per_token["ours"])[np.asarray(tgt) == -100] == 0)
-  assert_within_baseline(per_token["ours"], per_token["truth"], per_token["base"],
-                         "per-token loss")
-  counted = np.asarray(tgt) != -100
-  for name in ("ours", "truth"):
-    mean = np.asarray(per_token[name], np.float64)[counted].mean()
-    np.testing.assert_allclose(float(runs[name][0]), mean, rtol=1e-5, err_msg=name)
-  paths = [jax.tree_util.keystr(p) for p, _ in
-           jax.tree_util.tree_flatten_with_path(runs["truth"][1])[0]]
-  grads = [jax.tree.leaves(runs[n][1]) for n in ("ours", "truth", "base")]
-  assert len(paths) == len(grads[0]) == len(grads[2]) == N_PARAMS, paths
-  for p, g, tr, bs in zip(paths, *grads):
-    assert g.shape == tr.shape, p
-    assert_within_baseline(g, tr, bs, f"grad {p}")
+  check_model_loss_and_grads(lambda fused, dt: _model(cfg, fused, key, dt), toks,
+                             tgt.at[0, :3].set(-100), N_PARAMS)
 
 
 def test_loss_and_every_gradient():
