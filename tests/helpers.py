@@ -161,3 +161,12 @@ def check_model_loss_and_grads(make_model, toks, tgt, n_grads):
     assert g.shape == t.shape, p
     assert_within_baseline(g, t, b, f"grad {p}")
   return paths
+
+
+def projected(fn, cts):
+  """loss(diff, rest) = <fn({**rest, **diff}) leaves, cts>: a scalar whose gradient
+  w.r.t. ``diff`` runs every output's backward path."""
+  def loss(diff, rest):
+    outs = jax.tree.leaves(fn({**rest, **diff}))
+    return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outs, cts))
+  return loss

@@ -16,7 +16,7 @@ import pytest
 
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as R
-from helpers import (assert_within_baseline, f32_tree, normal, rel_err, spread_rows,
+from helpers import (assert_within_baseline, f32_tree, normal, projected, rel_err, spread_rows,
                      worst_row_err)
 
 HEADS = dict(n_q_heads=4, n_kv_heads=2, head_dim=32)  # Hq * head_dim = 128
@@ -111,14 +111,6 @@ OPS = {
 SINGLE_OPS = [n for n in OPS if not n.startswith("composed") and n != "rmsnorm_geglu"]
 
 
-def _projected(fn, cts):
-  """Scalar <fn(x), cts>, so every output's gradient path is exercised."""
-  def loss(diff, rest):
-    outs = jax.tree.leaves(fn({**rest, **diff}))
-    return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outs, cts))
-  return loss
-
-
 def max_rel_err(got, truth):
   """Largest per-element relative error of a positive vector (r = 1/rms spans 10x across
   rows: helpers.worst_row_err, taken against the largest element, would dilute a wrong
@@ -150,10 +142,10 @@ def check_op(name, x, impl, wrap=lambda f: f, key=None):
     cts = [normal(jax.random.fold_in(key, i), o.shape)
            for i, o in enumerate(jax.tree.leaves(truth))]
   with jax.default_matmul_precision("highest"):
-    g_truth = jax.jit(jax.grad(_projected(reference, cts)))(f32_tree(diff), f32_tree(rest))
-  base, g_base = reference(x), jax.grad(_projected(reference, cts))(diff, rest)
+    g_truth = jax.jit(jax.grad(projected(reference, cts)))(f32_tree(diff), f32_tree(rest))
+  base, g_base = reference(x), jax.grad(projected(reference, cts))(diff, rest)
   op = wrap(lambda z: fused(z, impl))
-  run = jax.jit(lambda d, r: (op({**r, **d}), jax.grad(_projected(op, cts))(d, r)))
+  run = jax.jit(lambda d, r: (op({**r, **d}), jax.grad(projected(op, cts))(d, r)))
   got, g_got = run(diff, rest)
   for i, (a, t, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(truth),
                                     jax.tree.leaves(base))):
@@ -308,9 +300,9 @@ def test_float32_activations(name, key, monkeypatch):
     truth = reference(x)
     cts = [normal(jax.random.fold_in(key, i), o.shape)
            for i, o in enumerate(jax.tree.leaves(truth))]
-    g_truth = jax.grad(_projected(reference, cts))(diff, rest)
+    g_truth = jax.grad(projected(reference, cts))(diff, rest)
   op = lambda z: fused(z, "auto")
-  got, g_got = jax.jit(lambda d, r: (op({**r, **d}), jax.grad(_projected(op, cts))(d, r)))(
+  got, g_got = jax.jit(lambda d, r: (op({**r, **d}), jax.grad(projected(op, cts))(d, r)))(
       diff, rest)
   pairs = [(f"output {i}", a, t) for i, (a, t) in
            enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(truth)))]

@@ -18,7 +18,8 @@ import pytest
 import coda_jax as cj
 from coda_jax import jnp_reference as R
 from coda_jax import layernorm_ops as L
-from helpers import GATED_ACTS, assert_within_baseline, f32_tree, normal, spread_rows
+from helpers import (GATED_ACTS, assert_within_baseline, f32_tree, normal, projected,
+                     spread_rows)
 
 EPS = 1e-5
 M, K, D, N, FF = 128, 256, 192, 320, 384
@@ -129,14 +130,6 @@ OPS = {
 }
 
 
-def _projected(fn, cts):
-  """Scalar <fn(p), cts>, so every output's gradient path is exercised."""
-  def loss(diff, rest):
-    outs = jax.tree.leaves(fn({**rest, **diff}))
-    return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outs, cts))
-  return loss
-
-
 def max_rel_err(got, truth):
   got, truth = np.asarray(got, np.float64), np.asarray(truth, np.float64)
   return float(np.max(np.abs(got - truth) / np.abs(truth)))
@@ -156,10 +149,10 @@ def check_op(name, p, impl, key):
   else:
     cts = [normal(jax.random.fold_in(key, i), o.shape) for i, o in enumerate(leaves)]
   with jax.default_matmul_precision("highest"):
-    g_truth = jax.jit(jax.grad(_projected(reference, cts)))(f32_tree(diff), f32_tree(rest))
-  base, g_base = reference(p), jax.grad(_projected(reference, cts))(diff, rest)
+    g_truth = jax.jit(jax.grad(projected(reference, cts)))(f32_tree(diff), f32_tree(rest))
+  base, g_base = reference(p), jax.grad(projected(reference, cts))(diff, rest)
   op = lambda z: fused(z, impl)
-  got, g_got = jax.jit(lambda d, r: (op({**r, **d}), jax.grad(_projected(op, cts))(d, r)))(
+  got, g_got = jax.jit(lambda d, r: (op({**r, **d}), jax.grad(projected(op, cts))(d, r)))(
       diff, rest)
   for i, (a, t, b) in enumerate(zip(jax.tree.leaves(got), leaves, jax.tree.leaves(base))):
     assert a.shape == t.shape and a.dtype == b.dtype, (name, i, a.shape, a.dtype, b.dtype)
