@@ -370,20 +370,21 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
   sums over all rows). Under ``shard_map`` with the rows split, dW and the sums are this
   shard's: ``reduce_like`` them once scaled by the cotangent (which may vary too)."""
   w = wlm.astype(h.dtype)
-
-  def step(carry, args):
-    dw, sums = carry
-    hc, rc, tc, wc, *rest = args
+  # A Python loop, not a scan: dW is accumulated without the kernel's in-place write,
+  # which jax.checkpoint's re-run of this forward loses, and a scan would copy the
+  # (D, V) carry every chunk. Each chunk's GEMM reads dW and writes a new one.
+  xs = chunked(rows, h, r, targets, weight, *per_row)
+  dw, sums, outs = None, jax.tree.map(lambda x: vary_like(x, h), sums0), []
+  for c in range(xs[0].shape[0]):
+    hc, rc, tc, wc, *rest = (x[c] for x in xs)
     lse, tgt, z = S.lm_head_logits(hc, rc, w, tc, impl, w_nk)
     dlogits, zdz = S.xent_grad_from_logits(z, lse, tc, wc, h.dtype)
     n, ys, col_sums = chunk_grad(dlogits, zdz, hc, rc, *rest)
     sums = jax.tree.map(jnp.add, sums, col_sums)
-    return (S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw), sums), (lse, tgt, ys)
-
-  xs = tuple(chunked(rows, h, r, targets, weight, *per_row))
-  vary = lambda x: vary_like(x, h)  # the accumulators vary with the rows' shards
-  init = (vary(jnp.zeros(wlm.shape, jnp.float32)), jax.tree.map(vary, sums0))
-  (dw, sums), (lse, tgt, ys) = jax.lax.scan(step, init, xs)
+    dw = S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw, in_place=False)
+    outs.append((lse, tgt, ys))
+  dw = vary_like(dw, h)  # varies with the rows' shards
+  lse, tgt, ys = jax.tree.map(lambda *a: jnp.stack(a), *outs)
   return unchunked(lse), unchunked(tgt), dw, jax.tree.map(unchunked, ys), sums
 
 
