@@ -376,8 +376,7 @@ def _vocab(params, cfg):
 def _post_head_bwd(p, params, targets, x2, h2, r2, lse, dloss, cfg):
   """The LM head's backward for per-row cotangents: logits recomputed, chunk by chunk."""
   d, rows = x2.shape[1], cfg.lm_chunk_rows
-  weight = F.loss_row_weights(dloss, targets, cfg.ignore_index, cfg.reduction,
-                              _vocab(params, cfg))
+  weight = F.loss_row_weights(dloss, targets, cfg.ignore_index, _vocab(params, cfg))
   w_nk = _w_nk(cfg)
 
   def chunk(carry, args):

@@ -266,8 +266,9 @@ def rmsnorm_lm_head_loss(h, r, wlm, targets, *, ignore_index: int = -100,
     fp32: a scalar ("mean" over non-ignored targets, or "sum"), or per token ("none",
     shaped like targets).
 
-  Rows run in chunks of ``chunk_rows``; only one chunk's logits ever exist. Without differentiation, one GEMM per
-  chunk computes each row's log-sum-exp and target logit in its epilogue. Under
+  Rows run in chunks of ``chunk_rows``; only one chunk's logits ever exist. Without
+  differentiation, one GEMM per chunk computes each row's log-sum-exp and target logit
+  in its epilogue. Under
   ``jax.grad`` of a "mean" or "sum" loss, the forward also forms the gradient, chunk by
   chunk, while the chunk's logits are at hand: the loss is linear in its scalar
   cotangent, so the gradients for a unit cotangent are computed there (3 GEMMs per
@@ -347,14 +348,14 @@ def loss_from_stats(lse, tgt, targets, ignore_index, reduction, vocab):
   return total if reduction == "sum" else total / jnp.maximum(jnp.sum(valid), 1)
 
 
-def loss_row_weights(dloss, targets, ignore_index, reduction, vocab):
-  """d loss / d (lse_m - logit_m) per row, times the incoming cotangent (0 for rows whose
-  loss is NaN: an out-of-range target passes no gradient, as in the reference)."""
+def loss_row_weights(dloss, targets, ignore_index, vocab):
+  """d (sum of row losses) / d (lse_m - logit_m), times the cotangent ``dloss`` (a
+  scalar, or one per row): 0 for ignored rows and for rows whose loss is NaN (an
+  out-of-range target passes no gradient, as in the reference). A mean's 1/count is
+  applied by the caller (``unit_row_weights``)."""
   valid = ((targets != ignore_index)
            & ~out_of_range(targets, vocab, ignore_index)).astype(jnp.float32)
-  if reduction == "mean":  # the mean's denominator counts every non-ignored target
-    return valid * dloss / jnp.maximum(jnp.sum(targets != ignore_index), 1)
-  return valid * dloss  # "sum": scalar dloss; "none": per row
+  return valid * dloss
 
 
 def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0=(),
@@ -394,7 +395,7 @@ def unit_row_weights(targets, ignore_index, reduction, vocab):
   "sum"'s (1 per counted row), and a mean's 1 / count goes into that scalar. So the
   bf16 dlogits are the same whether the mean is taken here or by a caller that sums
   per device and divides by the global count."""
-  weight = loss_row_weights(1.0, targets, ignore_index, "sum", vocab)
+  weight = loss_row_weights(1.0, targets, ignore_index, vocab)
   if reduction == "mean":
     return weight, 1.0 / jnp.maximum(jnp.sum(targets != ignore_index), 1).astype(jnp.float32)
   return weight, jnp.ones((), jnp.float32)
@@ -439,7 +440,7 @@ def _lm_bwd(opts, impl, saved, dloss):
     dh, dr, dw = scale_grads((dh, dr, dw), dloss * norm)
     return dh.astype(hdt.dtype), dr, reduce_like(dw, wdt).astype(wdt.dtype), None
   h, r, wlm, targets, lse = saved
-  weight = loss_row_weights(dloss, targets, ignore_index, reduction, head_vocab(wlm, w_nk))
+  weight = loss_row_weights(dloss, targets, ignore_index, head_vocab(wlm, w_nk))
   w = wlm.astype(h.dtype)
 
   def step(dw, args):
