@@ -140,10 +140,14 @@ def fwd_bwd(block):
 
 def gemms(s: Shape, backward: bool, key):
   """(fn, args): the block's forward GEMMs (and, with ``backward``, each one's input
-  gradient dout @ W^T and fp32 weight gradient A^T @ dout), one jitted function. Every
-  GEMM gets its own operands so XLA cannot merge dots that share an input."""
-  mkn = [(s.m, s.n_q * s.head_dim, s.d), (s.m, s.d, 2 * s.f), (s.m, s.f, s.d),
-         (s.m, s.d, s.qkv_width)]
+  gradient dout @ W^T and fp32 weight gradient A^T @ dout), one jitted function."""
+  return gemms_of([(s.m, s.n_q * s.head_dim, s.d), (s.m, s.d, 2 * s.f), (s.m, s.f, s.d),
+                   (s.m, s.d, s.qkv_width)], backward, key)
+
+
+def gemms_of(mkn, backward: bool, key):
+  """(fn, args) for GEMMs of the given (M, K, N)s, as ``gemms``. Every GEMM gets its own
+  operands so XLA cannot merge dots that share an input."""
   ks = iter(jax.random.split(key, 3 * len(mkn)))
   args = [(jax.random.normal(next(ks), (m, k), bf16),
            (jax.random.normal(next(ks), (k, n), f32) * k ** -0.5).astype(bf16),
@@ -196,6 +200,41 @@ def block_configs(s: Shape, impl="auto"):
                              impl=impl))
 
 
+def compare_row(op, shape_name, dims, measure, prov, impl, ours, ours_args, xla, xla_args,
+                to_std=lambda t: t, gemm_fns=None, memory=False):
+  """One table row: ``ours`` and ``xla`` timed on their arguments (CUPTI kernel time on a
+  GPU), their outputs compared with each other and with the fp32 truth (``xla`` run in
+  fp32 at HIGHEST precision), and optionally the GEMMs alone and the compiled peaks. A
+  failing measurement is reported in the row, not raised."""
+  row = dict(op=op, shape=shape_name, dims=dims, baseline="xla_jit", **prov)
+  try:
+    row["ours_ms"], row["ours_kernels"], got = measure(ours, *ours_args)
+    row["baseline_ms"], row["baseline_kernels"], want = measure(xla, *xla_args)
+    row["speedup_vs_baseline"] = row["baseline_ms"] / row["ours_ms"]
+    row["rel_diff_vs_baseline"] = rel_diff(to_std(got), want)
+    # Both against the fp32 truth of the same math: ours should be as close as XLA's bf16.
+    upcast = lambda v: v.astype(f32) if v.dtype == bf16 else v
+    with jax.default_matmul_precision("highest"):
+      truth = jax.jit(xla)(*jax.tree.map(upcast, xla_args))
+    row["ours_err_vs_fp32"], row["baseline_err_vs_fp32"] = (
+        rel_diff(to_std(got), truth), rel_diff(want, truth))
+    del got, want, truth
+    if gemm_fns:
+      row["gemms_ms"] = measure(*gemm_fns)[0]
+      row["ours_vs_gemms"] = row["ours_ms"] / row["gemms_ms"]
+    if memory:
+      row["ours_peak_bytes"] = peak_bytes(ours, *ours_args)
+      row["baseline_peak_bytes"] = peak_bytes(xla, *xla_args)
+    if impl == "mosaic":  # the config each of our GEMMs ran with (clears jax's caches)
+      row["configs"] = autotune.describe_workload(ours, *ours_args)
+  except Exception as e:  # a failing measurement is reported in the table, not fatal
+    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+  print(f"{shape_name} {op}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()
+                                           if isinstance(v, (int, float)) and "_" in k)
+        + row.get("error", ""), flush=True)
+  return row
+
+
 def run_shape(name, s: Shape, impl, measure, prov, key, only=None):
   x = make_inputs(s, key)
   std, pos, tgt = x["params"], x["positions"], x["targets"]
@@ -206,37 +245,9 @@ def run_shape(name, s: Shape, impl, measure, prov, key, only=None):
   std_shifted = {k: std[k] for k in ("wo", "g_mlp", "w_gate", "w_up", "w2", "g_attn", "wqkv")}
   rows = []
 
-  def compare(op, ours, ours_args, xla, xla_args, to_std=lambda t: t, gemm_fns=None,
-              memory=False):
-    if only and op not in only:
-      return
-    row = dict(op=op, shape=name, dims=s._asdict(), baseline="xla_jit", **prov)
-    try:
-      row["ours_ms"], row["ours_kernels"], got = measure(ours, *ours_args)
-      row["baseline_ms"], row["baseline_kernels"], want = measure(xla, *xla_args)
-      row["speedup_vs_baseline"] = row["baseline_ms"] / row["ours_ms"]
-      row["rel_diff_vs_baseline"] = rel_diff(to_std(got), want)
-      # Both against the fp32 truth of the same math: ours should be as close as XLA's bf16.
-      upcast = lambda v: v.astype(f32) if v.dtype == bf16 else v
-      with jax.default_matmul_precision("highest"):
-        truth = jax.jit(xla)(*jax.tree.map(upcast, xla_args))
-      row["ours_err_vs_fp32"], row["baseline_err_vs_fp32"] = (
-          rel_diff(to_std(got), truth), rel_diff(want, truth))
-      del got, want, truth
-      if gemm_fns:
-        row["gemms_ms"] = measure(*gemm_fns)[0]
-        row["ours_vs_gemms"] = row["ours_ms"] / row["gemms_ms"]
-      if memory:
-        row["ours_peak_bytes"] = peak_bytes(ours, *ours_args)
-        row["baseline_peak_bytes"] = peak_bytes(xla, *xla_args)
-      if impl == "mosaic":  # the config each of our GEMMs ran with (clears jax's caches)
-        row["configs"] = autotune.describe_workload(ours, *ours_args)
-    except Exception as e:  # a failing measurement is reported in the table, not fatal
-      row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-    rows.append(row)
-    print(f"{name} {op}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()
-                                       if isinstance(v, (int, float)) and "_" in k)
-          + row.get("error", ""), flush=True)
+  def compare(op, *args, **kwargs):
+    if not only or op in only:
+      rows.append(compare_row(op, name, s._asdict(), measure, prov, impl, *args, **kwargs))
 
   gemm_key = jax.random.fold_in(key, 1)
   compare("shifted_block_fwd", ours_block, (x["x0"], x["y0"], pos, mine),
@@ -288,12 +299,17 @@ def timer(on_gpu, iterations):
   return measure
 
 
-def markdown(rows, prov, on_gpu):
+LLAMA_NOTE = ("XLA's block: separate gate/up matmuls, one fused qkv matmul. LM head per-op: "
+              "all M rows, full vocabulary.")
+
+
+def markdown(rows, prov, on_gpu, title="Llama blocks: ours vs jax.jit of the standard block",
+             note=LLAMA_NOTE):
   mb = lambda v: f"{v / 2**20:.1f}" if v is not None else "-"
   fmt = lambda v, p=4: f"{v:.{p}f}" if v is not None else "-"
   unit = "CUPTI kernel ms per call, median" if on_gpu else "CPU wall-clock ms of the " \
       "Mosaic GPU interpreter: NOT a GPU speed, a correctness check only"
-  md = ["# Llama blocks: ours vs jax.jit of the standard block", "",
+  md = [f"# {title}", "",
         f"device: {prov['device']}; jax {prov['jax_version']}; commit {prov['commit']}",
         f"command: `{prov['command']}`", f"times: {unit}", "",
         "| shape | op | ours ms | XLA ms | GEMMs alone ms | XLA/ours | ours/GEMMs | "
@@ -312,8 +328,7 @@ def markdown(rows, prov, on_gpu):
          "difference over outputs (fwd) or gradients (fwd_bwd) from the XLA baseline's "
          "math run in fp32 (HIGHEST precision); ours vs XLA directly is rel_diff_vs_baseline "
          "in the JSON. Peak: argument + output + temp - alias bytes of the compiled "
-         "fwd+bwd. XLA's block: separate gate/up matmuls, one fused qkv matmul. LM head "
-         "per-op: all M rows, full vocabulary."]
+         f"fwd+bwd. {note}"]
   configs = {}  # shape -> the GEMMs' configs, over every op
   for r in rows:
     for c in r.get("configs", []):

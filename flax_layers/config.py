@@ -3,6 +3,7 @@ one for tests and CPU runs."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -26,11 +27,16 @@ class LlamaConfig:
   ``dtype`` is the compute dtype of activations (bfloat16 or float16 for the kernels);
   ``param_dtype`` the stored parameters' (float32: the optimizer's master copy).
   RoPE frequencies are ``rope_theta``'s, scaled by ``rope_scaling`` where set (Llama
-  3.1/3.2's "llama3" scaling, ``coda_jax.layout.RopeScaling``). ``attention_impl`` is passed to ``jax.nn.dot_product_attention``;
-  None picks "cudnn" on a GPU for 16-bit activations and "xla" elsewhere.
+  3.1/3.2's "llama3" scaling, ``coda_jax.layout.RopeScaling``). ``attention_impl`` is
+  passed to ``jax.nn.dot_product_attention``; None picks "cudnn" on a GPU for 16-bit
+  activations and "xla" elsewhere.
   ``qk_norm`` adds Qwen3's per-head RMSNorm of q and k (weights ``q_norm``, ``k_norm`` of
   shape (head_dim,), shared by the heads of their kind, eps = ``eps``) between the QKV
   projection and RoPE (``coda_jax.qk_norm``).
+  ``norm_weight_offset`` is added to every RMSNorm weight (QK-norm's too) before it is
+  applied: 1.0 gives Gemma's (1 + g) with g stored from zeros
+  (``flax_layers.layers.norm_weight``: the sum is taken in fp32, the fused ops run
+  unchanged on it, and the stored g gets the same gradient).
   """
   vocab_size: int
   d_model: int
@@ -50,6 +56,7 @@ class LlamaConfig:
   init_std: float = 0.02
   attention_impl: str | None = None
   qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
+  norm_weight_offset: float = 0.0  # Gemma: every RMSNorm applies 1 + g, g stored from 0
   impl: str = "auto"  # coda_jax kernel dispatch ("auto", "mosaic", "interpret", "xla")
 
   def __post_init__(self):
@@ -73,6 +80,10 @@ class LlamaConfig:
                        "q/k RMSNorm)")
     if self.qk_norm:
       qk_norm_ops.check_head_dim_tiles(self.head_dim, self.impl)
+    off = self.norm_weight_offset
+    if isinstance(off, bool) or not isinstance(off, (int, float)) or not math.isfinite(off):
+      raise ValueError(f"norm_weight_offset={off!r} must be a finite float (0.0: the norm "
+                       "applies its stored weight g; 1.0: Gemma's 1 + g)")
 
   @property
   def q_width(self) -> int:
@@ -158,6 +169,10 @@ class LlamaConfig:
       A JSON-serialisable dict that ``from_hf_config`` maps back to this config's
       checkpoint fields.
     """
+    if self.norm_weight_offset:
+      raise ValueError(f"norm_weight_offset={self.norm_weight_offset}: Llama and Qwen3 "
+                       "checkpoints apply their norm weights as stored; a model with an "
+                       "offset (Gemma's 1 + g) has no Hugging Face config here")
     rope = None if self.rope_scaling is None else {
         "rope_type": "llama3", "factor": self.rope_scaling.factor,
         "low_freq_factor": self.rope_scaling.low_freq_factor,

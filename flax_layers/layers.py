@@ -8,6 +8,9 @@ jnp under ordinary autodiff. ``module.set_attributes(fused=False)`` flips a whol
 Inputs are (..., D) activations, usually (B, T, D); ``positions`` and ``targets`` have
 their leading shape. Parameters are stored in ``param_dtype`` and cast to the
 activations' dtype for the GEMMs (norm weights: fp32).
+
+Norm weights: the layers with a norm take ``norm_offset``: 0.0 applies the stored weight
+g (Llama, Qwen), 1.0 applies 1 + g with g stored from zeros (Gemma); ``norm_weight``.
 """
 from __future__ import annotations
 
@@ -26,6 +29,29 @@ def _normal(rngs, shape, std, dtype):
 
 def _ones(shape, dtype):
   return nnx.Param(jnp.ones(shape, dtype))
+
+
+def _norm_param(shape, dtype, offset):
+  """A norm weight stored so that ``norm_weight`` starts at 1: ones, or zeros for a
+  Gemma-style offset of 1."""
+  return nnx.Param(jnp.full(shape, 1.0 - offset, dtype))
+
+
+def norm_weight(stored, offset: float = 0.0):
+  """The weight a norm multiplies by: the stored one, plus ``offset`` when it is nonzero
+  (Gemma's norms apply 1 + g to a stored g that starts at 0).
+
+  Args:
+    stored: the (D,) (or stacked (L, D)) parameter as held.
+    offset: the constant added (0.0: Llama, Qwen, GPT-2; 1.0: Gemma).
+
+  Returns:
+    ``stored`` itself without an offset; else ``offset + stored`` in fp32, so that a
+    bf16-stored g near 0 keeps its bits (1 + g in bf16 would round g to 1/128). The
+    fused ops take norm weights in fp32 and d(offset + g)/dg = 1, so the gradient of the
+    stored weight is the op's gradient of the applied one.
+  """
+  return stored if not offset else stored.astype(jnp.float32) + offset
 
 
 def norm_stats(x, g, eps):
@@ -136,18 +162,19 @@ class FusedMLP(nnx.Module):
 
   def __init__(self, d_model: int, ffn_dim: int, *, block: int = 32,
                activation: str = "silu", eps: float = 1e-5, param_dtype=jnp.float32,
-               init_std: float = 0.02, fused: bool = True, impl: str = "auto",
-               rngs: nnx.Rngs):
+               init_std: float = 0.02, norm_offset: float = 0.0, fused: bool = True,
+               impl: str = "auto", rngs: nnx.Rngs):
     if ffn_dim % block:
       raise ValueError(f"ffn_dim={ffn_dim} must be a multiple of block={block}")
-    self.norm = _ones((d_model,), param_dtype)
+    self.norm_offset = norm_offset
+    self.norm = _norm_param((d_model,), param_dtype, norm_offset)
     self.w13 = _normal(rngs, (d_model, 2 * ffn_dim), init_std, param_dtype)
     self.w2 = _normal(rngs, (ffn_dim, d_model), init_std, param_dtype)
     self.block, self.activation, self.eps = block, activation, eps
     self.fused, self.impl = fused, impl
 
   def __call__(self, x):
-    h, r = norm_stats(x, self.norm[...], self.eps)
+    h, r = norm_stats(x, norm_weight(self.norm[...], self.norm_offset), self.eps)
     y = swiglu(h, r, self.w13[...], self.block, self.activation, self.fused, self.impl)
     return residual_matmul(y, self.w2[...], x, self.fused, self.impl)
 
@@ -165,21 +192,25 @@ class QKVProjection(nnx.Module):
   def __init__(self, d_model: int, n_q_heads: int, n_kv_heads: int, head_dim: int, *,
                rope_theta: float = 500000.0, rope_scaling=None, eps: float = 1e-5,
                qk_norm: bool = False, param_dtype=jnp.float32, init_std: float = 0.02,
-               fused: bool = True, impl: str = "auto", rngs: nnx.Rngs):
+               norm_offset: float = 0.0, fused: bool = True, impl: str = "auto",
+               rngs: nnx.Rngs):
     width = (n_q_heads + 2 * n_kv_heads) * head_dim
     self.rope_scaling = rope_scaling  # coda_jax.layout.RopeScaling or None
-    self.norm = _ones((d_model,), param_dtype)
+    self.norm_offset = norm_offset
+    self.norm = _norm_param((d_model,), param_dtype, norm_offset)
     self.wqkv = _normal(rngs, (d_model, width), init_std, param_dtype)
-    self.q_norm = _ones((head_dim,), param_dtype) if qk_norm else None
-    self.k_norm = _ones((head_dim,), param_dtype) if qk_norm else None
+    self.q_norm = _norm_param((head_dim,), param_dtype, norm_offset) if qk_norm else None
+    self.k_norm = _norm_param((head_dim,), param_dtype, norm_offset) if qk_norm else None
     self.heads, self.rope_theta, self.eps = (n_q_heads, n_kv_heads, head_dim), rope_theta, eps
     self.fused, self.impl = fused, impl
 
   def __call__(self, x, positions):
-    h, r = norm_stats(x, self.norm[...], self.eps)
+    off = self.norm_offset
+    h, r = norm_stats(x, norm_weight(self.norm[...], off), self.eps)
     if self.q_norm is not None:
       return qkv_qknorm_rope(h, r, self.wqkv[...], positions,
-                             (self.q_norm[...], self.k_norm[...]), self.heads,
+                             (norm_weight(self.q_norm[...], off),
+                              norm_weight(self.k_norm[...], off)), self.heads,
                              self.rope_theta, self.eps, self.fused, self.impl,
                              self.rope_scaling)
     return qkv_rope(h, r, self.wqkv[...], positions, self.heads, self.rope_theta, self.fused,
@@ -215,9 +246,10 @@ class LMHeadLoss(nnx.Module):
 
   def __init__(self, d_model: int, vocab_size: int, *, tied: bool = False,
                eps: float = 1e-5, ignore_index: int = -100, param_dtype=jnp.float32,
-               init_std: float = 0.02, fused: bool = True, impl: str = "auto",
-               rngs: nnx.Rngs):
-    self.norm = _ones((d_model,), param_dtype)
+               init_std: float = 0.02, norm_offset: float = 0.0, fused: bool = True,
+               impl: str = "auto", rngs: nnx.Rngs):
+    self.norm_offset = norm_offset
+    self.norm = _norm_param((d_model,), param_dtype, norm_offset)
     self.wlm = None if tied else _normal(rngs, (d_model, vocab_size), init_std, param_dtype)
     self.eps, self.ignore_index = eps, ignore_index
     self.fused, self.impl = fused, impl
@@ -228,13 +260,17 @@ class LMHeadLoss(nnx.Module):
                        else "this head has its own wlm; do not pass one")
     return self.wlm[...] if wlm is None else wlm
 
+  def norm_weight(self):
+    """The final norm's applied weight (``norm_weight``)."""
+    return norm_weight(self.norm[...], self.norm_offset)
+
   def __call__(self, x, targets, *, wlm=None, reduction: str = "mean"):
-    h, r = norm_stats(x, self.norm[...], self.eps)
+    h, r = norm_stats(x, self.norm_weight(), self.eps)
     return lm_head_loss(h, r, self.head_weight(wlm), targets, self.ignore_index, reduction,
                         self.fused, self.impl)
 
   def logits(self, x, *, wlm=None):
     """x (..., D) -> fp32 logits (..., V) (plain XLA: inference and checks)."""
-    h, r = norm_stats(x, self.norm[...], self.eps)
+    h, r = norm_stats(x, self.norm_weight(), self.eps)
     w = self.head_weight(wlm)
     return (h @ w.astype(h.dtype)).astype(jnp.float32) * r[..., None]

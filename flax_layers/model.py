@@ -46,26 +46,29 @@ class LlamaBlock(nnx.Module):
     c = config
     common = dict(param_dtype=c.param_dtype, init_std=c.init_std, fused=fused, impl=c.impl,
                   rngs=rngs)
+    off = c.norm_weight_offset
     self.attn = Lyr.QKVProjection(c.d_model, c.n_q_heads, c.n_kv_heads, c.head_dim,
                                   rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
-                                  eps=c.eps, qk_norm=c.qk_norm, **common)
+                                  eps=c.eps, qk_norm=c.qk_norm, norm_offset=off, **common)
     self.out = Lyr.OutProjection(c.q_width, c.d_model, **common)
     self.mlp = Lyr.FusedMLP(c.d_model, c.ffn_dim, block=c.swiglu_block,
-                            activation=c.activation, eps=c.eps, **common)
+                            activation=c.activation, eps=c.eps, norm_offset=off, **common)
     self.config, self.fused = config, fused
 
   def __call__(self, x, positions):
     return block_forward(self.params(), x, positions, self.config, self.fused)
 
   def params(self) -> dict:
-    """This layer's parameters under ``coda_jax.blocks`` names (kernel layout); with a
-    leading layer axis when the block is stacked. With QK-norm, also ``g_q_norm`` and
-    ``g_k_norm`` (``blocks.QK_NORM_KEYS``)."""
-    p = {"g_attn": self.attn.norm[...], "wqkv": self.attn.wqkv[...],
-         "wo": self.out.wo[...], "g_mlp": self.mlp.norm[...], "w13": self.mlp.w13[...],
+    """This layer's parameters under ``coda_jax.blocks`` names (kernel layout), as the
+    math applies them: norm weights with ``config.norm_weight_offset`` added
+    (``layers.norm_weight``). With a leading layer axis when the block is stacked. With
+    QK-norm, also ``g_q_norm`` and ``g_k_norm`` (``blocks.QK_NORM_KEYS``)."""
+    g = lambda v: Lyr.norm_weight(v[...], self.config.norm_weight_offset)
+    p = {"g_attn": g(self.attn.norm), "wqkv": self.attn.wqkv[...],
+         "wo": self.out.wo[...], "g_mlp": g(self.mlp.norm), "w13": self.mlp.w13[...],
          "w2": self.mlp.w2[...]}
     if self.config.qk_norm:
-      p.update(g_q_norm=self.attn.q_norm[...], g_k_norm=self.attn.k_norm[...])
+      p.update(g_q_norm=g(self.attn.q_norm), g_k_norm=g(self.attn.k_norm))
     return p
 
 
@@ -162,8 +165,9 @@ class Llama(nnx.Module):
 
     self.layers = stacked(rngs)
     self.head = Lyr.LMHeadLoss(c.d_model, c.vocab_size, tied=c.tie_embeddings, eps=c.eps,
-                               param_dtype=c.param_dtype, init_std=c.init_std, fused=fused,
-                               impl=c.impl, rngs=rngs)
+                               param_dtype=c.param_dtype, init_std=c.init_std,
+                               norm_offset=c.norm_weight_offset, fused=fused, impl=c.impl,
+                               rngs=rngs)
     self.config, self.fused = config, fused
 
   @staticmethod
@@ -239,7 +243,8 @@ class Llama(nnx.Module):
     # neither it nor its gradient is copied into a (D, V) layout each step.
     wlm, layout = ((self.embed[...].astype(c.dtype), "vd") if c.tie_embeddings
                    else (self.head.head_weight(), "dv"))
-    last = {**{k: p[k][-1] for k in _MLP_KEYS}, "g_final": self.head.norm[...], "wlm": wlm}
+    last = {**{k: p[k][-1] for k in _MLP_KEYS}, "g_final": self.head.norm_weight(),
+            "wlm": wlm}
     loss = impl.post_block(x, attend(qkv), targets, last, reduction, layout)
     return loss[:, :t] if reduction == "none" else loss
 

@@ -468,6 +468,30 @@ MUTATIONS = [
         ("tests/test_qk_norm.py", "-k", "forward_against_float64"),
         "the forward takes its eps from the wrong slot of the heads tuple (theta)"),
     Mutation(
+        "qk_norm_eps_dropped_forward", "coda_jax/qk_norm.py",
+        "* (1.0 / d) + self.eps)", "* (1.0 / d))",
+        ("tests/test_qk_norm.py", "-k", "near_and_at_zero and xla"),
+        "the per-head norm forgets eps: a zero head gives 0 * inf = NaN, a head with mean "
+        "square near eps moves by ~40% (missed until test_heads_near_and_at_zero)"),
+    Mutation(
+        "qk_norm_eps_dropped_backward", "coda_jax/qk_norm.py",
+        "rstd = jax.lax.rsqrt(jnp.mean(u3 * u3, axis=-1, keepdims=True) + eps)",
+        "rstd = jax.lax.rsqrt(jnp.mean(u3 * u3, axis=-1, keepdims=True))",
+        ("tests/test_qk_norm.py", "-k", "near_and_at_zero and xla"),
+        "the per-head norm's backward forgets eps (missed until "
+        "test_heads_near_and_at_zero)"),
+    Mutation(
+        "norm_offset_skipped_on_final_norm", "flax_layers/model.py",
+        '"g_final": self.head.norm_weight(),', '"g_final": self.head.norm[...],',
+        ("tests/test_flax_layers.py", "-k", "norm_weight_offset_is_one_plus_g"),
+        "Llama.loss passes the final norm's stored g, not 1 + g, with an offset"),
+    Mutation(
+        "norm_offset_skipped_on_qk_norm", "flax_layers/model.py",
+        "p.update(g_q_norm=g(self.attn.q_norm), g_k_norm=g(self.attn.k_norm))",
+        "p.update(g_q_norm=self.attn.q_norm[...], g_k_norm=g(self.attn.k_norm))",
+        ("tests/test_flax_layers.py", "-k", "norm_weight_offset_is_one_plus_g"),
+        "the q-norm weight misses the (1 + g) offset in the blocks' params"),
+    Mutation(
         "qk_norm_dr_times_r", "coda_jax/qk_norm.py",
         "return (dh, udu / r,", "return (dh, udu * r,",
         ("tests/test_qk_norm.py", "-k", "op_and_grads_xla and hq4_hkv2_hd32"),

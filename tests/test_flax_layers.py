@@ -159,6 +159,45 @@ def test_qwen3_loss_and_grads(path, key, kernel_impl):
   assert "['layers']['attn']['k_norm'].value" in paths, paths
 
 
+def test_norm_weight_offset_loss_and_grads(key):
+  """Gemma's (1 + g) norm weights (``norm_weight_offset=1``) on a Qwen3-style model, so
+  the QK-norm weights take the offset too: the loss token by token and every gradient
+  under the tolerance rule, fused (XLA programs; the kernels see only the fp32 sum,
+  which ``test_norm_weight_offset_is_one_plus_g`` pins) against the reference."""
+  _check_model_loss_and_grads(QWEN_CFG.replace(norm_weight_offset=1.0), key, "xla", 10)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_norm_weight_offset_is_one_plus_g(key, fused):
+  """A model with offset 1 whose stored norms are g computes exactly what a model with
+  offset 0 computes whose stored norms are 1 + g (in fp32): the same loss, logits and
+  gradients, bit for bit, and the stored g's gradient is the applied weight's. Its
+  norms start at zero (an applied weight of 1). The fused path runs its XLA programs:
+  the kernels take the same fp32 weight operand either way."""
+  cfg = QWEN_CFG.replace(n_layers=2, impl="xla" if fused else "auto")
+  gemma = Llama(cfg.replace(norm_weight_offset=1.0), fused=fused, rngs=nnx.Rngs(5))
+  plain = Llama(cfg, fused=fused, rngs=nnx.Rngs(5))
+  state = nnx.state(gemma, nnx.Param)
+  norms = [jax.tree_util.keystr(p) for p, v in jax.tree_util.tree_flatten_with_path(state)[0]
+           if "norm" in jax.tree_util.keystr(p)]
+  assert len(norms) == 5, norms  # attn, q, k, mlp (stacked) and the head's
+  for p, v in jax.tree_util.tree_flatten_with_path(state)[0]:
+    if "norm" in jax.tree_util.keystr(p):
+      assert not np.asarray(v).any(), p
+  _perturb_norms(gemma, key)
+  shifted = jax.tree_util.tree_map_with_path(
+      lambda p, v: v + 1.0 if "norm" in jax.tree_util.keystr(p) else v,
+      nnx.state(gemma, nnx.Param))
+  nnx.update(plain, shifted)
+  toks, tgt = _tokens(key)
+  run = lambda m: nnx.value_and_grad(lambda m: m.loss(toks, tgt))(m)
+  (la, ga), (lb, gb) = run(gemma), run(plain)
+  assert float(la) == float(lb)
+  for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(ga)[0], jax.tree.leaves(gb)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(p))
+  np.testing.assert_array_equal(np.asarray(gemma(toks)), np.asarray(plain(toks)))
+
+
 def _check_model_loss_and_grads(cfg0, key, impl, n_grads):
   """``Llama(cfg0).loss`` and its gradients under the tolerance rule
   (``helpers.check_model_loss_and_grads``), ours on ``impl``."""
@@ -407,6 +446,14 @@ BAD = {
                                  r"this head has its own wlm; do not pass one"),
     "optimizer-total-steps": (lambda m: train.make_optimizer(1e-3, total_steps=0),
                               r"total_steps=0 must be positive"),
+    "norm-offset-not-float": (lambda m: get_config("tiny", norm_weight_offset=True),
+                              r"norm_weight_offset=True must be a finite float"),
+    "norm-offset-nan": (lambda m: get_config("tiny", norm_weight_offset=float("nan")),
+                        r"norm_weight_offset=nan must be a finite float"),
+    "norm-offset-no-hf-config": (
+        lambda m: get_config("tiny", norm_weight_offset=1.0).to_hf_config(),
+        r"norm_weight_offset=1.0: Llama and Qwen3 checkpoints apply their norm weights as "
+        r"stored"),
 }
 
 

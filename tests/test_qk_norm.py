@@ -23,13 +23,14 @@ EPS, THETA = 1e-6, 1e6  # Qwen3's
 DIFF = ("h", "r", "wqkv", "qw", "kw")
 
 
-def _inputs(key, m, d, hq, hkv, hd, dt=jnp.bfloat16):
+def _inputs(key, m, d, hq, hkv, hd, dt=jnp.bfloat16, head_scale=None):
   ks = jax.random.split(key, 8)
   heads = hq + 2 * hkv
   g = 1 + 0.1 * normal(ks[0], (d,))
   xs = spread_rows(ks[1], (m, d))
-  head_scale = jnp.exp(jax.random.uniform(ks[2], (heads,), jnp.float32, np.log(0.2),
-                                          np.log(5.0)))
+  if head_scale is None:
+    head_scale = jnp.exp(jax.random.uniform(ks[2], (heads,), jnp.float32, np.log(0.2),
+                                            np.log(5.0)))
   wqkv = normal(ks[3], (d, heads * hd)) * d ** -0.5 * jnp.repeat(head_scale, hd)
   return dict(h=(xs * g).astype(dt), r=R.rms_scale(xs, 1e-5), wqkv=wqkv.astype(dt),
               qw=1 + 0.3 * normal(ks[4], (hd,)), kw=1 + 0.3 * normal(ks[5], (hd,)),
@@ -83,6 +84,28 @@ CASES = [
 def test_op_and_grads_xla(case, key):
   m, d, hq, hkv, hd, dt = case
   check(_inputs(key, m, d, hq, hkv, hd, dt), _heads(hq, hkv, hd), "xla")
+
+
+@pytest.mark.parametrize("impl", ["xla", "kernel"])
+def test_heads_near_and_at_zero(key, kernel_impl, impl):
+  """eps matters where a head's mean square is near it: q head 0 at RMS ~ 1e-3 (mean
+  square ~ eps = 1e-6, so dropping eps moves it by ~40%), and k head 0 all zero (its
+  output must be 0 and every gradient finite, not 0 * inf = NaN; k head 1 keeps the
+  k weight's gradient nonzero)."""
+  hq, hkv, hd = 2, 2, 32
+  scale = jnp.array([1e-3, 1.0, 0.0, 1.0, 1.0, 1.0], jnp.float32)  # q0 q1 k0 k1 v0 v1
+  x = _inputs(key, 64, 64, hq, hkv, hd, head_scale=scale)
+  impl = kernel_impl if impl == "kernel" else impl
+  check(x, _heads(hq, hkv, hd), impl)
+  _, fused = _fns(_heads(hq, hkv, hd), impl)
+  diff = {k: x[k] for k in DIFF}
+  out, grads = jax.jit(lambda p: (fused(p, x["pos"]), jax.grad(
+      lambda q: jnp.sum(fused(q, x["pos"]).astype(jnp.float32) * x["ct"]))(p)))(diff)
+  k0 = slice(hq * hd, (hq + 1) * hd)
+  assert not np.asarray(jnp.isnan(out)).any()
+  np.testing.assert_array_equal(np.asarray(out[:, k0], np.float32), 0.0)
+  for k, g in grads.items():
+    assert np.isfinite(np.asarray(g, np.float32)).all(), k
 
 
 def test_op_and_grads_kernel(key, kernel_impl):

@@ -1,0 +1,261 @@
+"""GPT-2-style and Qwen3-style blocks: our fused shifted block vs jax.jit of the same
+block written the standard way, forward and forward+backward, CUPTI kernel time.
+
+    PYTHONPATH=. python -m bench.family_blocks [--shapes gpt2_1b,qwen3_1.7b] [--out DIR]
+
+The "shifted block" is the part of a layer between two attentions, as ``bench.block``
+times Llama's: the attention output y0 and residual x0 in, the next layer's QKV out:
+
+* GPT-2 (LayerNorm, biases, GELU MLP; ``coda_jax.layernorm_ops``, composed as
+  ``flax_layers.gpt2`` composes them):
+  x1 = x0 + y0 @ Wo + bo; x2 = x1 + gelu(LN_2(x1) @ W1 + b1) @ W2 + b2;
+  qkv = LN_1'(x2) @ Wqkv + bqkv. Ours: ``residual_layernorm`` (bias, residual and LN_2's
+  statistics in the out-projection's epilogue), ``layernorm_gelu_mlp``, then LN_1's
+  statistics in XLA (as the model: the MLP's output GEMM does not emit them) and
+  ``layernorm_matmul``.
+* Qwen3 (RMSNorm, SwiGLU, per-head q/k RMSNorm, RoPE): ``blocks.shifted_block`` with
+  ``BlockConfig.qk_norm``.
+
+Per shape: forward and forward+backward, ours vs XLA, next to the block's GEMMs alone
+as plain ``jnp.dot`` under jit (the speed of light), and the compiled peak memory of the
+forward+backward. Writes family_blocks.{json,md} to --out (default
+bench/results/<device>/). Without a GPU: tiny shapes through the Mosaic GPU interpreter,
+a correctness check whose times say nothing about GPU speed.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from bench import block as B
+from bench import common
+from coda_jax import blocks
+from coda_jax import jnp_reference as ref
+from coda_jax import layernorm_ops as L
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+
+
+class Shape(NamedTuple):
+  family: str  # "gpt2" or "qwen3"
+  m: int  # tokens
+  d: int
+  f: int
+  n_q: int
+  n_kv: int
+  head_dim: int
+  theta: float = 1e6
+  eps: float = 1e-6
+
+  @property
+  def qkv_width(self):
+    return (self.n_q + 2 * self.n_kv) * self.head_dim
+
+  def as_llama(self) -> B.Shape:
+    return B.Shape(self.m, self.d, self.f, self.n_q, self.n_kv, self.head_dim, 512)
+
+
+SHAPES = {
+    # GPT-2's block at Llama-3.2-1B's widths (GPT-2 XL's D=1600 does not tile by 128).
+    "gpt2_1b": Shape("gpt2", 16384, 2048, 8192, 16, 16, 128, eps=1e-5),
+    # Qwen3-1.7B: D 2048, F 6144, 16 q / 8 kv heads of 128, theta 1e6, eps 1e-6.
+    "qwen3_1.7b": Shape("qwen3", 16384, 2048, 6144, 16, 8, 128),
+    "gpt2_tiny": Shape("gpt2", 128, 128, 256, 2, 2, 64, eps=1e-5),  # CPU interpreter
+    "qwen3_tiny": Shape("qwen3", 128, 128, 256, 4, 2, 32),
+}
+
+
+def gemm_mkn(s: Shape):
+  """The shifted block's forward GEMMs as (M, K, N)."""
+  up = s.f if s.family == "gpt2" else 2 * s.f
+  return [(s.m, s.n_q * s.head_dim, s.d), (s.m, s.d, up), (s.m, s.f, s.d),
+          (s.m, s.d, s.qkv_width)]
+
+
+# ---- GPT-2 ---------------------------------------------------------------------------------
+def gpt2_inputs(s: Shape, key):
+  ks = iter(jax.random.split(key, 24))
+  normal = lambda shape, scale=1.0, dt=bf16: (
+      scale * jax.random.normal(next(ks), shape, f32)).astype(dt)
+  weight = lambda k, n: normal((k, n), k ** -0.5)
+  vec = lambda n, mean=0.0: mean + normal((n,), 0.1, f32)  # fp32, as the model's params
+  p = dict(wo=weight(s.d, s.d), bo=vec(s.d), g_mlp=vec(s.d, 1.0), beta_mlp=vec(s.d),
+           w1=weight(s.d, s.f), b1=vec(s.f), w2=weight(s.f, s.d), b2=vec(s.d),
+           g_attn=vec(s.d, 1.0), beta_attn=vec(s.d), wqkv=weight(s.d, s.qkv_width),
+           bqkv=vec(s.qkv_width))
+  # a residual stream with a per-row mean offset, so LayerNorm's mean term matters
+  x0 = normal((s.m, s.d)) + normal((s.m, 1), 0.5)
+  return dict(x0=x0, y0=normal((s.m, s.n_q * s.head_dim)), params=p,
+              cts=(normal((s.m, s.d)), normal((s.m, s.qkv_width))))
+
+
+def gpt2_ours(s: Shape, impl):
+  def block(x0, y0, p):
+    x1, h1, mu1, r1 = L.residual_layernorm(y0, p["wo"], x0, p["g_mlp"], bias=p["bo"],
+                                           eps=s.eps, impl=impl)
+    x2 = L.layernorm_gelu_mlp(x1, h1, mu1, r1, p["g_mlp"], p["beta_mlp"], p["w1"], p["b1"],
+                              p["w2"], p["b2"], impl=impl)
+    mu2, r2 = ref.layernorm_stats(x2, s.eps)  # in XLA, as flax_layers.gpt2 does
+    h2 = (x2.astype(f32) * p["g_attn"]).astype(x2.dtype)
+    return x2, L.layernorm_matmul(h2, mu2, r2, p["g_attn"], p["beta_attn"], p["wqkv"],
+                                  bias=p["bqkv"], impl=impl)
+  return block
+
+
+def gpt2_xla(s: Shape):
+  """The block as a user writes it: LayerNorm with fp32 statistics, biases in the
+  activations' dtype, GELU's tanh form."""
+  def ln(x, g, beta):
+    xf = x.astype(f32)
+    mu = jnp.mean(xf, -1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mu), -1, keepdims=True)
+    return ((xf - mu) * jax.lax.rsqrt(var + s.eps) * g + beta).astype(x.dtype)
+
+  def block(x0, y0, p):
+    dt = x0.dtype
+    x1 = x0 + (y0 @ p["wo"] + p["bo"].astype(dt))
+    a = jax.nn.gelu(ln(x1, p["g_mlp"], p["beta_mlp"]) @ p["w1"] + p["b1"].astype(dt),
+                    approximate=True)
+    x2 = x1 + (a @ p["w2"] + p["b2"].astype(dt))
+    return x2, ln(x2, p["g_attn"], p["beta_attn"]) @ p["wqkv"] + p["bqkv"].astype(dt)
+  return block
+
+
+# ---- Qwen3 ---------------------------------------------------------------------------------
+def qwen3_inputs(s: Shape, key):
+  x = B.make_inputs(s.as_llama(), key)
+  k1, k2 = jax.random.split(jax.random.fold_in(key, 5))
+  norm = lambda k: 1 + 0.1 * jax.random.normal(k, (s.head_dim,), f32)
+  p = dict(x["params"], g_q_norm=norm(k1), g_k_norm=norm(k2))
+  return dict(x0=x["x0"], y0=x["y0"], positions=x["positions"], params=p, cts=x["cts"])
+
+
+def qwen3_config(s: Shape, impl):
+  return blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, rope_theta=s.theta, eps=s.eps,
+                            swiglu_block=B.BLOCK, qk_norm=True, impl=impl)
+
+
+def qwen3_xla(s: Shape):
+  """Llama's standard block (bench.block) with Qwen3's per-head RMSNorm of q and k
+  (fp32 statistic, weight in the activations' dtype, as Hugging Face's Qwen3) before
+  rotate-half RoPE."""
+  def rms(x, g, width):
+    xf = x.reshape(x.shape[0], -1, width).astype(f32)
+    n = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + s.eps)
+    return (n.astype(x.dtype) * g.astype(x.dtype)).reshape(x.shape)
+
+  def rope(x, positions):
+    xh = x.reshape(x.shape[0], -1, s.head_dim).astype(f32)
+    inv = s.theta ** (-jnp.arange(s.head_dim // 2, dtype=f32) * 2 / s.head_dim)
+    t = positions.astype(f32)[:, None, None] * jnp.concatenate([inv, inv])
+    half = s.head_dim // 2
+    rotated = jnp.concatenate([-xh[..., half:], xh[..., :half]], -1)
+    return (xh * jnp.cos(t) + rotated * jnp.sin(t)).reshape(x.shape).astype(x.dtype)
+
+  def block(x0, y0, positions, p):
+    x1 = y0 @ p["wo"] + x0
+    g = lambda x, w: (x.astype(f32) * jax.lax.rsqrt(
+        jnp.mean(jnp.square(x.astype(f32)), -1, keepdims=True) + s.eps) * w).astype(x.dtype)
+    h1 = g(x1, p["g_mlp"])
+    x2 = jax.nn.silu(h1 @ p["w_gate"]) * (h1 @ p["w_up"]) @ p["w2"] + x1
+    qkv = g(x2, p["g_attn"]) @ p["wqkv"]
+    nq, nk = s.n_q * s.head_dim, s.n_kv * s.head_dim
+    q = rope(rms(qkv[:, :nq], p["g_q_norm"], s.head_dim), positions)
+    k = rope(rms(qkv[:, nq:nq + nk], p["g_k_norm"], s.head_dim), positions)
+    return x2, jnp.concatenate([q, k, qkv[:, nq + nk:]], -1)
+  return block
+
+
+def ours_qwen3_params(std):
+  return dict(B.ours_params(std, blocks.SHIFTED_KEYS), g_q_norm=std["g_q_norm"],
+              g_k_norm=std["g_k_norm"])
+
+
+# ---- the table -----------------------------------------------------------------------------
+def gpt2_fwd_bwd(block):
+  """Forward + backward of block(x0, y0, params): their gradients for the cotangents."""
+  def step(x0, y0, p, cts):
+    _, pull = jax.vjp(block, x0, y0, p)
+    return pull(cts)
+  return step
+
+
+def run_shape(name, s: Shape, impl, measure, prov, key):
+  rows = []
+  gemm_key = jax.random.fold_in(key, 1)
+
+  def compare(op, *args, **kwargs):
+    rows.append(B.compare_row(op, name, s._asdict(), measure, prov, impl, *args, **kwargs))
+
+  if s.family == "gpt2":
+    x = gpt2_inputs(s, key)
+    ours, xla = gpt2_ours(s, impl), gpt2_xla(s)
+    args = (x["x0"], x["y0"], x["params"])
+    compare(f"{s.family}_block_fwd", ours, args, xla, args,
+            gemm_fns=B.gemms_of(gemm_mkn(s), False, gemm_key))
+    compare(f"{s.family}_block_fwd_bwd", gpt2_fwd_bwd(ours), (*args, x["cts"]),
+            gpt2_fwd_bwd(xla), (*args, x["cts"]),
+            gemm_fns=B.gemms_of(gemm_mkn(s), True, gemm_key), memory=True)
+  else:
+    x = qwen3_inputs(s, key)
+    cfg = qwen3_config(s, impl)
+    ours = lambda a, b, c, p: blocks.shifted_block(a, b, c, p, cfg)
+    xla = qwen3_xla(s)
+    keys = ("wo", "g_mlp", "w_gate", "w_up", "w2", "g_attn", "wqkv", "g_q_norm", "g_k_norm")
+    std = {k: x["params"][k] for k in keys}
+    mine = ours_qwen3_params(x["params"])
+    pos = x["positions"]
+    compare(f"{s.family}_block_fwd", ours, (x["x0"], x["y0"], pos, mine),
+            xla, (x["x0"], x["y0"], pos, std),
+            gemm_fns=B.gemms_of(gemm_mkn(s), False, gemm_key))
+    compare(f"{s.family}_block_fwd_bwd", B.fwd_bwd(ours), (x["x0"], x["y0"], pos, mine,
+                                                         x["cts"]),
+            B.fwd_bwd(xla), (x["x0"], x["y0"], pos, std, x["cts"]),
+            to_std=B.grads_to_standard,
+            gemm_fns=B.gemms_of(gemm_mkn(s), True, gemm_key), memory=True)
+  return rows
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--shapes", default="gpt2_1b,qwen3_1.7b", help=f"comma-separated, of "
+                 f"{list(SHAPES)}")
+  p.add_argument("--out", type=Path, default=None,
+                 help="output folder (default bench/results/<device>; a temp folder on CPU)")
+  p.add_argument("--iterations", type=int, default=None, help="default 30 on GPU, 1 on CPU")
+  p.add_argument("--impl", default=None, choices=("mosaic", "interpret", "xla"),
+                 help="our ops' implementation (default: mosaic on a GPU, the interpreter "
+                 "elsewhere; xla checks this harness in seconds)")
+  args = p.parse_args()
+  on_gpu = jax.devices()[0].platform == "gpu"
+  measure = B.timer(on_gpu, args.iterations or (30 if on_gpu else 1))
+  names, impl = (args.shapes.split(","), "mosaic") if on_gpu else (
+      ["gpt2_tiny", "qwen3_tiny"], "interpret")
+  impl = args.impl or impl
+  if not on_gpu:
+    print(f"no GPU: tiny shapes, ours through impl={impl!r}; times are CPU wall clock and "
+          "say nothing about GPU speed.")
+    args.out = args.out or Path(tempfile.gettempdir()) / "coda_family_bench"
+  prov = common.provenance()
+  rows = []
+  for i, name in enumerate(names):
+    if name not in SHAPES:
+      p.error(f"unknown shape {name!r}: one of {list(SHAPES)}")
+    rows += run_shape(name, SHAPES[name], impl, measure, prov, jax.random.key(i))
+  md = B.markdown(rows, prov, on_gpu, title="GPT-2 and Qwen3 shifted blocks: ours vs "
+                  "jax.jit of the standard block",
+                  note="Shifted block: attention output and residual in, the next layer's "
+                  "QKV out (attention itself is not timed). GEMMs alone: GPT-2 4 (out-proj, "
+                  "c_fc, mlp_proj, qkv), Qwen3 4 (gate and up as one).")
+  out = common.write_results("family_blocks", rows, md, out=args.out)
+  print(f"wrote {out / 'family_blocks.json'} and {out / 'family_blocks.md'}\n")
+  print(md)
+
+
+if __name__ == "__main__":
+  main()
