@@ -8,7 +8,9 @@ each on the device, and writes the winners. GPU host only.
 Workloads are traced abstractly (nothing runs) with ``pallas_kernels.autotune.recording``
 to collect every distinct GEMM problem: the epilogue programs of bench/gemm_epilogue.py
 at its shapes (``bench``), and the fused Llama block forward, forward+backward and
-post-block forward+backward of bench/block.py (``block-1b``, ``block-8b``). Each problem
+post-block forward+backward of bench/block.py (``block-1b``, ``block-8b``), and the
+GPT-2 and Qwen3 shifted blocks of bench/family_blocks.py (``family-gpt2_1b``,
+``family-qwen3_1.7b``). Each problem
 is then tuned (``autotune.tune``: both schedules, tiles, clusters, grid orders, epilogue
 widths, the deepest pipeline that fits) and written into ``--out``, by default the
 cache shipped with the library, ``pallas_kernels/tuned/gemm_configs.json``. Every
@@ -66,6 +68,27 @@ def block_problems(shape_name):
   return found
 
 
+def family_problems(shape_name):
+  """The GEMMs of bench/family_blocks.py's shifted block (forward+backward covers the
+  forward's) at one of its shapes (``gpt2_1b``, ``qwen3_1.7b``)."""
+  from bench import block as bb
+  from bench import family_blocks as fb
+  s = fb.SHAPES[shape_name]
+  if s.family == "gpt2":
+    x = jax.eval_shape(lambda: fb.gpt2_inputs(s, jax.random.key(0)))
+    fn = fb.gpt2_fwd_bwd(fb.gpt2_ours(s, "auto"))
+    args = (x["x0"], x["y0"], x["params"], x["cts"])
+  else:
+    x = jax.eval_shape(lambda: fb.qwen3_inputs(s, jax.random.key(0)))
+    cfg = fb.qwen3_config(s, "auto")
+    mine = jax.eval_shape(fb.ours_qwen3_params, x["params"])
+    fn = bb.fwd_bwd(lambda a, b, c, q: fb.blocks.shifted_block(a, b, c, q, cfg))
+    args = (x["x0"], x["y0"], x["positions"], mine, x["cts"])
+  with autotune.recording() as rec:
+    jax.eval_shape(fn, *args)
+  return {k: (f"{shape_name} block fwd+bwd", problem) for k, problem in rec.items()}
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--workloads", default="bench,block-1b,block-8b")
@@ -92,8 +115,11 @@ def main():
       found = bench_problems(shapes, args.programs)
     elif w.startswith("block-"):
       found = block_problems(w.removeprefix("block-"))
+    elif w.startswith("family-"):
+      found = family_problems(w.removeprefix("family-"))
     else:
-      sys.exit(f"--workloads: unknown {w!r}; one of bench, block-1b, block-8b")
+      sys.exit(f"--workloads: unknown {w!r}; one of bench, block-1b, block-8b, "
+               "family-gpt2_1b, family-qwen3_1.7b")
     for k, v in found.items():
       problems.setdefault(k, v)
   prov = common.provenance()

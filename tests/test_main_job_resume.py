@@ -45,7 +45,10 @@ def test_resume_needs_a_checkpoint_dir(tmp_path):
 
 def test_init_from_a_hugging_face_checkpoint(tmp_path):
   """--init-from DIR: the run's model is the checkpoint's (config and weights): its first
-  loss equals the saved model's loss on the first batch."""
+  loss equals the saved model's loss on the first batch, computed here on the CPU as the
+  main job runs (on a GPU host this process would take the kernels: a different bf16
+  rounding, 2e-4 apart on the H100)."""
+  import jax
   import jax.numpy as jnp
   from flax import nnx
   from bench import corpus
@@ -55,5 +58,7 @@ def test_init_from_a_hugging_face_checkpoint(tmp_path):
   r, log = main_job(tmp_path, "init", "--init-from", str(tmp_path / "hf"), config=())
   assert "2 layers" in log  # the checkpoint's config (tiny has 4)
   tokens, targets = next(corpus.batches(corpus.load(2, 64).train, 2, 64, 0))
-  want = float(load_hf_checkpoint(tmp_path / "hf").loss(jnp.asarray(tokens), jnp.asarray(targets)))
+  with jax.default_device(jax.devices("cpu")[0]):
+    want = float(load_hf_checkpoint(tmp_path / "hf").loss(jnp.asarray(tokens),
+                                                          jnp.asarray(targets)))
   assert abs(r["losses"][0] - want) < 1e-5, (r["losses"][0], want)
