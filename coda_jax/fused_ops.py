@@ -20,6 +20,9 @@ path). Weights may be any float dtype: they are cast to the activation dtype for
 GEMM, norm weights to fp32 for the epilogue, and their gradients are accumulated in fp32
 and returned in the weight's own dtype. ``r`` is fp32.
 
+Gemma's (1 + g) norm weights: pass ``norm_weight(g, 1.0)`` (1 + g in fp32) as ``g``; its
+gradient reaches the stored g unchanged, since d(1 + g)/dg = 1.
+
 ``impl``: as ``gemm_epilogue`` ("auto", "mosaic", "interpret", "xla").
 """
 from __future__ import annotations
@@ -37,6 +40,23 @@ from coda_jax.sharding import reduce_like, vary_like
 
 _ACT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 REDUCTIONS = ("mean", "sum", "none")
+
+
+def norm_weight(stored, offset: float = 0.0):
+  """The weight a norm multiplies by: the stored one, plus ``offset`` when it is nonzero
+  (Gemma's norms apply 1 + g to a stored g that starts at 0).
+
+  Args:
+    stored: the (D,) (or stacked (L, D)) parameter as held.
+    offset: the constant added (0.0: Llama, Qwen, GPT-2; 1.0: Gemma).
+
+  Returns:
+    ``stored`` itself without an offset; else ``offset + stored`` in fp32, so that a
+    bf16-stored g near 0 keeps its bits (1 + g in bf16 would round g to 1/128). The ops
+    take norm weights in fp32, and d(offset + g)/dg = 1, so under ``jax.grad`` the
+    stored weight gets the op's gradient of the applied one.
+  """
+  return stored if not offset else stored.astype(jnp.float32) + offset
 
 
 def check_act(name, x, width=None):

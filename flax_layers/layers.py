@@ -27,31 +27,13 @@ def _normal(rngs, shape, std, dtype):
   return nnx.Param(nnx.initializers.normal(std)(rngs.params(), shape, dtype))
 
 
-def _ones(shape, dtype):
-  return nnx.Param(jnp.ones(shape, dtype))
-
-
 def _norm_param(shape, dtype, offset):
   """A norm weight stored so that ``norm_weight`` starts at 1: ones, or zeros for a
   Gemma-style offset of 1."""
   return nnx.Param(jnp.full(shape, 1.0 - offset, dtype))
 
 
-def norm_weight(stored, offset: float = 0.0):
-  """The weight a norm multiplies by: the stored one, plus ``offset`` when it is nonzero
-  (Gemma's norms apply 1 + g to a stored g that starts at 0).
-
-  Args:
-    stored: the (D,) (or stacked (L, D)) parameter as held.
-    offset: the constant added (0.0: Llama, Qwen, GPT-2; 1.0: Gemma).
-
-  Returns:
-    ``stored`` itself without an offset; else ``offset + stored`` in fp32, so that a
-    bf16-stored g near 0 keeps its bits (1 + g in bf16 would round g to 1/128). The
-    fused ops take norm weights in fp32 and d(offset + g)/dg = 1, so the gradient of the
-    stored weight is the op's gradient of the applied one.
-  """
-  return stored if not offset else stored.astype(jnp.float32) + offset
+norm_weight = F.norm_weight  # stored g -> the applied weight (offset + g, fp32)
 
 
 def norm_stats(x, g, eps):

@@ -167,6 +167,18 @@ def test_norm_weight_offset_loss_and_grads(key):
   _check_model_loss_and_grads(QWEN_CFG.replace(norm_weight_offset=1.0), key, "xla", 10)
 
 
+def test_norm_weight_keeps_a_bf16_g_near_zero():
+  """1 + g is taken in fp32: a bf16 g of 1e-3 survives (in bf16, 1 + 1e-3 rounds to 1);
+  without an offset the stored weight passes through as it is."""
+  from flax_layers.layers import norm_weight
+  g = jnp.array([1e-3, -2e-4, 0.0, 0.5], jnp.bfloat16)
+  got = norm_weight(g, 1.0)
+  assert got.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(got), 1.0 + np.asarray(g, np.float32))
+  assert float((1 + g)[0]) == 1.0  # what a bf16 sum would have kept
+  assert norm_weight(g) is g
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_norm_weight_offset_is_one_plus_g(key, fused):
   """A model with offset 1 whose stored norms are g computes exactly what a model with
