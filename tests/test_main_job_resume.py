@@ -45,20 +45,23 @@ def test_resume_needs_a_checkpoint_dir(tmp_path):
 
 def test_init_from_a_hugging_face_checkpoint(tmp_path):
   """--init-from DIR: the run's model is the checkpoint's (config and weights): its first
-  loss equals the saved model's loss on the first batch, computed here on the CPU as the
-  main job runs (on a GPU host this process would take the kernels: a different bf16
-  rounding, 2e-4 apart on the H100)."""
-  import jax
-  import jax.numpy as jnp
+  loss equals the saved model's loss on the first batch. The expected loss is computed
+  in a CPU-only process, as the main job runs: on a GPU host this process would take the
+  kernels, a different bf16 rounding (2e-4 apart on the H100)."""
   from flax import nnx
-  from bench import corpus
-  from flax_layers import Llama, get_config, load_hf_checkpoint, save_hf_checkpoint
+  from flax_layers import Llama, get_config, save_hf_checkpoint
   cfg = get_config("tiny", n_layers=2)
   save_hf_checkpoint(Llama(cfg, rngs=nnx.Rngs(5), fused=False), tmp_path / "hf")
   r, log = main_job(tmp_path, "init", "--init-from", str(tmp_path / "hf"), config=())
   assert "2 layers" in log  # the checkpoint's config (tiny has 4)
-  tokens, targets = next(corpus.batches(corpus.load(2, 64).train, 2, 64, 0))
-  with jax.default_device(jax.devices("cpu")[0]):
-    want = float(load_hf_checkpoint(tmp_path / "hf").loss(jnp.asarray(tokens),
-                                                          jnp.asarray(targets)))
+  code = ("import sys, jax.numpy as jnp\n"
+          "from bench import corpus\n"
+          "from flax_layers import load_hf_checkpoint\n"
+          "t, y = next(corpus.batches(corpus.load(2, 64).train, 2, 64, 0))\n"
+          "print(float(load_hf_checkpoint(sys.argv[1]).loss(jnp.asarray(t), jnp.asarray(y))))")
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "hf")], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT, env=env)
+  assert run.returncode == 0, run.stderr[-3000:]
+  want = float(run.stdout.split()[-1])
   assert abs(r["losses"][0] - want) < 1e-5, (r["losses"][0], want)
