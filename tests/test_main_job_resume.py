@@ -45,9 +45,10 @@ def test_resume_needs_a_checkpoint_dir(tmp_path):
 
 def test_init_from_a_hugging_face_checkpoint(tmp_path):
   """--init-from DIR: the run's model is the checkpoint's (config and weights): its first
-  loss equals the saved model's loss on the first batch. The expected loss is computed
-  in a CPU-only process, as the main job runs: on a GPU host this process would take the
-  kernels, a different bf16 rounding (2e-4 apart on the H100)."""
+  loss equals the saved model's loss on the first batch, computed in a CPU-only process
+  as the main job runs. Equal within 2e-3: the job's jitted step and this eager loss
+  round bf16 differently, by up to 1.8e-4 on the GPU host's CPU (1e-6 here). The bound
+  is discriminating: a model of another seed is ~0.1 away (asserted)."""
   from flax import nnx
   from flax_layers import Llama, get_config, save_hf_checkpoint
   cfg = get_config("tiny", n_layers=2)
@@ -55,13 +56,16 @@ def test_init_from_a_hugging_face_checkpoint(tmp_path):
   r, log = main_job(tmp_path, "init", "--init-from", str(tmp_path / "hf"), config=())
   assert "2 layers" in log  # the checkpoint's config (tiny has 4)
   code = ("import sys, jax.numpy as jnp\n"
+          "from flax import nnx\n"
           "from bench import corpus\n"
-          "from flax_layers import load_hf_checkpoint\n"
-          "t, y = next(corpus.batches(corpus.load(2, 64).train, 2, 64, 0))\n"
-          "print(float(load_hf_checkpoint(sys.argv[1]).loss(jnp.asarray(t), jnp.asarray(y))))")
+          "from flax_layers import Llama, get_config, load_hf_checkpoint\n"
+          "t, y = jnp.asarray(next(corpus.batches(corpus.load(2, 64).train, 2, 64, 0)))\n"
+          "other = Llama(get_config('tiny', n_layers=2), rngs=nnx.Rngs(6))\n"
+          "print(float(load_hf_checkpoint(sys.argv[1]).loss(t, y)), float(other.loss(t, y)))")
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "hf")], capture_output=True,
                        text=True, timeout=300, cwd=ROOT, env=env)
   assert run.returncode == 0, run.stderr[-3000:]
-  want = float(run.stdout.split()[-1])
-  assert abs(r["losses"][0] - want) < 1e-5, (r["losses"][0], want)
+  want, other = (float(v) for v in run.stdout.split()[-2:])
+  assert abs(other - want) > 2e-2, (other, want)  # the bound below tells models apart
+  assert abs(r["losses"][0] - want) < 2e-3, (r["losses"][0], want)
