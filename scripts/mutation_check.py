@@ -492,6 +492,12 @@ MUTATIONS = [
         ("tests/test_flax_layers.py", "-k", "norm_weight_offset_is_one_plus_g"),
         "the q-norm weight misses the (1 + g) offset in the blocks' params"),
     Mutation(
+        "bench_gpt2_baseline_drops_bias", "bench/family_blocks.py",
+        'x2 = x1 + (a @ p["w2"] + p["b2"].astype(dt))', 'x2 = x1 + a @ p["w2"]',
+        ("tests/test_bench_harness.py",),
+        "the GPT-2 block benchmark's XLA baseline drops a bias: its speed ratio would "
+        "compare different math"),
+    Mutation(
         "qk_norm_dr_times_r", "coda_jax/qk_norm.py",
         "return (dh, udu / r,", "return (dh, udu * r,",
         ("tests/test_qk_norm.py", "-k", "op_and_grads_xla and hq4_hkv2_hd32"),

@@ -1,0 +1,25 @@
+"""The block benchmarks' harness on the CPU: at tiny shapes, with our ops on their XLA
+programs, every row of bench/family_blocks.py is measured without error, and its
+standard-written XLA baseline computes the same block as ours: the truth is the
+baseline's math run in fp32, and ours is within the tolerance rule's 2x of the bf16
+baseline's error from it (a baseline that computed something else would put ours far
+from its truth, and make the GPU speed ratios meaningless)."""
+import jax
+import pytest
+
+from bench import block as B
+from bench import common
+from bench import family_blocks as fb
+
+
+@pytest.mark.parametrize("name", ["gpt2_tiny", "qwen3_tiny"])
+def test_family_block_rows(name):
+  rows = fb.run_shape(name, fb.SHAPES[name], "xla", B.timer(False, 1),
+                      common.provenance(), jax.random.key(0))
+  assert [r["op"] for r in rows] == [f"{name.split('_')[0]}_block_fwd",
+                                     f"{name.split('_')[0]}_block_fwd_bwd"]
+  for r in rows:
+    assert "error" not in r, r["error"]
+    ours, xla = r["ours_err_vs_fp32"], r["baseline_err_vs_fp32"]
+    assert 0 < ours <= 2 * xla, (r["op"], ours, xla)
+    assert r["rel_diff_vs_baseline"] < 0.05, (r["op"], r["rel_diff_vs_baseline"])
