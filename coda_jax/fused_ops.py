@@ -393,11 +393,17 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
   w = wlm.astype(h.dtype)
   # A Python loop, not a scan: dW is accumulated without the kernel's in-place write,
   # which jax.checkpoint's re-run of this forward loses, and a scan would copy the
-  # (D, V) carry every chunk. Each chunk's GEMM reads dW and writes a new one.
+  # (D, V) carry every chunk. Each chunk's GEMM reads dW and writes a new one. Unrolled,
+  # XLA may schedule the chunks side by side, every chunk's logits and dlogits live at
+  # once (9.0 GiB peak at 1B on the H100, against 5.1 GiB with the scan); the barrier
+  # below starts a chunk only once the previous chunk's dW exists (on the CPU's XLA:
+  # 291 -> 84 MiB of temporaries at M = 4096, V = 16384, 8 chunks).
   xs = chunked(rows, h, r, targets, weight, *per_row)
   dw, sums, outs = None, jax.tree.map(lambda x: vary_like(x, h), sums0), []
   for c in range(xs[0].shape[0]):
     hc, rc, tc, wc, *rest = (x[c] for x in xs)
+    if dw is not None:  # chunk c starts once chunk c - 1's dW exists: one chunk live
+      hc, dw = jax.lax.optimization_barrier((hc, dw))
     lse, tgt, z = S.lm_head_logits(hc, rc, w, tc, impl, w_nk)
     dlogits, zdz = S.xent_grad_from_logits(z, lse, tc, wc, h.dtype)
     n, ys, col_sums = chunk_grad(dlogits, zdz, hc, rc, *rest)
