@@ -89,27 +89,27 @@ def grads_to_standard(grads):
 
 
 # ---- the XLA baseline, written the way a user writes a Llama block ------------------------
-def rmsnorm(x, g):
+def rmsnorm(x, g, eps=EPS):
   xf = x.astype(f32)
-  return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + EPS) * g).astype(x.dtype)
+  return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps) * g).astype(x.dtype)
 
 
-def rope(x, positions, head_dim):
+def rope(x, positions, head_dim, theta=THETA):
   """Rotate-half RoPE on (M, heads * head_dim), fp32 angles."""
   xh = x.reshape(x.shape[0], -1, head_dim).astype(f32)
-  inv = THETA ** (-jnp.arange(head_dim // 2, dtype=f32) * 2 / head_dim)
+  inv = theta ** (-jnp.arange(head_dim // 2, dtype=f32) * 2 / head_dim)
   t = positions.astype(f32)[:, None, None] * jnp.concatenate([inv, inv])
   half = head_dim // 2
   rotated = jnp.concatenate([-xh[..., half:], xh[..., :half]], -1)
   return (xh * jnp.cos(t) + rotated * jnp.sin(t)).reshape(x.shape).astype(x.dtype)
 
 
-def xla_mlp(x0, y0, p, g_next):
+def xla_mlp(x0, y0, p, g_next, eps=EPS):
   x1 = y0 @ p["wo"] + x0
-  h1 = rmsnorm(x1, p["g_mlp"])
+  h1 = rmsnorm(x1, p["g_mlp"], eps)
   y1 = jax.nn.silu(h1 @ p["w_gate"]) * (h1 @ p["w_up"])
   x2 = y1 @ p["w2"] + x1
-  return x2, rmsnorm(x2, g_next)
+  return x2, rmsnorm(x2, g_next, eps)
 
 
 def xla_shifted_block(s: Shape):

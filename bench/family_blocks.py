@@ -141,84 +141,70 @@ def qwen3_config(s: Shape, impl):
 
 
 def qwen3_xla(s: Shape):
-  """Llama's standard block (bench.block) with Qwen3's per-head RMSNorm of q and k
-  (fp32 statistic, weight in the activations' dtype, as Hugging Face's Qwen3) before
-  rotate-half RoPE."""
+  """Llama's standard block (``bench.block.xla_mlp``, ``rope``) with Qwen3's per-head
+  RMSNorm of q and k (fp32 statistic, weight in the activations' dtype, as Hugging Face's
+  Qwen3) before rotate-half RoPE."""
   def rms(x, g, width):
     xf = x.reshape(x.shape[0], -1, width).astype(f32)
     n = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + s.eps)
     return (n.astype(x.dtype) * g.astype(x.dtype)).reshape(x.shape)
 
-  def rope(x, positions):
-    xh = x.reshape(x.shape[0], -1, s.head_dim).astype(f32)
-    inv = s.theta ** (-jnp.arange(s.head_dim // 2, dtype=f32) * 2 / s.head_dim)
-    t = positions.astype(f32)[:, None, None] * jnp.concatenate([inv, inv])
-    half = s.head_dim // 2
-    rotated = jnp.concatenate([-xh[..., half:], xh[..., :half]], -1)
-    return (xh * jnp.cos(t) + rotated * jnp.sin(t)).reshape(x.shape).astype(x.dtype)
-
   def block(x0, y0, positions, p):
-    x1 = y0 @ p["wo"] + x0
-    g = lambda x, w: (x.astype(f32) * jax.lax.rsqrt(
-        jnp.mean(jnp.square(x.astype(f32)), -1, keepdims=True) + s.eps) * w).astype(x.dtype)
-    h1 = g(x1, p["g_mlp"])
-    x2 = jax.nn.silu(h1 @ p["w_gate"]) * (h1 @ p["w_up"]) @ p["w2"] + x1
-    qkv = g(x2, p["g_attn"]) @ p["wqkv"]
+    x2, h2 = B.xla_mlp(x0, y0, p, p["g_attn"], s.eps)
+    qkv = h2 @ p["wqkv"]
     nq, nk = s.n_q * s.head_dim, s.n_kv * s.head_dim
-    q = rope(rms(qkv[:, :nq], p["g_q_norm"], s.head_dim), positions)
-    k = rope(rms(qkv[:, nq:nq + nk], p["g_k_norm"], s.head_dim), positions)
-    return x2, jnp.concatenate([q, k, qkv[:, nq + nk:]], -1)
+    rope = lambda x, g: B.rope(rms(x, g, s.head_dim), positions, s.head_dim, s.theta)
+    return x2, jnp.concatenate([rope(qkv[:, :nq], p["g_q_norm"]),
+                                rope(qkv[:, nq:nq + nk], p["g_k_norm"]), qkv[:, nq + nk:]], -1)
   return block
 
 
-def ours_qwen3_params(std):
-  return dict(B.ours_params(std, blocks.SHIFTED_KEYS), g_q_norm=std["g_q_norm"],
-              g_k_norm=std["g_k_norm"])
-
-
 # ---- the table -----------------------------------------------------------------------------
-def gpt2_fwd_bwd(block):
-  """Forward + backward of block(x0, y0, params): their gradients for the cotangents."""
-  def step(x0, y0, p, cts):
-    _, pull = jax.vjp(block, x0, y0, p)
-    return pull(cts)
-  return step
+QWEN3_STD_KEYS = ("wo", "g_mlp", "w_gate", "w_up", "w2", "g_attn", "wqkv", "g_q_norm",
+                  "g_k_norm")
+
+
+def inputs(s: Shape, key):
+  """The block's arrays: activations, cotangents and both parameter layouts (``params``
+  standard, ``mine`` ours; the conversion is load-time work, not timed). Traceable under
+  ``jax.eval_shape`` (bench/tune_gemm.py)."""
+  if s.family == "gpt2":
+    x = gpt2_inputs(s, key)
+    return dict(x, mine=x["params"])
+  x = qwen3_inputs(s, key)
+  std = {k: x["params"][k] for k in QWEN3_STD_KEYS}
+  mine = dict(B.ours_params(std, blocks.SHIFTED_KEYS), g_q_norm=std["g_q_norm"],
+              g_k_norm=std["g_k_norm"])
+  return dict(x, params=std, mine=mine)
+
+
+def cases(s: Shape, x, impl):
+  """[(op, backward, ours, ours_args, xla, xla_args, to_std)] for the forward and the
+  forward+backward of shape ``s``'s block on ``inputs(s, ...)``: what ``run_shape`` times
+  and what tune_gemm traces."""
+  if s.family == "gpt2":
+    ours, xla = gpt2_ours(s, impl), gpt2_xla(s)
+    ours_args = xla_args = (x["x0"], x["y0"], x["params"])
+    fwd_bwd = lambda block: lambda x0, y0, p, cts: jax.vjp(block, x0, y0, p)[1](cts)
+    to_std = lambda t: t
+  else:
+    cfg = qwen3_config(s, impl)
+    ours = lambda a, b, c, p: blocks.shifted_block(a, b, c, p, cfg)
+    xla, fwd_bwd, to_std = qwen3_xla(s), B.fwd_bwd, B.grads_to_standard
+    ours_args = (x["x0"], x["y0"], x["positions"], x["mine"])
+    xla_args = (x["x0"], x["y0"], x["positions"], x["params"])
+  op = f"{s.family}_block_fwd"
+  return [(op, False, ours, ours_args, xla, xla_args, lambda t: t),
+          (op + "_bwd", True, fwd_bwd(ours), (*ours_args, x["cts"]), fwd_bwd(xla),
+           (*xla_args, x["cts"]), to_std)]
 
 
 def run_shape(name, s: Shape, impl, measure, prov, key):
-  rows = []
-  gemm_key = jax.random.fold_in(key, 1)
-
-  def compare(op, *args, **kwargs):
-    rows.append(B.compare_row(op, name, s._asdict(), measure, prov, impl, *args, **kwargs))
-
-  if s.family == "gpt2":
-    x = gpt2_inputs(s, key)
-    ours, xla = gpt2_ours(s, impl), gpt2_xla(s)
-    args = (x["x0"], x["y0"], x["params"])
-    compare(f"{s.family}_block_fwd", ours, args, xla, args,
-            gemm_fns=B.gemms_of(gemm_mkn(s), False, gemm_key))
-    compare(f"{s.family}_block_fwd_bwd", gpt2_fwd_bwd(ours), (*args, x["cts"]),
-            gpt2_fwd_bwd(xla), (*args, x["cts"]),
-            gemm_fns=B.gemms_of(gemm_mkn(s), True, gemm_key), memory=True)
-  else:
-    x = qwen3_inputs(s, key)
-    cfg = qwen3_config(s, impl)
-    ours = lambda a, b, c, p: blocks.shifted_block(a, b, c, p, cfg)
-    xla = qwen3_xla(s)
-    keys = ("wo", "g_mlp", "w_gate", "w_up", "w2", "g_attn", "wqkv", "g_q_norm", "g_k_norm")
-    std = {k: x["params"][k] for k in keys}
-    mine = ours_qwen3_params(x["params"])
-    pos = x["positions"]
-    compare(f"{s.family}_block_fwd", ours, (x["x0"], x["y0"], pos, mine),
-            xla, (x["x0"], x["y0"], pos, std),
-            gemm_fns=B.gemms_of(gemm_mkn(s), False, gemm_key))
-    compare(f"{s.family}_block_fwd_bwd", B.fwd_bwd(ours), (x["x0"], x["y0"], pos, mine,
-                                                         x["cts"]),
-            B.fwd_bwd(xla), (x["x0"], x["y0"], pos, std, x["cts"]),
-            to_std=B.grads_to_standard,
-            gemm_fns=B.gemms_of(gemm_mkn(s), True, gemm_key), memory=True)
-  return rows
+  x, gemm_key = inputs(s, key), jax.random.fold_in(key, 1)
+  return [B.compare_row(op, name, s._asdict(), measure, prov, impl, ours, ours_args, xla,
+                        xla_args, to_std=to_std,
+                        gemm_fns=B.gemms_of(gemm_mkn(s), backward, gemm_key), memory=backward)
+          for op, backward, ours, ours_args, xla, xla_args, to_std in cases(s, x, impl)]
 
 
 def main():

@@ -71,19 +71,10 @@ def block_problems(shape_name):
 def family_problems(shape_name):
   """The GEMMs of bench/family_blocks.py's shifted block (forward+backward covers the
   forward's) at one of its shapes (``gpt2_1b``, ``qwen3_1.7b``)."""
-  from bench import block as bb
   from bench import family_blocks as fb
   s = fb.SHAPES[shape_name]
-  if s.family == "gpt2":
-    x = jax.eval_shape(lambda: fb.gpt2_inputs(s, jax.random.key(0)))
-    fn = fb.gpt2_fwd_bwd(fb.gpt2_ours(s, "auto"))
-    args = (x["x0"], x["y0"], x["params"], x["cts"])
-  else:
-    x = jax.eval_shape(lambda: fb.qwen3_inputs(s, jax.random.key(0)))
-    cfg = fb.qwen3_config(s, "auto")
-    mine = jax.eval_shape(fb.ours_qwen3_params, x["params"])
-    fn = bb.fwd_bwd(lambda a, b, c, q: fb.blocks.shifted_block(a, b, c, q, cfg))
-    args = (x["x0"], x["y0"], x["positions"], mine, x["cts"])
+  x = jax.eval_shape(lambda: fb.inputs(s, jax.random.key(0)))
+  _, _, fn, args, *_ = [c for c in fb.cases(s, x, "auto") if c[1]][0]
   with autotune.recording() as rec:
     jax.eval_shape(fn, *args)
   return {k: (f"{shape_name} block fwd+bwd", problem) for k, problem in rec.items()}

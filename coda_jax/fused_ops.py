@@ -288,12 +288,12 @@ def rmsnorm_lm_head_loss(h, r, wlm, targets, *, ignore_index: int = -100,
 
   Rows run in chunks of ``chunk_rows``; only one chunk's logits ever exist. Without
   differentiation, one GEMM per chunk computes each row's log-sum-exp and target logit
-  in its epilogue. Under
-  ``jax.grad`` of a "mean" or "sum" loss, the forward also forms the gradient, chunk by
-  chunk, while the chunk's logits are at hand: the loss is linear in its scalar
-  cotangent, so the gradients for a unit cotangent are computed there (3 GEMMs per
-  chunk: logits, dh, dW) and the backward only scales them. For "none" (one cotangent
-  per row) the backward recomputes the logits instead (4 GEMMs per chunk).
+  in its epilogue. Under ``jax.grad`` of a "mean" or "sum" loss, the forward also
+  forms the gradient, chunk by chunk, while the chunk's logits are at hand: the loss is
+  linear in its scalar cotangent, so the gradients for a unit cotangent are computed
+  there (3 GEMMs per chunk: logits, dh, dW) and the backward only scales them. For
+  "none" (one cotangent per row) the backward recomputes the logits instead (4 GEMMs
+  per chunk).
 
   A target outside [0, V) other than ``ignore_index`` makes its row's loss NaN (and a
   mean or sum NaN), as in ``jnp_reference.cross_entropy``; that row passes no
