@@ -1,7 +1,7 @@
 """Runs GEMM-epilogue programs (ours and XLA's) a fixed number of times, for a hardware
 profile under Nsight Compute. GPU host only.
 
-    ncu --clock-control none --kernel-name regex:'anonymous_mosaic_gpu_kernel|nvjet' \\
+    ncu --clock-control none --kernel-name regex:'coda_gemm_|nvjet' \\
         --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \\
         --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \\
         python3 -m bench.ncu_programs --programs plain,residual_sumsq_aux

@@ -148,11 +148,7 @@ def weight_grad(a, dout, impl, dtype=jnp.float32, accumulate=None, in_place=True
   """dW = a^T @ dout (fp32 accumulation, stored in ``dtype``); added to the fp32
   ``accumulate`` when given, in place unless ``in_place=False``. Under ``shard_map`` with
   the rows split, dW is one shard's partial sum, still to be summed across shards: it
-  stays fp32.
-
-  In place is for backward passes only: under ``jax.checkpoint`` a forward that is
-  re-run in the backward loses the kernel's in-place write (the rerun's dW came back
-  zero; bench/NOTES.md, issue 12)."""
+  stays fp32."""
   if varying_axes(a):
     dtype = jnp.float32
   if accumulate is None:

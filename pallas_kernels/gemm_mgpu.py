@@ -747,9 +747,6 @@ def gemm(a: jax.Array, b: jax.Array, *,
     num_sms = jax.devices()[0].core_count if interpret is None else 2
   tiles = (m // config.cluster_tile[0]) * (n // config.cluster_tile[1])
   cluster = 1 if config.cluster_dim is None else 2
-  out_type = tuple(
-      jax.ShapeDtypeStruct(epi.output_shape(o, m, n, config.epi_tile_m, config.epi_tile_n),
-                           o.dtype) for o in outputs if o.name not in in_place)
   names_in = tuple(inputs)
   if num_sms < cluster:
     raise ValueError(f"num_sms={num_sms} is smaller than the cluster ({cluster} CTAs) of "
@@ -757,31 +754,60 @@ def gemm(a: jax.Array, b: jax.Array, *,
   grid = min(num_sms // cluster, tiles)
   body = (_kernel_pingpong if config.schedule == Schedule.PINGPONG
           else _kernel_cooperative)
-  kernel = plgpu.kernel(
-      functools.partial(body, num_clusters=grid, cfg=config, m=m, n=n, k=k, trans_a=trans_a,
-                        trans_b=trans_b, input_names=names_in, input_kinds=input_kinds,
-                        outputs=outputs, epilogue=epilogue, in_place=in_place),
-      out_type=out_type,
-      grid=(grid,),
-      grid_names=("sm",),
-      cluster=(cluster,),
-      cluster_names=("cluster",),
-      num_threads=3,
-      thread_name="wg",
-      # approx_math: SFU exp/sin/cos/division in epilogues (inputs are range-reduced
-      # where that matters; see coda_jax.primitives.Rotate).
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
-      interpret=interpret,
-  )
-  # Optimization barriers on both sides of the aliased buffer: without them XLA's GPU
-  # dynamic-slice fusion folds a slice feeding that operand (a scan's xs, its saved
-  # residuals, z[i]) and a dynamic-update-slice taking the result (a scan's stacked ys)
-  # into the kernel's custom call, ignoring its operand-output aliasing: the kernel then
-  # writes into the caller's sliced array and the result is never written (wrong values
-  # or NaN; bench/NOTES.md, issue 4). The barriers copy nothing.
-  backing = {nm: jax.new_ref(lax.optimization_barrier(inputs[nm][1]))
-             for nm in in_place.values()}
-  results = iter(kernel(a, b, *(backing.get(nm, inputs[nm][1]) for nm in names_in)))
-  return {nm: lax.optimization_barrier(jax.freeze(backing[in_place[nm]])) if nm in in_place
-          else next(results) for nm in names}
+
+  def make_kernel(in_place):
+    """The kernel, with the outputs in ``in_place`` written into their operands' Refs."""
+    return plgpu.kernel(
+        functools.partial(body, num_clusters=grid, cfg=config, m=m, n=n, k=k,
+                          trans_a=trans_a, trans_b=trans_b, input_names=names_in,
+                          input_kinds=input_kinds, outputs=outputs, epilogue=epilogue,
+                          in_place=in_place),
+        out_type=tuple(
+            jax.ShapeDtypeStruct(epi.output_shape(o, m, n, config.epi_tile_m,
+                                                  config.epi_tile_n), o.dtype)
+            for o in outputs if o.name not in in_place),
+        grid=(grid,), grid_names=("sm",), cluster=(cluster,), cluster_names=("cluster",),
+        num_threads=3, thread_name="wg",
+        kernel_name=f"coda_gemm_{config.schedule.name.lower()}",  # in profiles
+        # approx_math: SFU exp/sin/cos/division in epilogues (inputs are range-reduced
+        # where that matters; see coda_jax.primitives.Rotate).
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
+        interpret=interpret)
+
+  if not in_place:
+    results = make_kernel({})(a, b, *(inputs[nm][1] for nm in names_in))
+    return dict(zip(names, results))
+
+  def run_in_place(a, b, *operands):
+    # Optimization barriers on both sides of the aliased buffer: without them XLA's GPU
+    # dynamic-slice fusion folds a slice feeding that operand (a scan's xs, its saved
+    # residuals, z[i]) and a dynamic-update-slice taking the result (a scan's stacked
+    # ys) into the kernel's custom call, ignoring its operand-output aliasing: the kernel
+    # then writes into the caller's sliced array and the result is never written (wrong
+    # values or NaN; bench/NOTES.md, issue 4). The barriers copy nothing.
+    ops = dict(zip(names_in, operands))
+    backing = {nm: jax.new_ref(lax.optimization_barrier(ops[nm]))
+               for nm in in_place.values()}
+    results = iter(make_kernel(in_place)(a, b, *(backing.get(nm, ops[nm])
+                                                 for nm in names_in)))
+    return tuple(lax.optimization_barrier(jax.freeze(backing[in_place[nm]]))
+                 if nm in in_place else next(results) for nm in names)
+
+  # The Refs live and die inside this function, so from outside it is a pure function of
+  # its operands, which jax.checkpoint re-runs whole and vmap batches. Called bare, under
+  # jax.checkpoint partial evaluation kept the Ref-writing kernel in the forward only,
+  # and the backward's re-run read its fresh, unwritten Ref (the LM head's dW came back
+  # zero; bench/NOTES.md, issue 12). Under vmap the outputs are not written in place
+  # (that only saves memory): every output is fresh, and plgpu.kernel batches the call.
+  run = jax.custom_batching.custom_vmap(run_in_place)
+
+  @run.def_vmap
+  def _batched(axis_size, in_batched, *args):
+    fresh = make_kernel({})
+    args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, batched in zip(args, in_batched)]
+    outs = jax.vmap(lambda *xs: tuple(fresh(*xs)))(*args)
+    return outs, tuple(True for _ in outs)
+
+  return dict(zip(names, run(a, b, *(inputs[nm][1] for nm in names_in))))

@@ -242,15 +242,15 @@ MUTATIONS = [
     # ---- GPU only: the interpreter does not reproduce XLA's GPU fusion -------------------
     Mutation(
         "in_place_without_barriers", "pallas_kernels/gemm_mgpu.py",
-        "  backing = {nm: jax.new_ref(lax.optimization_barrier(inputs[nm][1]))\n"
-        "             for nm in in_place.values()}\n"
-        "  results = iter(kernel(a, b, *(backing.get(nm, inputs[nm][1]) for nm in names_in)))\n"
-        "  return {nm: lax.optimization_barrier(jax.freeze(backing[in_place[nm]])) if nm in "
-        "in_place\n          else next(results) for nm in names}",
-        "  backing = {nm: jax.new_ref(inputs[nm][1]) for nm in in_place.values()}\n"
-        "  results = iter(kernel(a, b, *(backing.get(nm, inputs[nm][1]) for nm in names_in)))\n"
-        "  return {nm: jax.freeze(backing[in_place[nm]]) if nm in in_place else next(results)\n"
-        "          for nm in names}",
+        "    backing = {nm: jax.new_ref(lax.optimization_barrier(ops[nm]))\n"
+        "               for nm in in_place.values()}\n"
+        "    results = iter(make_kernel(in_place)(a, b, *(backing.get(nm, ops[nm])\n"
+        "                                                 for nm in names_in)))\n"
+        "    return tuple(lax.optimization_barrier(jax.freeze(backing[in_place[nm]]))\n",
+        "    backing = {nm: jax.new_ref(ops[nm]) for nm in in_place.values()}\n"
+        "    results = iter(make_kernel(in_place)(a, b, *(backing.get(nm, ops[nm])\n"
+        "                                                 for nm in names_in)))\n"
+        "    return tuple(jax.freeze(backing[in_place[nm]])\n",
         ("tests/test_in_place.py", "-k", "over_slices or custom_vjp"),
         "without the barriers XLA's GPU dynamic-slice fusion ignores the kernel's aliasing "
         "(issue 4's NaN)", gpu_only=True),
@@ -559,8 +559,8 @@ MUTATIONS = [
     # ---- issue 12/13: the 3-GEMM LM head (coda_jax/fused_ops.py) ---------------------------
     Mutation(
         "lm_unit_dw_not_accumulated", "coda_jax/fused_ops.py",
-        "dw = S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw, in_place=False)",
-        "dw = S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=None, in_place=False)",
+        "dw = S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw)\n",
+        "dw = S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=None)\n",
         ("tests/test_losses.py", "-k", "loss_and_grads and sum_chunked"),
         "the forward-formed dW keeps only the last chunk's n^T dlogits"),
     Mutation(
@@ -574,6 +574,14 @@ MUTATIONS = [
         "    sums = col_sums\n",
         ("tests/test_blocks.py", "-k", "scalar_loss"),
         "the 3-GEMM head's column sums (the final norm's dg) keep only the last chunk"),
+    Mutation(
+        "in_place_ref_outside_custom_vmap", "pallas_kernels/gemm_mgpu.py",
+        "  return dict(zip(names, run(a, b, *(inputs[nm][1] for nm in names_in))))",
+        "  return dict(zip(names, run_in_place(a, b, *(inputs[nm][1] for nm in names_in))))",
+        ("tests/test_in_place.py", "-k", "checkpointed"),
+        "the in-place kernel's Ref is made and frozen in the caller's trace, not inside a "
+        "pure wrapper: under jax.checkpoint the re-run forward reads an unwritten Ref (dW "
+        "= 0, issue 12)"),
 ]
 
 

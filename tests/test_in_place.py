@@ -217,6 +217,63 @@ def test_in_place_in_custom_vjp_backward_of_scan(key, kernel_impl):
     assert_within_baseline(g, t, u, name)
 
 
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_in_place_in_checkpointed_custom_vjp_forward(key, kernel_impl, remat_kernels, chunks):
+  """A custom_vjp forward that accumulates A_c^T B_c in place over ``chunks`` row chunks
+  (the LM head forms its dW so) under jax.checkpoint with nothing saved, so the backward
+  re-runs the forward: the gradient that reads that dW is the fp32 truth's. The in-place
+  kernel used to come back zero here: partial evaluation kept the Ref-writing call in the
+  forward only, and the re-run read its fresh Ref (bench/NOTES.md, issue 12)."""
+  ka, kb, kc = jax.random.split(key, 3)
+  a = normal(ka, (chunks * 64, 64), jnp.bfloat16)
+  b = normal(kb, (chunks * 64, 128), jnp.bfloat16)
+  probe = normal(kc, (64, 128))
+
+  def dw_of(a, b, impl):
+    dw = jnp.zeros((64, 128), jnp.float32)
+    for c in range(chunks):
+      ac, bc = a[c * 64:(c + 1) * 64], b[c * 64:(c + 1) * 64]
+      if impl is None:
+        dw = dw + matmul_f32(ac, bc, True, False)
+      else:
+        dw = cj.gemm_epilogue(ac, bc, PROGRAM, {"g": dw}, trans_a=True, impl=impl,
+                              config=SCAN_CONFIG, in_place={"g_new": "g"})["g_new"]
+    return dw
+
+  @jax.custom_vjp
+  def f(a, b):
+    return jnp.sum(a.astype(jnp.float32))
+
+  def f_fwd(a, b):
+    return f(a, b), dw_of(a, b, kernel_impl)
+
+  def f_bwd(dw, g):  # d/db of the probe's inner product with dW, scaled by g
+    return jnp.zeros_like(a), (g * jnp.sum(dw * probe) * jnp.ones(b.shape)).astype(b.dtype)
+
+  f.defvjp(f_fwd, f_bwd)
+  remat = jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
+  want = jnp.sum(dw_of(a, b, None) * probe)
+  for name, fn in (("plain", f), ("checkpoint", remat)):
+    got = jax.jit(jax.grad(fn, argnums=1))(a, b)[0, 0].astype(jnp.float32)
+    # bf16 output of an fp32 sum: the only error is bf16's rounding
+    assert abs(got - want) <= 1e-2 * abs(want) and abs(want) > 1, (name, got, want)
+
+
+def test_in_place_under_vmap(key, kernel_impl):
+  """vmap over an in-place call: each example's g + A^T B (written fresh under vmap, as
+  in-place only saves memory), with an unbatched B broadcast."""
+  ka, kb, kg = jax.random.split(key, 3)
+  a = normal(ka, (2, 128, 64), jnp.bfloat16)
+  b = normal(kb, (128, 128), jnp.bfloat16)
+  g = normal(kg, (2, 64, 128))
+  step = lambda a, g: cj.gemm_epilogue(a, b, PROGRAM, {"g": g}, trans_a=True,
+                                       impl=kernel_impl, config=SCAN_CONFIG,
+                                       in_place={"g_new": "g"})["g_new"]
+  got = jax.jit(jax.vmap(step))(a, g)
+  for i in range(2):
+    assert rel_err(got[i], matmul_f32(a[i], b, True, False) + g[i]) < 1e-5, i
+
+
 def test_in_place_needs_matching_tile(key, interpret):
   a, b = gemm_inputs(key, 128, 256, 64, jnp.bfloat16)
   g16 = normal(key, (128, 256)).astype(jnp.bfloat16)
