@@ -559,8 +559,8 @@ MUTATIONS = [
     # ---- issue 12/13: the 3-GEMM LM head (coda_jax/fused_ops.py) ---------------------------
     Mutation(
         "lm_unit_dw_not_accumulated", "coda_jax/fused_ops.py",
-        "dw = S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw)\n",
-        "dw = S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=None)\n",
+        "sums, S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw)\n",
+        "sums, S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=None)\n",
         ("tests/test_losses.py", "-k", "loss_and_grads and sum_chunked"),
         "the forward-formed dW keeps only the last chunk's n^T dlogits"),
     Mutation(
