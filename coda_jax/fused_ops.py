@@ -391,36 +391,26 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
   sums over all rows). Under ``shard_map`` with the rows split, dW and the sums are this
   shard's: ``reduce_like`` them once scaled by the cotangent (which may vary too)."""
   w = wlm.astype(h.dtype)
-  # A Python loop, not a scan: a scan would copy the (D, V) fp32 carry every chunk. The
-  # kernel adds each chunk's n^T dlogits into dW in place (one fp32 dW buffer: 3.1 GiB
-  # peak for the 1B post-block on the H100, against 5.1 GiB with a fresh dW per chunk).
-  # Unrolled, XLA may schedule the chunks side by side, every chunk's logits and dlogits
-  # live at once (9.0 GiB); the barrier below starts a chunk only once the previous
-  # chunk's dW exists (on the CPU's XLA: 291 -> 84 MiB of temporaries at M = 4096,
-  # V = 16384, 8 chunks).
-  # Each chunk is one call of the same jitted function (one for the first chunk, which
-  # stores dW, one for the rest, which add to it): its kernels are traced and lowered
-  # once, not once per chunk (the fused 8B training step compiled in 134 s with the
-  # chunks written out, 74 s with a scan). XLA inlines the calls: the program is the
-  # same as written out.
-  @jax.jit
-  def chunk(w, hc, rc, tc, wc, rest, sums, dw):
-    if dw is not None:  # chunk c starts once chunk c - 1's dW exists: one chunk live
-      hc, dw = jax.lax.optimization_barrier((hc, dw))
+  # A scan over the chunks: its body's kernels are lowered and compiled once (written
+  # out, 8 chunks lowered 24 kernels: the fused 8B training step compiled in 134 s on
+  # the H100, against 74 s with the scan), and one chunk's logits and dlogits are live
+  # at a time. The kernel adds each chunk's n^T dlogits into the dW carry in place: one
+  # fp32 dW buffer (3.2 GiB peak for the 1B post-block on the H100, against 5.1 GiB
+  # with a fresh dW per chunk; bench/NOTES.md, issue 12, fourth session).
+
+  def step(carry, args):
+    dw, sums = carry
+    hc, rc, tc, wc, *rest = args
     lse, tgt, z = S.lm_head_logits(hc, rc, w, tc, impl, w_nk)
     dlogits, zdz = S.xent_grad_from_logits(z, lse, tc, wc, h.dtype)
     n, ys, col_sums = chunk_grad(dlogits, zdz, hc, rc, *rest)
     sums = jax.tree.map(jnp.add, sums, col_sums)
-    return (lse, tgt, ys), sums, S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw)
+    return (S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw), sums), (lse, tgt, ys)
 
-  xs = chunked(rows, h, r, targets, weight, *per_row)
-  dw, sums, outs = None, jax.tree.map(lambda x: vary_like(x, h), sums0), []
-  for c in range(xs[0].shape[0]):
-    hc, rc, tc, wc, *rest = (x[c] for x in xs)
-    out, sums, dw = chunk(w, hc, rc, tc, wc, tuple(rest), sums, dw)
-    outs.append(out)
-  dw = vary_like(dw, h)  # varies with the rows' shards
-  lse, tgt, ys = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+  xs = tuple(chunked(rows, h, r, targets, weight, *per_row))
+  vary = lambda x: vary_like(x, h)  # the accumulators vary with the rows' shards
+  init = (vary(jnp.zeros(wlm.shape, jnp.float32)), jax.tree.map(vary, sums0))
+  (dw, sums), (lse, tgt, ys) = jax.lax.scan(step, init, xs)
   return unchunked(lse), unchunked(tgt), dw, jax.tree.map(unchunked, ys), sums
 
 
