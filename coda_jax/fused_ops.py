@@ -395,8 +395,8 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
   # out, 8 chunks lowered 24 kernels: the fused 8B training step compiled in 134 s on
   # the H100, against 74 s with the scan), and one chunk's logits and dlogits are live
   # at a time. The kernel adds each chunk's n^T dlogits into the dW carry in place: one
-  # fp32 dW buffer (3.2 GiB peak for the 1B post-block on the H100, against 5.1 GiB
-  # with a fresh dW per chunk; bench/NOTES.md, issue 12, fourth session).
+  # fp32 dW buffer (a 3,204 MiB peak for the 1B post-block on the H100, against 5,064
+  # MiB with a fresh dW per chunk; bench/NOTES.md, issue 12, fourth session).
 
   def step(carry, args):
     dw, sums = carry
