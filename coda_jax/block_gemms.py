@@ -144,25 +144,24 @@ def grad_dtype(w):
   return w.dtype if jnp.dtype(w.dtype).itemsize == 2 else jnp.float32
 
 
-def weight_grad(a, dout, impl, dtype=jnp.float32, accumulate=None, in_place=True):
-  """dW = a^T @ dout (fp32 accumulation, stored in ``dtype``); added to the fp32
-  ``accumulate`` when given, in place unless ``in_place=False``. Under ``shard_map`` with
-  the rows split, dW is one shard's partial sum, still to be summed across shards: it
-  stays fp32."""
+def weight_grad(a, dout, impl, dtype=jnp.float32, accumulate=None):
+  """dW = a^T @ dout (fp32 accumulation, stored in ``dtype``); added in place to the
+  fp32 ``accumulate`` when given. Under ``shard_map`` with the rows split, dW is one
+  shard's partial sum, still to be summed across shards: it stays fp32."""
   if varying_axes(a):
     dtype = jnp.float32
   if accumulate is None:
     return gemm_epilogue(a, dout, [P.Store("dw", dtype)], trans_a=True, impl=impl)["dw"]
   return gemm_epilogue(a, dout, [P.AddTile("acc"), P.Store("dw", jnp.float32)],
                        {"acc": accumulate}, trans_a=True, impl=impl,
-                       in_place={"dw": "acc"} if in_place else None)["dw"]
+                       in_place={"dw": "acc"})["dw"]
 
 
-def head_weight_grad(n, dlogits, impl, w_nk, accumulate, in_place=True):
+def head_weight_grad(n, dlogits, impl, w_nk, accumulate):
   """The LM head's dW += n^T dlogits in fp32, (D, V); with ``w_nk`` dW^T += dlogits^T n,
   (V, D), the tied embedding's layout. ``accumulate`` None: dW of this chunk alone."""
   a, b = (dlogits, n) if w_nk else (n, dlogits)
-  return weight_grad(a, b, impl, accumulate=accumulate, in_place=in_place)
+  return weight_grad(a, b, impl, accumulate=accumulate)
 
 
 def row_chunks(m: int, v: int, chunk_rows: int | None, budget_bytes: int = 1 << 30,
