@@ -576,6 +576,17 @@ MUTATIONS = [
         "the in-place kernel's Ref is made and frozen in the caller's trace, not inside a "
         "pure wrapper: under jax.checkpoint the re-run forward reads an unwritten Ref (dW "
         "= 0, issue 12)"),
+    Mutation(
+        "lm_chunks_unrolled", "coda_jax/fused_ops.py",
+        "  (dw, sums), (lse, tgt, ys) = jax.lax.scan(step, init, xs)\n",
+        "  carry, outs = init, []\n"
+        "  for c in range(xs[0].shape[0]):\n"
+        "    carry, o = step(carry, tuple(x[c] for x in xs))\n"
+        "    outs.append(o)\n"
+        "  (dw, sums), (lse, tgt, ys) = carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)\n",
+        ("tests/test_bench_harness.py", "-k", "lowering_time"),
+        "the LM head's chunk loop is written out: same values, but every chunk's kernels "
+        "are lowered and compiled again (the 8B step's compile 74 -> 134 s)"),
 ]
 
 
