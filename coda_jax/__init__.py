@@ -5,25 +5,25 @@ the primitives below, ``Primitive`` to subclass, the operand and output kinds, a
 ``reduce_like`` for weight gradients under ``jax.shard_map``. Beyond Llama: LayerNorm,
 biases and the GELU MLP (``layernorm_ops``), QK-norm (``qk_norm``)."""
 from coda_jax.ops import IMPLS, gemm_epilogue, kernel_config, reference, scalar_operand
-from coda_jax.primitives import (AddTile, ColSum, Env, Gated, PickColumn, Primitive, Rotate,
-                                 RowLogSumExp, RowSum, ScaleCol, ScaleConst, ScaleRow, Store,
-                                 finish_lse)
+from coda_jax.primitives import (AddBias, AddTile, ColSum, Env, Gated, PickColumn, Primitive,
+                                 Rotate, RowLogSumExp, RowSum, ScaleCol, ScaleConst, ScaleRow,
+                                 Store, finish_lse)
 from coda_jax.sharding import reduce_like
 from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 
 __all__ = [
-    "IMPLS", "AddTile", "ColSum", "Env", "EpilogueOutput", "Gated", "InputKind", "OutputKind",
-    "PickColumn", "Primitive", "Rotate", "RowLogSumExp", "RowSum", "ScaleCol", "ScaleConst",
-    "ScaleRow", "Store", "finish_lse", "gemm_epilogue", "kernel_config", "reduce_like",
-    "reference", "scalar_operand",
+    "IMPLS", "AddBias", "AddTile", "ColSum", "Env", "EpilogueOutput", "Gated", "InputKind",
+    "OutputKind", "PickColumn", "Primitive", "Rotate", "RowLogSumExp", "RowSum", "ScaleCol",
+    "ScaleConst", "ScaleRow", "Store", "finish_lse", "gemm_epilogue", "kernel_config",
+    "reduce_like", "reference", "scalar_operand",
 ]
 
 # Each imports the library's own modules (above) first.
-from coda_jax.layernorm_ops import (AddBias, AddOuter, Gelu, GeluGrad,  # noqa: E402
+from coda_jax.layernorm_ops import (AddOuter, Gelu, GeluGrad,  # noqa: E402
                                     LayerNormConfig, LayerNormGrad, layernorm_gelu_mlp,
                                     layernorm_matmul, residual_layernorm)
 from coda_jax.qk_norm import HeadRmsNorm, rmsnorm_qkv_qknorm_rope  # noqa: E402
 
-__all__ += ["AddBias", "AddOuter", "Gelu", "GeluGrad", "HeadRmsNorm", "LayerNormConfig",
+__all__ += ["AddOuter", "Gelu", "GeluGrad", "HeadRmsNorm", "LayerNormConfig",
             "LayerNormGrad", "layernorm_gelu_mlp", "layernorm_matmul", "residual_layernorm",
             "rmsnorm_qkv_qknorm_rope"]

@@ -52,24 +52,36 @@ def norm_rope(h, r, w, positions, freqs, head_dim, impl):
 
 # ``w_nk`` below: the forward weight is stored (N, K), i.e. the LM head read from a tied
 # (V, D) embedding table, which the GEMMs then read transposed instead of a copy.
-def lm_head_stats(h, r, wlm, targets, impl, w_nk=False):
+def _logits_head(r, targets, vmask):
+  """The program that makes logits r * acc (+ the pad-column mask ``vmask``, an (N,)
+  fp32 column operand, when the vocabulary was padded: ``fused_ops.pad_vocab``), and
+  its operands."""
+  operands = {"r": r, "t": targets.astype(jnp.int32)}
+  if vmask is None:
+    return [P.ScaleRow("r")], operands
+  return [P.ScaleRow("r"), P.AddBias("vmask")], dict(operands, vmask=vmask)
+
+
+def lm_head_stats(h, r, wlm, targets, impl, w_nk=False, vmask=None):
   """Per row: log-sum-exp of logits = r * (h @ wlm) and the target's logit (0 when the
   target is outside [0, V)). Only (V / epi_tile_n, M) partials ever exist."""
-  out = gemm_epilogue(h, wlm, [P.ScaleRow("r"), P.RowLogSumExp("lse"), P.PickColumn("t", "tgt")],
-                      {"r": r, "t": targets.astype(jnp.int32)}, trans_b=w_nk, impl=impl)
+  head, operands = _logits_head(r, targets, vmask)
+  out = gemm_epilogue(h, wlm, head + [P.RowLogSumExp("lse"), P.PickColumn("t", "tgt")],
+                      operands, trans_b=w_nk, impl=impl)
   return out["lse"], out["tgt"]
 
 
-def lm_head_logits(h, r, wlm, targets, impl, w_nk=False):
+def lm_head_logits(h, r, wlm, targets, impl, w_nk=False, vmask=None):
   """``lm_head_stats`` plus the logits themselves, for the 3-GEMM backward
   (``xent_grad_from_logits``). They are stored in float16 (float32 for float32 inputs):
   2^-11 relative, eight times finer than the bf16 logits of an unfused bf16 graph, in
   the same bytes. A logit beyond float16's range (|z| > 65504) becomes inf and its
   row's gradient NaN, never a finite wrong value."""
   zdt = jnp.float32 if h.dtype == jnp.float32 else jnp.float16
-  out = gemm_epilogue(h, wlm, [P.ScaleRow("r"), P.RowLogSumExp("lse"), P.PickColumn("t", "tgt"),
-                               P.Store("z", zdt)],
-                      {"r": r, "t": targets.astype(jnp.int32)}, trans_b=w_nk, impl=impl)
+  head, operands = _logits_head(r, targets, vmask)
+  out = gemm_epilogue(h, wlm, head + [P.RowLogSumExp("lse"), P.PickColumn("t", "tgt"),
+                                      P.Store("z", zdt)],
+                      operands, trans_b=w_nk, impl=impl)
   return out["lse"], out["tgt"], out["z"]
 
 
@@ -120,13 +132,13 @@ def gated_input_grad(dx, w2, z, block, activation, impl):
   return out["dz"], out["y"], out["zdz"]
 
 
-def xent_logits_grad(h, r, wlm, lse, targets, weight, impl, w_nk=False):
+def xent_logits_grad(h, r, wlm, lse, targets, weight, impl, w_nk=False, vmask=None):
   """CE backward: dlogits = (softmax - onehot) * weight[m] from recomputed logits, and
   <dlogits, logits> per row (zdz of the final norm)."""
-  out = gemm_epilogue(h, wlm, [P.ScaleRow("r"), SoftmaxXentGrad("lse", "t", "w", "zdz"),
-                               P.Store("dlogits", h.dtype)],
-                      {"r": r, "lse": lse, "t": targets.astype(jnp.int32), "w": weight},
-                      trans_b=w_nk, impl=impl)
+  head, operands = _logits_head(r, targets, vmask)
+  out = gemm_epilogue(h, wlm, head + [SoftmaxXentGrad("lse", "t", "w", "zdz"),
+                                      P.Store("dlogits", h.dtype)],
+                      dict(operands, lse=lse, w=weight), trans_b=w_nk, impl=impl)
   return out["dlogits"], out["zdz"]
 
 

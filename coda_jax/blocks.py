@@ -318,7 +318,8 @@ def post_block(x0, y0, targets, params, cfg: BlockConfig):
 def _post(x0, y0, targets, params, cfg):
   p = _cast(params, x0.dtype)
   (_, h2, r2), _ = _mlp_fwd(x0, y0, p, p["g_final"], cfg, keep_z=False)
-  lse, tgt = F.lm_head_lse(h2, r2, p["wlm"], targets, cfg.lm_chunk_rows, cfg.impl, _w_nk(cfg))
+  lse, tgt = F.lm_head_lse(h2, r2, *F.pad_vocab(p["wlm"], _w_nk(cfg)), targets,
+                           cfg.lm_chunk_rows, cfg.impl, _w_nk(cfg))
   return F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction,
                            _vocab(params, cfg))
 
@@ -327,8 +328,9 @@ def _post_fwd(x0, y0, targets, params, cfg):
   p = _cast(params, x0.dtype)
   vocab, w_nk = _vocab(params, cfg), _w_nk(cfg)
   (x2, h2, r2), mlp_saved = _mlp_fwd(x0, y0, p, p["g_final"], cfg, keep_z=True)
+  wlm, vmask = F.pad_vocab(p["wlm"], w_nk)  # a vocabulary that does not tile, padded
   if cfg.reduction == "none":  # one cotangent per row: the backward recomputes the logits
-    lse, tgt = F.lm_head_lse(h2, r2, p["wlm"], targets, cfg.lm_chunk_rows, cfg.impl, w_nk)
+    lse, tgt = F.lm_head_lse(h2, r2, wlm, vmask, targets, cfg.lm_chunk_rows, cfg.impl, w_nk)
     loss = F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction, vocab)
     return loss, (params, targets, x2, h2, r2, lse, mlp_saved)
   # A scalar loss is linear in its cotangent: form the head's gradients for a unit one
@@ -339,13 +341,14 @@ def _post_fwd(x0, y0, targets, params, cfg):
 
   def chunk_grad(dlogits, zdz, h2c, r2c, x2c):
     # dxa in fp32 until the backward has scaled it (one rounding, as fused_ops' head)
-    dxa, n2, dg = S.norm_input_grad(dlogits, p["wlm"], x2c, r2c, zdz / d, p["g_final"], None,
+    dxa, n2, dg = S.norm_input_grad(dlogits, wlm, x2c, r2c, zdz / d, p["g_final"], None,
                                     cfg.impl, w_nk, dx_dtype=jnp.float32)
     return n2, dxa, dg
 
   lse, tgt, dwlm, dxa, dg = F.lm_head_unit_grads(
-      h2, r2, p["wlm"], targets, weight, cfg.lm_chunk_rows, cfg.impl, chunk_grad,
-      sums0=jnp.zeros((d,), jnp.float32), per_row=(x2,), w_nk=w_nk)
+      h2, r2, wlm, targets, weight, cfg.lm_chunk_rows, cfg.impl, chunk_grad,
+      sums0=jnp.zeros((d,), jnp.float32), per_row=(x2,), w_nk=w_nk, vmask=vmask)
+  dwlm = F.unpad_vocab(dwlm, vocab, w_nk)
   loss = F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction, vocab)
   return loss, (params, (dxa, dg, dwlm), norm, mlp_saved)
 
@@ -376,22 +379,23 @@ def _vocab(params, cfg):
 def _post_head_bwd(p, params, targets, x2, h2, r2, lse, dloss, cfg):
   """The LM head's backward for per-row cotangents: logits recomputed, chunk by chunk."""
   d, rows = x2.shape[1], cfg.lm_chunk_rows
-  weight = F.loss_row_weights(dloss, targets, cfg.ignore_index, _vocab(params, cfg))
-  w_nk = _w_nk(cfg)
+  vocab, w_nk = _vocab(params, cfg), _w_nk(cfg)
+  weight = F.loss_row_weights(dloss, targets, cfg.ignore_index, vocab)
+  wlm, vmask = F.pad_vocab(p["wlm"], w_nk)
 
   def chunk(carry, args):
     dwlm, dg = carry
     x2c, h2c, r2c, lc, tc, wc = args
-    dlogits, zdz = S.xent_logits_grad(h2c, r2c, p["wlm"], lc, tc, wc, cfg.impl, w_nk)
-    dxa, n2, dgc = S.norm_input_grad(dlogits, p["wlm"], x2c, r2c, zdz / d, p["g_final"], None,
+    dlogits, zdz = S.xent_logits_grad(h2c, r2c, wlm, lc, tc, wc, cfg.impl, w_nk, vmask)
+    dxa, n2, dgc = S.norm_input_grad(dlogits, wlm, x2c, r2c, zdz / d, p["g_final"], None,
                                      cfg.impl, w_nk)
     return (S.head_weight_grad(n2, dlogits, cfg.impl, w_nk, accumulate=dwlm), dg + dgc), dxa
 
-  init = (vary_like(jnp.zeros(p["wlm"].shape, jnp.float32), x2),  # varies with the rows
+  init = (vary_like(jnp.zeros(wlm.shape, jnp.float32), x2),  # varies with the rows
           vary_like(jnp.zeros((d,), jnp.float32), x2))
   (dwlm, dgf), dxa = jax.lax.scan(chunk, init,
                                   tuple(F.chunked(rows, x2, h2, r2, lse, targets, weight)))
-  return F.unchunked(dxa), dgf, dwlm
+  return F.unchunked(dxa), dgf, F.unpad_vocab(dwlm, vocab, w_nk)
 
 
 _post.defvjp(_post_fwd, _post_bwd)

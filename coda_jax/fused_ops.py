@@ -326,6 +326,46 @@ def head_vocab(wlm, w_nk: bool) -> int:
   return wlm.shape[0] if w_nk else wlm.shape[1]
 
 
+# The logit of a padded vocabulary's extra columns (``pad_vocab``). Finite, so that its
+# products with their zero gradient stay 0 in zdz (-inf * 0 would be NaN); within
+# float16's range (the stored logits); low enough that exp(PAD_LOGIT - lse) is exactly 0
+# in fp32 for any row whose largest real logit is above PAD_LOGIT + 104.
+PAD_LOGIT = -30000.0
+VOCAB_TILE = 64  # the kernels tile a vocabulary that is a multiple of this
+
+
+def pad_vocab(wlm, w_nk: bool):
+  """A head whose vocabulary V does not tile (GPT-2's 50257), padded with zero columns
+  to a multiple of 128, and the (Vp,) fp32 ``AddBias`` operand that masks the pad
+  columns out of every softmax: 0 on the V real columns, ``PAD_LOGIT`` on the others.
+  Their logits are then PAD_LOGIT, their probabilities and gradients exactly 0, so the
+  loss, the LSE, dh and dW's real columns are those of the unpadded head
+  (``unpad_vocab`` drops dW's pad columns). A V that tiles is returned as it is, with
+  no mask. Costs one copy of the head per call, against running its three
+  vocabulary-sized GEMMs in XLA.
+
+  Args:
+    wlm: the head, (D, V), or (V, D) with ``w_nk``.
+    w_nk: the (V, D) layout.
+
+  Returns:
+    (head, mask): the padded head (or ``wlm``) and the mask (or None)."""
+  v = head_vocab(wlm, w_nk)
+  if v % VOCAB_TILE == 0:
+    return wlm, None
+  vp = -(-v // 128) * 128
+  widths = ((0, vp - v), (0, 0)) if w_nk else ((0, 0), (0, vp - v))
+  mask = jnp.where(jnp.arange(vp) < v, 0.0, PAD_LOGIT).astype(jnp.float32)
+  return jnp.pad(wlm, widths), mask
+
+
+def unpad_vocab(dw, vocab: int, w_nk: bool):
+  """dW of a ``pad_vocab`` head back to the real vocabulary's ``vocab`` columns."""
+  if head_vocab(dw, w_nk) == vocab:
+    return dw
+  return dw[:vocab] if w_nk else dw[:, :vocab]
+
+
 def chunked(rows, *arrays):
   """(M, ...) arrays as (M / rows, rows, ...) chunks of strided rows: chunk c holds rows
   c, c + C, c + 2C, ... (C chunks). When the rows are split over devices, every chunk
@@ -341,14 +381,15 @@ def unchunked(x):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _lm_head_loss(h, r, wlm, targets, opts, impl):
   ignore_index, reduction, rows, w_nk = opts
-  lse, tgt = lm_head_lse(h, r, wlm, targets, rows, impl, w_nk)
+  lse, tgt = lm_head_lse(h, r, *pad_vocab(wlm, w_nk), targets, rows, impl, w_nk)
   return loss_from_stats(lse, tgt, targets, ignore_index, reduction, head_vocab(wlm, w_nk))
 
 
-def lm_head_lse(h, r, wlm, targets, rows, impl, w_nk=False):
-  """(lse, target logit) per row, ``rows`` rows per kernel call."""
+def lm_head_lse(h, r, wlm, vmask, targets, rows, impl, w_nk=False):
+  """(lse, target logit) per row, ``rows`` rows per kernel call; ``wlm`` and ``vmask``
+  as ``pad_vocab`` returns them."""
   w = wlm.astype(h.dtype)
-  step = lambda args: S.lm_head_stats(*args[:2], w, args[2], impl, w_nk)
+  step = lambda args: S.lm_head_stats(*args[:2], w, args[2], impl, w_nk, vmask)
   lse, tgt = jax.lax.map(step, tuple(chunked(rows, h, r, targets)))
   return unchunked(lse), unchunked(tgt)
 
@@ -379,7 +420,7 @@ def loss_row_weights(dloss, targets, ignore_index, vocab):
 
 
 def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0=(),
-                       per_row=(), w_nk=False):
+                       per_row=(), w_nk=False, vmask=None):
   """The 3-GEMM LM head, chunk by chunk (``rows`` rows each): one GEMM makes the logits
   r * (h @ W) with their log-sum-exp and target logit; dlogits for the row weights
   ``weight`` follow elementwise; ``chunk_grad(dlogits, zdz, hc, rc, *per_row chunks)``
@@ -389,7 +430,8 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
 
   Returns (lse, target logit, dW in fp32 and ``wlm``'s layout, per-row outputs, column
   sums over all rows). Under ``shard_map`` with the rows split, dW and the sums are this
-  shard's: ``reduce_like`` them once scaled by the cotangent (which may vary too)."""
+  shard's: ``reduce_like`` them once scaled by the cotangent (which may vary too).
+  ``wlm`` and ``vmask`` as ``pad_vocab`` returns them (dW then has the pad columns)."""
   w = wlm.astype(h.dtype)
   # A scan over the chunks: its body's kernels are lowered and compiled once (written
   # out, 8 chunks lowered 24 kernels: the fused 8B training step compiled in 134 s on
@@ -401,7 +443,7 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
   def step(carry, args):
     dw, sums = carry
     hc, rc, tc, wc, *rest = args
-    lse, tgt, z = S.lm_head_logits(hc, rc, w, tc, impl, w_nk)
+    lse, tgt, z = S.lm_head_logits(hc, rc, w, tc, impl, w_nk, vmask)
     dlogits, zdz = S.xent_grad_from_logits(z, lse, tc, wc, h.dtype)
     n, ys, col_sums = chunk_grad(dlogits, zdz, hc, rc, *rest)
     sums = jax.tree.map(jnp.add, sums, col_sums)
@@ -435,12 +477,13 @@ def scale_grads(grads, scale):
 def _lm_fwd(h, r, wlm, targets, opts, impl):
   ignore_index, reduction, rows, w_nk = opts
   vocab = head_vocab(wlm, w_nk)
+  wp, vmask = pad_vocab(wlm, w_nk)
   if reduction == "none":
-    lse, tgt = lm_head_lse(h, r, wlm, targets, rows, impl, w_nk)
+    lse, tgt = lm_head_lse(h, r, wp, vmask, targets, rows, impl, w_nk)
     return (loss_from_stats(lse, tgt, targets, ignore_index, reduction, vocab),
             (h, r, wlm, targets, lse))
   weight, norm = unit_row_weights(targets, ignore_index, reduction, vocab)
-  w = wlm.astype(h.dtype)
+  w = wp.astype(h.dtype)
 
   def chunk_grad(dlogits, zdz, hc, rc):  # dh = r * (dlogits @ W^T); dr = zdz / r
     n = (hc.astype(jnp.float32) * rc[:, None]).astype(hc.dtype)
@@ -449,8 +492,9 @@ def _lm_fwd(h, r, wlm, targets, opts, impl):
     return n, (S.input_grad(dlogits, w, impl, r=rc, w_nk=w_nk, dtype=jnp.float32),
                zdz / rc), ()
 
-  lse, tgt, dw, (dh, dr), _ = lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl,
-                                                 chunk_grad, w_nk=w_nk)
+  lse, tgt, dw, (dh, dr), _ = lm_head_unit_grads(h, r, wp, targets, weight, rows, impl,
+                                                 chunk_grad, w_nk=w_nk, vmask=vmask)
+  dw = unpad_vocab(dw, vocab, w_nk)
   loss = loss_from_stats(lse, tgt, targets, ignore_index, reduction, vocab)
   # dh and dW stay fp32 until they are scaled; the empty arrays carry h's and the
   # weight's dtypes (and the weight's varying mesh axes, for reduce_like).
@@ -465,18 +509,21 @@ def _lm_bwd(opts, impl, saved, dloss):
     dh, dr, dw = scale_grads((dh, dr, dw), dloss * norm)
     return dh.astype(hdt.dtype), dr, reduce_like(dw, wdt).astype(wdt.dtype), None
   h, r, wlm, targets, lse = saved
-  weight = loss_row_weights(dloss, targets, ignore_index, head_vocab(wlm, w_nk))
-  w = wlm.astype(h.dtype)
+  vocab = head_vocab(wlm, w_nk)
+  weight = loss_row_weights(dloss, targets, ignore_index, vocab)
+  wp, vmask = pad_vocab(wlm, w_nk)
+  w = wp.astype(h.dtype)
 
   def step(dw, args):
     hc, rc, lc, tc, wc = args
-    dlogits, zdz = S.xent_logits_grad(hc, rc, w, lc, tc, wc, impl, w_nk)
+    dlogits, zdz = S.xent_logits_grad(hc, rc, w, lc, tc, wc, impl, w_nk, vmask)
     dh = S.input_grad(dlogits, w, impl, r=rc, w_nk=w_nk)
     n = (hc.astype(jnp.float32) * rc[:, None]).astype(hc.dtype)
     return S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw), (dh, zdz / rc)
 
-  dw0 = vary_like(jnp.zeros(wlm.shape, jnp.float32), h)  # varies with the rows' shards
+  dw0 = vary_like(jnp.zeros(wp.shape, jnp.float32), h)  # varies with the rows' shards
   dw, (dh, dr) = jax.lax.scan(step, dw0, tuple(chunked(rows, h, r, lse, targets, weight)))
+  dw = unpad_vocab(dw, vocab, w_nk)
   return unchunked(dh), unchunked(dr), reduce_like(dw, wlm).astype(wlm.dtype), None
 
 

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from coda_jax import block_gemms as S
 from coda_jax.fused_ops import check_act, check_residual, check_rows, check_weight, flat_rows
 from coda_jax.ops import gemm_epilogue
-from coda_jax.primitives import (ACTIVATIONS, AddTile, ColSum, Primitive, RowSum, ScaleCol,
-                                 ScaleRow, Store)
+from coda_jax.primitives import (ACTIVATIONS, AddBias, AddTile, ColSum, Primitive, RowSum,
+                                 ScaleCol, ScaleRow, Store)
 from coda_jax.sharding import reduce_like
 from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 
@@ -60,22 +60,6 @@ class LayerNormConfig:
 
 
 # ---- primitives --------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class AddBias(Primitive):
-  """x + b[n]; ``name`` is an (N,) fp32 column operand.
-
-  Its gradient is the column sum of the output's cotangent (a ``ColSum`` in the GEMM that
-  produces the cotangent). A bias moves a zero row, so it does not claim
-  ``keeps_zero_rows`` (rows padded onto M would add b to column sums)."""
-  name: str
-
-  def inputs(self):
-    return {self.name: InputKind.COL}
-
-  def apply(self, x, env):
-    return x + env.load(self.name).astype(_F32)[None, :]
-
-
 @dataclasses.dataclass(frozen=True)
 class AddOuter(Primitive):
   """x + sign * u[m] * v[n]: a rank-1 update; ``row`` an (M,), ``col`` an (N,) operand,

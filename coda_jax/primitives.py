@@ -114,6 +114,23 @@ class ScaleCol(Primitive):
 
 # ---- accumulate ------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
+class AddBias(Primitive):
+  """x + b[n]; ``name`` is an (N,) fp32 column operand (a linear layer's bias; the LM
+  head's pad-column mask, ``fused_ops.pad_vocab``).
+
+  Its gradient is the column sum of the output's cotangent (a ``ColSum`` in the GEMM that
+  produces the cotangent). A bias moves a zero row, so it does not claim
+  ``keeps_zero_rows`` (rows padded onto M would add b to column sums)."""
+  name: str
+
+  def inputs(self):
+    return {self.name: InputKind.COL}
+
+  def apply(self, x, env):
+    return x + env.load(self.name).astype(jnp.float32)[None, :]
+
+
+@dataclasses.dataclass(frozen=True)
 class AddTile(Primitive):
   """x + t[m, n]; ``name`` is an (M, N) operand (a residual, or the previous value of
   an output being accumulated into)."""

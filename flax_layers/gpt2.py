@@ -199,8 +199,9 @@ GPT2_CONFIGS = {
     # a multiple of 64 so the kernels tile.
     "gpt2-tiny": GPT2Config(vocab_size=256, n_positions=512, d_model=256, n_layers=4,
                             n_heads=4),
-    # GPT-2 small's shape (124M), the vocabulary 50257 padded to 50304 = 393 * 128 so the
-    # head's GEMMs tile (a Hugging Face checkpoint loads with vocab_size=50257 instead).
+    # GPT-2 small's shape (124M), the vocabulary 50257 stored padded to 50304 = 393 * 128
+    # so the head's GEMMs tile without a copy (a Hugging Face checkpoint loads with
+    # vocab_size=50257, which the fused head pads per call: fused_ops.pad_vocab).
     "gpt2-small": GPT2Config(vocab_size=50304, n_positions=1024, d_model=768, n_layers=12,
                              n_heads=12),
 }

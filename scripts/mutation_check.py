@@ -587,6 +587,26 @@ MUTATIONS = [
         ("tests/test_bench_harness.py", "-k", "lowering_time"),
         "the LM head's chunk loop is written out: same values, but every chunk's kernels "
         "are lowered and compiled again (the 8B step's compile 74 -> 134 s)"),
+    Mutation(
+        "vocab_pad_unmasked", "coda_jax/block_gemms.py",
+        '  return [P.ScaleRow("r"), P.AddBias("vmask")], dict(operands, vmask=vmask)\n',
+        '  return [P.ScaleRow("r")], dict(operands, vmask=vmask)\n',
+        ("tests/test_losses.py", "-k", "vocabulary"),
+        "a vocabulary padded to tile, its pad columns not masked: their logits are 0, not "
+        "PAD_LOGIT, and count in every softmax"),
+    Mutation(
+        "vocab_pad_dw_not_sliced", "coda_jax/fused_ops.py",
+        "  return dw[:vocab] if w_nk else dw[:, :vocab]\n",
+        "  return dw\n",
+        ("tests/test_losses.py", "-k", "vocabulary"),
+        "the padded head's dW keeps its pad columns (a wrong-shaped gradient)"),
+    Mutation(
+        "vocab_not_padded", "coda_jax/fused_ops.py",
+        "  if v % VOCAB_TILE == 0:\n    return wlm, None\n",
+        "  if True:\n    return wlm, None\n",
+        ("tests/test_losses.py", "-k", "hub_gpt2"),
+        "a vocabulary that does not tile left unpadded: on an H100 the head's GEMMs fall "
+        "back to XLA"),
 ]
 
 

@@ -359,3 +359,39 @@ def test_post_block_scalar_loss(reduction, wlm_layout, key, kernel_impl):
   want = np.asarray(per_token, np.float64)[counted]
   want = want.mean() if reduction == "mean" else want.sum()
   np.testing.assert_allclose(float(loss), 0.75 * want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("reduction, wlm_layout", [("mean", "vd"), ("none", "dv")])
+def test_post_block_vocabulary_that_does_not_tile(reduction, wlm_layout, key, kernel_impl):
+  """The post-block with a vocabulary of 201 (not a multiple of 64, as GPT-2's 50257):
+  the head is padded to 256 masked columns inside (``fused_ops.pad_vocab``), on the
+  scalar-loss path (gradient formed in the forward) and the per-row one (logits
+  recomputed in the backward). Every gradient under the tolerance rule, dwlm with the
+  head's own shape."""
+  v = 201
+  args = _args(key, jnp.bfloat16)
+  x0, y0, p = args[0], args[1], dict(args[5])
+  p["wlm"] = p["wlm"][:, :v]
+  tgt = jax.random.randint(jax.random.fold_in(key, 1), (M,), 0, v).at[::5].set(-100)
+  tgt = tgt.at[3].set(v - 1)
+  cfg = dataclasses.replace(CFG, impl=kernel_impl, reduction=reduction,
+                            wlm_layout=wlm_layout)
+  vd = wlm_layout == "vd"
+  ct = (normal(jax.random.fold_in(key, 2), (M,)) if reduction == "none"
+        else jnp.float32(0.75))
+
+  def fused(x0, y0, p):
+    p = {**p, "wlm": p["wlm"].T} if vd else p
+    return jnp.sum(ct * B.post_block(x0, y0, tgt, p, cfg))
+
+  def ref(x0, y0, p):
+    return jnp.sum(ct * R.post_block(x0, y0, tgt, p, reduction=reduction))
+
+  with jax.default_matmul_precision("highest"):
+    truth = jax.grad(ref, (0, 1, 2))(*f32_tree((x0, y0, p)))
+  base = jax.grad(ref, (0, 1, 2))(x0, y0, p)
+  got = jax.jit(jax.grad(fused, (0, 1, 2)))(x0, y0, p)
+  assert got[2]["wlm"].shape == (p["wlm"].shape[0], v)
+  names = ["d" + jax.tree_util.keystr(q) for q, _ in
+           jax.tree_util.tree_flatten_with_path(truth)[0]]
+  _check_leaves(got, truth, base, names)

@@ -142,6 +142,59 @@ def test_tied_head_read_transposed(key, kernel_impl, reduction, chunk_rows):
   _check(x, -100, reduction, kernel_impl, ct, chunk_rows, wlm_layout="vd")
 
 
+V_ODD = 201  # not a multiple of 64, as GPT-2's 50257: padded to 256 columns
+
+
+@pytest.mark.parametrize("wlm_layout, reduction, chunk_rows",
+                         [("dv", "mean", None), ("vd", "none", 64), ("vd", "sum", 64)])
+def test_vocabulary_that_does_not_tile(key, kernel_impl, wlm_layout, reduction, chunk_rows):
+  """V = 201 runs on the kernels (``fused_ops.pad_vocab``): the head is padded to 256
+  columns and an ``AddBias`` mask gives the pad columns the logit ``PAD_LOGIT``, whose
+  probability and gradient are exactly 0. Loss and gradients (dW has V columns) held to
+  the same truth and tolerance as a vocabulary that tiles, on the scalar path (gradient
+  formed in the forward) and the per-row one (logits recomputed), both layouts. The
+  kernel does refuse the unpadded head, so it is the padding that lets it run."""
+  x = _inputs(key, 128, D, V_ODD, -100)
+  with pytest.raises(ValueError, match="does not tile"):
+    S.lm_head_stats(x["h"], x["r"], x["wlm"], x["tgt"], kernel_impl)
+  ct = normal(jax.random.fold_in(key, 1), (128,)) if reduction == "none" else 0.75
+  _, grads = _check(x, -100, reduction, kernel_impl, ct, chunk_rows, wlm_layout=wlm_layout)
+  assert grads[2].shape == (D, V_ODD)
+
+
+@pytest.mark.parametrize("reduction, gemms", [("mean", 3), ("none", 4)])
+def test_hub_gpt2_vocabulary_lowers_to_kernels_for_an_h100(reduction, gemms):
+  """GPT-2's vocabulary of 50257 (tied, (V, D)) exported for CUDA as an H100 runs it
+  (``bench.lowering_time``: Mosaic GPU lowers without a GPU): the loss's gradient
+  traces its 3 (scalar loss) or 4 (per-row) vocabulary-sized GEMMs as kernels, where
+  without the padding the dispatch would fall back to XLA and trace none."""
+  from bench.lowering_time import export_time
+  m, d, v = 1024, 768, 50257
+  shapes = (jax.ShapeDtypeStruct((m, d), jnp.bfloat16), jax.ShapeDtypeStruct((m,), jnp.float32),
+            jax.ShapeDtypeStruct((v, d), jnp.bfloat16), jax.ShapeDtypeStruct((m,), jnp.int32))
+  loss = lambda h, r, w, t: jnp.sum(F.rmsnorm_lm_head_loss(h, r, w, t, reduction=reduction,
+                                                           wlm_layout="vd"))
+  assert export_time(jax.grad(loss, (0, 1, 2)), *shapes)["gemms_traced"] == gemms
+
+
+def test_targets_in_the_vocabulary_padding_are_nan(key, kernel_impl):
+  """Targets V and V + 5 fall on pad columns of the padded head: still outside the
+  vocabulary, so their rows' loss is NaN and they pass no gradient (as any target
+  outside [0, V)); the other rows are untouched."""
+  x = _inputs(key, 128, D, V_ODD, -100)
+  bad = np.array([2, 9])
+  tgt = x["tgt"].at[bad].set(jnp.array([V_ODD, V_ODD + 5]))
+  loss = lambda h: F.rmsnorm_lm_head_loss(h, x["r"], x["wlm"], tgt, reduction="none",
+                                          impl=kernel_impl)
+  got, vjp = jax.vjp(loss, x["h"])
+  got = np.asarray(got)
+  assert np.all(np.isnan(got[bad]))
+  assert np.all(np.isfinite(np.delete(got, bad)))
+  (dh,) = vjp(jnp.ones_like(got))
+  assert np.all(np.asarray(dh, np.float32)[bad] == 0)
+  assert np.all(np.isfinite(np.asarray(dh, np.float32)))
+
+
 def test_bad_head_layout(key):
   x = _inputs(key, 64, D, V, -100)
   with pytest.raises(ValueError, match="wlm_layout='dvv'"):
