@@ -62,13 +62,17 @@ def _logits_head(r, targets, vmask):
   return [P.ScaleRow("r"), P.AddBias("vmask")], dict(operands, vmask=vmask)
 
 
-def lm_head_stats(h, r, wlm, targets, impl, w_nk=False, vmask=None):
+def lm_head_stats(h, r, wlm, targets, impl, w_nk=False, vmask=None, rest=False):
   """Per row: log-sum-exp of logits = r * (h @ wlm) and the target's logit (0 when the
-  target is outside [0, V)). Only (V / epi_tile_n, M) partials ever exist."""
+  target is outside [0, V)); with ``rest``, also the log-sum-exp without the target's
+  column (for a backward: ``SoftmaxXentGrad``). Only (V / epi_tile_n, M) partials ever
+  exist."""
   head, operands = _logits_head(r, targets, vmask)
-  out = gemm_epilogue(h, wlm, head + [P.RowLogSumExp("lse"), P.PickColumn("t", "tgt")],
+  lse = (P.RowLogSumExp("lse", exclude="t", rest="lse_rest") if rest
+         else P.RowLogSumExp("lse"))
+  out = gemm_epilogue(h, wlm, head + [lse, P.PickColumn("t", "tgt")],
                       operands, trans_b=w_nk, impl=impl)
-  return out["lse"], out["tgt"]
+  return (out["lse"], out["tgt"]) + ((out["lse_rest"],) if rest else ())
 
 
 def lm_head_logits(h, r, wlm, targets, impl, w_nk=False, vmask=None):
@@ -79,21 +83,23 @@ def lm_head_logits(h, r, wlm, targets, impl, w_nk=False, vmask=None):
   row's gradient NaN, never a finite wrong value."""
   zdt = jnp.float32 if h.dtype == jnp.float32 else jnp.float16
   head, operands = _logits_head(r, targets, vmask)
-  out = gemm_epilogue(h, wlm, head + [P.RowLogSumExp("lse"), P.PickColumn("t", "tgt"),
-                                      P.Store("z", zdt)],
+  out = gemm_epilogue(h, wlm, head + [P.RowLogSumExp("lse", exclude="t", rest="lse_rest"),
+                                      P.PickColumn("t", "tgt"), P.Store("z", zdt)],
                       operands, trans_b=w_nk, impl=impl)
-  return out["lse"], out["tgt"], out["z"]
+  return out["lse"], out["tgt"], out["lse_rest"], out["z"]
 
 
-def xent_grad_from_logits(z, lse, targets, weight, dt):
+def xent_grad_from_logits(z, lse, tgt, lse_rest, targets, weight, dt):
   """(XLA, elementwise) the CE backward of ``xent_logits_grad`` from stored logits ``z``
-  (rows, V): the same ``SoftmaxXentGrad`` step, run over the whole chunk. Returns
-  (dlogits in ``dt``, zdz)."""
-  program = (SoftmaxXentGrad("lse", "t", "w", "zdz"), P.Store("dlogits", dt))
+  (rows, V): the same ``SoftmaxXentGrad`` step, run over the whole chunk, the target
+  column's from the forward's fp32 ``tgt`` and ``lse_rest`` (``lm_head_logits``).
+  Returns (dlogits in ``dt``, zdz)."""
+  program = (SoftmaxXentGrad("lse", "t", "w", "zdz", rest_lse="rest", target_logit="tgt"),
+             P.Store("dlogits", dt))
   outputs = tuple(o for step in program for o in step.outputs(1))
   out = dispatch.apply_program(z.astype(jnp.float32), program,
-                               {"lse": lse, "t": targets.astype(jnp.int32), "w": weight},
-                               outputs)
+                               {"lse": lse, "rest": lse_rest, "tgt": tgt,
+                                "t": targets.astype(jnp.int32), "w": weight}, outputs)
   return out["dlogits"], out["zdz"]
 
 
@@ -132,14 +138,34 @@ def gated_input_grad(dx, w2, z, block, activation, impl):
   return out["dz"], out["y"], out["zdz"]
 
 
-def xent_logits_grad(h, r, wlm, lse, targets, weight, impl, w_nk=False, vmask=None):
+def xent_logits_grad(h, r, wlm, lse, tgt, lse_rest, targets, weight, impl, w_nk=False,
+                     vmask=None):
   """CE backward: dlogits = (softmax - onehot) * weight[m] from recomputed logits, and
-  <dlogits, logits> per row (zdz of the final norm)."""
+  <dlogits, logits> per row (zdz of the final norm). ``lse``, ``tgt`` and ``lse_rest``
+  are the forward's (``lm_head_stats``): the target column's dlogit -(1 - p_t) is then
+  set from them (``target_column_from_stats``), exact for a confident row. (Inside the
+  kernel, as ``SoftmaxXentGrad(rest_lse=...)``, Mosaic GPU's layout inference did not
+  finish lowering it for sm90.)"""
   head, operands = _logits_head(r, targets, vmask)
   out = gemm_epilogue(h, wlm, head + [SoftmaxXentGrad("lse", "t", "w", "zdz"),
                                       P.Store("dlogits", h.dtype)],
                       dict(operands, lse=lse, w=weight), trans_b=w_nk, impl=impl)
-  return out["dlogits"], out["zdz"]
+  return target_column_from_stats(out["dlogits"], out["zdz"], lse, tgt, lse_rest, targets,
+                                  weight)
+
+
+def target_column_from_stats(dlogits, zdz, lse, tgt, lse_rest, targets, weight):
+  """(XLA, per row) dlogits' target column replaced by -exp(lse_rest - lse) * weight
+  (-(1 - p_t), exact), and zdz's target term moved to match, with the fp32 target logit.
+  Rows whose target is not a column (ignored, out of range) are left as they are."""
+  v = dlogits.shape[1]
+  inside = (targets >= 0) & (targets < v)
+  col = jnp.clip(targets, 0, v - 1)[:, None]
+  old = jnp.take_along_axis(dlogits, col, axis=1)[:, 0].astype(jnp.float32)
+  new = -jnp.exp(lse_rest - lse) * weight
+  dlogits = jnp.where(inside[:, None] & (jnp.arange(v)[None, :] == col),
+                      new[:, None].astype(dlogits.dtype), dlogits)
+  return dlogits, zdz + jnp.where(inside, (new - old) * tgt, 0.0)
 
 
 def input_grad(dout, w, impl, r=None, w_nk=False, dtype=None):

@@ -330,9 +330,10 @@ def _post_fwd(x0, y0, targets, params, cfg):
   (x2, h2, r2), mlp_saved = _mlp_fwd(x0, y0, p, p["g_final"], cfg, keep_z=True)
   wlm, vmask = F.pad_vocab(p["wlm"], w_nk)  # a vocabulary that does not tile, padded
   if cfg.reduction == "none":  # one cotangent per row: the backward recomputes the logits
-    lse, tgt = F.lm_head_lse(h2, r2, wlm, vmask, targets, cfg.lm_chunk_rows, cfg.impl, w_nk)
+    lse, tgt, rest = F.lm_head_lse(h2, r2, wlm, vmask, targets, cfg.lm_chunk_rows, cfg.impl,
+                                   w_nk, rest=True)
     loss = F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction, vocab)
-    return loss, (params, targets, x2, h2, r2, lse, mlp_saved)
+    return loss, (params, targets, x2, h2, r2, (lse, tgt, rest), mlp_saved)
   # A scalar loss is linear in its cotangent: form the head's gradients for a unit one
   # now, while each chunk's logits are at hand (3 GEMMs per chunk), and scale them in
   # the backward (fused_ops.rmsnorm_lm_head_loss).
@@ -360,9 +361,9 @@ def _post_bwd(cfg, saved, dloss):
     dxa, dgf, dwlm = F.scale_grads(unit, dloss * norm)
     dxa = dxa.astype(mlp_saved[0].dtype)  # rounded once, after the scale
   else:
-    params, targets, x2, h2, r2, lse, mlp_saved = saved
+    params, targets, x2, h2, r2, stats, mlp_saved = saved
     p = _cast(params, x2.dtype)
-    dxa, dgf, dwlm = _post_head_bwd(p, params, targets, x2, h2, r2, lse, dloss, cfg)
+    dxa, dgf, dwlm = _post_head_bwd(p, params, targets, x2, h2, r2, stats, dloss, cfg)
   dx0, dy0, grads = _mlp_bwd(dxa, mlp_saved, p, params, cfg)
   grads.update(g_final=dgf, wlm=dwlm)
   return dx0, dy0, None, _grads_like(grads, params)
@@ -376,8 +377,9 @@ def _vocab(params, cfg):
   return F.head_vocab(params["wlm"], _w_nk(cfg))
 
 
-def _post_head_bwd(p, params, targets, x2, h2, r2, lse, dloss, cfg):
-  """The LM head's backward for per-row cotangents: logits recomputed, chunk by chunk."""
+def _post_head_bwd(p, params, targets, x2, h2, r2, stats, dloss, cfg):
+  """The LM head's backward for per-row cotangents: logits recomputed, chunk by chunk.
+  ``stats``: the forward's (lse, target logit, lse without the target)."""
   d, rows = x2.shape[1], cfg.lm_chunk_rows
   vocab, w_nk = _vocab(params, cfg), _w_nk(cfg)
   weight = F.loss_row_weights(dloss, targets, cfg.ignore_index, vocab)
@@ -385,8 +387,8 @@ def _post_head_bwd(p, params, targets, x2, h2, r2, lse, dloss, cfg):
 
   def chunk(carry, args):
     dwlm, dg = carry
-    x2c, h2c, r2c, lc, tc, wc = args
-    dlogits, zdz = S.xent_logits_grad(h2c, r2c, wlm, lc, tc, wc, cfg.impl, w_nk, vmask)
+    x2c, h2c, r2c, lc, gc, sc, tc, wc = args
+    dlogits, zdz = S.xent_logits_grad(h2c, r2c, wlm, lc, gc, sc, tc, wc, cfg.impl, w_nk, vmask)
     dxa, n2, dgc = S.norm_input_grad(dlogits, wlm, x2c, r2c, zdz / d, p["g_final"], None,
                                      cfg.impl, w_nk)
     return (S.head_weight_grad(n2, dlogits, cfg.impl, w_nk, accumulate=dwlm), dg + dgc), dxa
@@ -394,7 +396,8 @@ def _post_head_bwd(p, params, targets, x2, h2, r2, lse, dloss, cfg):
   init = (vary_like(jnp.zeros(wlm.shape, jnp.float32), x2),  # varies with the rows
           vary_like(jnp.zeros((d,), jnp.float32), x2))
   (dwlm, dgf), dxa = jax.lax.scan(chunk, init,
-                                  tuple(F.chunked(rows, x2, h2, r2, lse, targets, weight)))
+                                  tuple(F.chunked(rows, x2, h2, r2, *stats, targets,
+                                                  weight)))
   return F.unchunked(dxa), dgf, F.unpad_vocab(dwlm, vocab, w_nk)
 
 

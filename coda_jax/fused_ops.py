@@ -385,13 +385,13 @@ def _lm_head_loss(h, r, wlm, targets, opts, impl):
   return loss_from_stats(lse, tgt, targets, ignore_index, reduction, head_vocab(wlm, w_nk))
 
 
-def lm_head_lse(h, r, wlm, vmask, targets, rows, impl, w_nk=False):
+def lm_head_lse(h, r, wlm, vmask, targets, rows, impl, w_nk=False, rest=False):
   """(lse, target logit) per row, ``rows`` rows per kernel call; ``wlm`` and ``vmask``
-  as ``pad_vocab`` returns them."""
+  as ``pad_vocab`` returns them. With ``rest``, also the log-sum-exp without the
+  target's column, which a recomputing backward needs (``S.xent_logits_grad``)."""
   w = wlm.astype(h.dtype)
-  step = lambda args: S.lm_head_stats(*args[:2], w, args[2], impl, w_nk, vmask)
-  lse, tgt = jax.lax.map(step, tuple(chunked(rows, h, r, targets)))
-  return unchunked(lse), unchunked(tgt)
+  step = lambda args: S.lm_head_stats(*args[:2], w, args[2], impl, w_nk, vmask, rest)
+  return tuple(map(unchunked, jax.lax.map(step, tuple(chunked(rows, h, r, targets)))))
 
 
 def out_of_range(targets, vocab, ignore_index):
@@ -443,8 +443,8 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
   def step(carry, args):
     dw, sums = carry
     hc, rc, tc, wc, *rest = args
-    lse, tgt, z = S.lm_head_logits(hc, rc, w, tc, impl, w_nk, vmask)
-    dlogits, zdz = S.xent_grad_from_logits(z, lse, tc, wc, h.dtype)
+    lse, tgt, lse_rest, z = S.lm_head_logits(hc, rc, w, tc, impl, w_nk, vmask)
+    dlogits, zdz = S.xent_grad_from_logits(z, lse, tgt, lse_rest, tc, wc, h.dtype)
     n, ys, col_sums = chunk_grad(dlogits, zdz, hc, rc, *rest)
     sums = jax.tree.map(jnp.add, sums, col_sums)
     return (S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw), sums), (lse, tgt, ys)
@@ -479,9 +479,9 @@ def _lm_fwd(h, r, wlm, targets, opts, impl):
   vocab = head_vocab(wlm, w_nk)
   wp, vmask = pad_vocab(wlm, w_nk)
   if reduction == "none":
-    lse, tgt = lm_head_lse(h, r, wp, vmask, targets, rows, impl, w_nk)
+    lse, tgt, rest = lm_head_lse(h, r, wp, vmask, targets, rows, impl, w_nk, rest=True)
     return (loss_from_stats(lse, tgt, targets, ignore_index, reduction, vocab),
-            (h, r, wlm, targets, lse))
+            (h, r, wlm, targets, lse, tgt, rest))
   weight, norm = unit_row_weights(targets, ignore_index, reduction, vocab)
   w = wp.astype(h.dtype)
 
@@ -508,21 +508,22 @@ def _lm_bwd(opts, impl, saved, dloss):
     dh, dr, dw, norm, hdt, wdt = saved
     dh, dr, dw = scale_grads((dh, dr, dw), dloss * norm)
     return dh.astype(hdt.dtype), dr, reduce_like(dw, wdt).astype(wdt.dtype), None
-  h, r, wlm, targets, lse = saved
+  h, r, wlm, targets, lse, tgt, rest = saved
   vocab = head_vocab(wlm, w_nk)
   weight = loss_row_weights(dloss, targets, ignore_index, vocab)
   wp, vmask = pad_vocab(wlm, w_nk)
   w = wp.astype(h.dtype)
 
   def step(dw, args):
-    hc, rc, lc, tc, wc = args
-    dlogits, zdz = S.xent_logits_grad(hc, rc, w, lc, tc, wc, impl, w_nk, vmask)
+    hc, rc, lc, gc, sc, tc, wc = args
+    dlogits, zdz = S.xent_logits_grad(hc, rc, w, lc, gc, sc, tc, wc, impl, w_nk, vmask)
     dh = S.input_grad(dlogits, w, impl, r=rc, w_nk=w_nk)
     n = (hc.astype(jnp.float32) * rc[:, None]).astype(hc.dtype)
     return S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw), (dh, zdz / rc)
 
   dw0 = vary_like(jnp.zeros(wp.shape, jnp.float32), h)  # varies with the rows' shards
-  dw, (dh, dr) = jax.lax.scan(step, dw0, tuple(chunked(rows, h, r, lse, targets, weight)))
+  dw, (dh, dr) = jax.lax.scan(step, dw0,
+                              tuple(chunked(rows, h, r, lse, tgt, rest, targets, weight)))
   dw = unpad_vocab(dw, vocab, w_nk)
   return unchunked(dh), unchunked(dr), reduce_like(dw, wlm).astype(wlm.dtype), None
 

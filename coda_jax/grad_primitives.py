@@ -121,24 +121,57 @@ class SoftmaxXentGrad(Primitive):
 
   ``lse`` (M,) fp32 log-sum-exp of the row, ``targets`` (M,) int32 (outside [0, N) never
   matches, e.g. an ignored target with weight 0), ``weight`` (M,) fp32 the per-row loss
-  cotangent. Stores row partials of <dlogits, logits> as ``zdz``."""
+  cotangent. Stores row partials of <dlogits, logits> as ``zdz``.
+
+  ``rest_lse`` and ``target_logit`` (optional, together; (M,) fp32, from the forward's
+  fp32 accumulator: ``RowLogSumExp(exclude=, rest=)`` and ``PickColumn``): the target
+  column's dlogit is then -exp(rest_lse - lse) * weight and its logit in zdz is
+  target_logit. A confident row needs them: its dlogit -(1 - p_t) is tiny beside p_t,
+  and exp(z_t - lse) - 1 is wrong in its leading digit once 1 - p_t is below the
+  rounding of z_t (stored in fp16: |z_t| 2^-12) or of lse (|lse| 2^-24), as is z_t's
+  share of zdz. The option runs in XLA (``block_gemms.xent_grad_from_logits``): inside a
+  kernel, Mosaic GPU's layout inference did not finish lowering it for sm90 (jax 0.11.2),
+  so the recomputing backward patches the target column afterwards instead
+  (``block_gemms.target_column_from_stats``)."""
   _keeps_zero_rows = True
   lse: str
   targets: str
   weight: str
   zdz: str
+  rest_lse: str | None = None
+  target_logit: str | None = None
+
+  def __post_init__(self):
+    if (self.rest_lse is None) != (self.target_logit is None):
+      raise ValueError(f"SoftmaxXentGrad: rest_lse={self.rest_lse!r} and target_logit="
+                       f"{self.target_logit!r} go together")
 
   def inputs(self):
-    return {self.lse: InputKind.ROW, self.targets: InputKind.ROW, self.weight: InputKind.ROW}
+    kinds = {self.lse: InputKind.ROW, self.targets: InputKind.ROW, self.weight: InputKind.ROW}
+    if self.rest_lse is not None:
+      kinds.update({self.rest_lse: InputKind.ROW, self.target_logit: InputKind.ROW})
+    return kinds
 
   def outputs(self, width):
     return (EpilogueOutput(self.zdz, OutputKind.ROW_PARTIAL, jnp.float32),)
 
   def apply(self, x, env):
-    p = jnp.exp(x - env.load(self.lse)[:, None])
+    lse = env.load(self.lse)[:, None]
+    p = jnp.exp(x - lse)
     hit = env.column_ids() == env.load(self.targets)[:, None]
-    d = (p - jnp.where(hit, 1.0, 0.0)) * env.load(self.weight)[:, None]
-    env.store(self.zdz, jnp.sum(d * x, axis=1))
+    w = env.load(self.weight)[:, None]
+    if self.rest_lse is None:
+      d = (p - jnp.where(hit, 1.0, 0.0)) * w
+      env.store(self.zdz, jnp.sum(d * x, axis=1))
+      return d
+    # Arithmetic with a 0/1 mask instead of a select between the tile and a row
+    # vector (Mosaic GPU's layout inference searches exponentially on the latter);
+    # products with 0 and 1 are exact, so the target column is -(1 - p_t) to the bit.
+    one = jnp.where(hit, 1.0, 0.0)
+    rest = jnp.exp(env.load(self.rest_lse)[:, None] - lse)  # 1 - p_t
+    d = (p * (1.0 - one) - one * rest) * w
+    zt = env.load(self.target_logit)[:, None]
+    env.store(self.zdz, jnp.sum(d * (x * (1.0 - one) + one * zt), axis=1))
     return d
 
   def column_index_operands(self):

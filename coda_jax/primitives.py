@@ -266,25 +266,57 @@ class RowSum(Primitive):
 
 @dataclasses.dataclass(frozen=True)
 class RowLogSumExp(Primitive):
-  """Per-row partial (max, sum exp(x - max)) -> outputs ``name``_max, ``name``_sumexp."""
+  """Per-row partial (max, sum exp(x - max)) -> outputs ``name``_max, ``name``_sumexp,
+  finished into the row's log-sum-exp ``name``.
+
+  With ``exclude`` (an (M,) int32 column-index operand) and ``rest`` (an output name),
+  also the log-sum-exp of the row without that column, from a second partial sum that
+  shares the max. The cross-entropy backward needs it: a confident row's target dlogit
+  -(1 - p_t) = -exp(rest - lse) keeps its digits, where exp(z_t - lse) - 1 loses them
+  to the rounding of lse once 1 - p_t is below lse's last bit (|lse| 2^-24)."""
   _keeps_zero_rows = True
   name: str
+  exclude: str | None = None
+  rest: str | None = None
+
+  def __post_init__(self):
+    if (self.exclude is None) != (self.rest is None):
+      raise ValueError(f"RowLogSumExp: exclude={self.exclude!r} and rest={self.rest!r} go "
+                       "together (the column-index operand and the output's name)")
+
+  def inputs(self):
+    return {} if self.exclude is None else {self.exclude: InputKind.ROW}
 
   def outputs(self, width):
-    return (EpilogueOutput(self.name + "_max", OutputKind.ROW_PARTIAL, jnp.float32),
+    outs = (EpilogueOutput(self.name + "_max", OutputKind.ROW_PARTIAL, jnp.float32),
             EpilogueOutput(self.name + "_sumexp", OutputKind.ROW_PARTIAL, jnp.float32))
+    if self.rest is None:
+      return outs
+    return outs + (EpilogueOutput(self.rest + "_sumexp", OutputKind.ROW_PARTIAL,
+                                  jnp.float32),)
 
   def apply(self, x, env):
     mx = jnp.max(x, axis=1)
+    e = jnp.exp(x - mx[:, None])
     env.store(self.name + "_max", mx)
-    env.store(self.name + "_sumexp", jnp.sum(jnp.exp(x - mx[:, None]), axis=1))
+    env.store(self.name + "_sumexp", jnp.sum(e, axis=1))
+    if self.rest is not None:
+      hit = env.column_ids() == env.load(self.exclude)[:, None]
+      env.store(self.rest + "_sumexp", jnp.sum(jnp.where(hit, 0.0, e), axis=1))
     return x
 
+  def column_index_operands(self):
+    return () if self.exclude is None else (self.exclude,)
+
   def finish(self, raw):
-    return {self.name: finish_lse(raw[self.name + "_max"], raw[self.name + "_sumexp"])}
+    mx = raw[self.name + "_max"]
+    out = {self.name: finish_lse(mx, raw[self.name + "_sumexp"])}
+    if self.rest is not None:
+      out[self.rest] = finish_lse(mx, raw[self.rest + "_sumexp"])
+    return out
 
   def combine_over_shards(self):
-    return {self.name: "logsumexp"}
+    return {self.name: "logsumexp", **({} if self.rest is None else {self.rest: "logsumexp"})}
 
 
 @dataclasses.dataclass(frozen=True)

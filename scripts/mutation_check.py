@@ -607,6 +607,22 @@ MUTATIONS = [
         ("tests/test_losses.py", "-k", "hub_gpt2"),
         "a vocabulary that does not tile left unpadded: on an H100 the head's GEMMs fall "
         "back to XLA"),
+    Mutation(
+        "xent_target_from_stored_logit", "coda_jax/block_gemms.py",
+        '  program = (SoftmaxXentGrad("lse", "t", "w", "zdz", rest_lse="rest", '
+        'target_logit="tgt"),\n',
+        '  program = (SoftmaxXentGrad("lse", "t", "w", "zdz"),\n',
+        ("tests/test_losses.py", "-k", "confident"),
+        "the forward-formed head gradient takes the target's dlogit from the stored fp16 "
+        "logit: exp(z_t - lse) - 1 is wrong in its leading digit on confident rows"),
+    Mutation(
+        "xent_recompute_target_unpatched", "coda_jax/block_gemms.py",
+        "  return target_column_from_stats(out[\"dlogits\"], out[\"zdz\"], lse, tgt, lse_rest, "
+        "targets,\n                                  weight)\n",
+        "  return out[\"dlogits\"], out[\"zdz\"]\n",
+        ("tests/test_losses.py", "-k", "confident"),
+        "the recomputing backward keeps the recomputed target dlogit (its last bits differ "
+        "from the forward's lse)"),
 ]
 
 

@@ -13,7 +13,7 @@ import pallas_kernels as pk
 import coda_jax as cj
 from coda_jax import dispatch, ops
 from coda_jax.grad_primitives import GatedGrad, RmsNormGrad, SoftmaxXentGrad
-from coda_jax.primitives import Gated, PickColumn
+from coda_jax.primitives import Gated, PickColumn, RowLogSumExp
 from helpers import (assert_within_baseline, gated_pairs, gemm_inputs, normal, rel_err,
                      spread_rows)
 
@@ -69,6 +69,23 @@ def test_softmax_xent_grad_is_the_derivative(key):
   d = SoftmaxXentGrad("lse", "t", "w", "zdz").apply(x, env)
   assert rel_err(d, want) < FORMULA_RTOL
   assert rel_err(env.stored["zdz"], jnp.sum(d * x, axis=1)) < FORMULA_RTOL
+  # The LSE without the target's column, and the target's dlogit from it: the same
+  # derivative, and exact where 1 - p_t is below lse's rounding (a confident row).
+  rows = RowLogSumExp("lse", exclude="t", rest="rest")
+  rows.apply(x, env := _env({"t": t}, x.shape))
+  rest = rows.finish({k: v[None] for k, v in env.stored.items()})["rest"]
+  others = jnp.where(jnp.arange(N)[None, :] == t[:, None], -jnp.inf, x)
+  assert rel_err(rest, jax.nn.logsumexp(others, axis=1)) < FORMULA_RTOL
+  tgt = jnp.where(t >= 0, jnp.take_along_axis(x, jnp.maximum(t, 0)[:, None], 1)[:, 0], 0)
+  env = _env({"lse": lse, "t": t, "w": w, "rest": rest, "tgt": tgt}, x.shape)
+  d_rest = SoftmaxXentGrad("lse", "t", "w", "zdz", rest_lse="rest", target_logit="tgt").apply(
+      x, env)
+  assert rel_err(d_rest, want) < FORMULA_RTOL
+  assert rel_err(env.stored["zdz"], jnp.sum(want * x, axis=1)) < FORMULA_RTOL
+  with pytest.raises(ValueError, match="go together"):
+    RowLogSumExp("lse", exclude="t")
+  with pytest.raises(ValueError, match="go together"):
+    SoftmaxXentGrad("lse", "t", "w", "zdz", rest_lse="rest")
   picked = PickColumn("t", "p")
   picked.apply(x, env := _env({"t": t}, x.shape))
   np.testing.assert_array_equal(
@@ -92,6 +109,9 @@ PROGRAMS = {
                      cj.Store("dx")],
     "xent_grad": [cj.ScaleRow("r"), cj.RowLogSumExp("lse"), PickColumn("t", "tgt"),
                   SoftmaxXentGrad("lse_in", "t", "w", "zdz"), cj.Store("d")],
+    # the LSE without the target column (what the LM head's forward now computes)
+    "xent_lse_rest": [cj.ScaleRow("r"), cj.RowLogSumExp("lse", exclude="t", rest="lse_rest"),
+                      PickColumn("t", "tgt"), cj.Store("d")],
 }
 
 
