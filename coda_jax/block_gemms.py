@@ -158,14 +158,14 @@ def target_column_from_stats(dlogits, zdz, lse, tgt, lse_rest, targets, weight):
   """(XLA, per row) dlogits' target column replaced by -exp(lse_rest - lse) * weight
   (-(1 - p_t), exact), and zdz's target term moved to match, with the fp32 target logit.
   Rows whose target is not a column (ignored, out of range) are left as they are."""
-  v = dlogits.shape[1]
+  m, v = dlogits.shape
   inside = (targets >= 0) & (targets < v)
-  col = jnp.clip(targets, 0, v - 1)[:, None]
-  old = jnp.take_along_axis(dlogits, col, axis=1)[:, 0].astype(jnp.float32)
+  col = jnp.where(inside, targets, v)  # out of bounds: dropped by the scatter
+  old = jnp.take_along_axis(dlogits, jnp.minimum(col, v - 1)[:, None], axis=1)[:, 0]
   new = -jnp.exp(lse_rest - lse) * weight
-  dlogits = jnp.where(inside[:, None] & (jnp.arange(v)[None, :] == col),
-                      new[:, None].astype(dlogits.dtype), dlogits)
-  return dlogits, zdz + jnp.where(inside, (new - old) * tgt, 0.0)
+  # one element per row, written in place (no pass over the (rows, V) array)
+  dlogits = dlogits.at[jnp.arange(m), col].set(new.astype(dlogits.dtype), mode="drop")
+  return dlogits, zdz + jnp.where(inside, (new - old.astype(jnp.float32)) * tgt, 0.0)
 
 
 def input_grad(dout, w, impl, r=None, w_nk=False, dtype=None):
