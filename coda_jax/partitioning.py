@@ -162,9 +162,11 @@ def local_call(sc: ShardedCall, layout: Layout, n_local: int, a, b, *values):
   operands = dict(zip(sc.operand_names, values))
   if layout.n:
     offset = jax.lax.axis_index(layout.n) * n_local
-    for prim in call.program:
-      for nm in prim.column_index_operands():
-        operands[nm] = operands[nm] - offset.astype(operands[nm].dtype)
+    # once per operand, however many steps compare it with the column ids
+    # (RowLogSumExp(exclude="t") and PickColumn("t") share the targets)
+    for nm in dict.fromkeys(nm for prim in call.program
+                            for nm in prim.column_index_operands()):
+      operands[nm] = operands[nm] - offset.astype(operands[nm].dtype)
   if layout.k:
     acc_call = dispatch.Call(program=(P.Store("acc", jnp.float32),), inputs=(),
                              outputs=(pk.EpilogueOutput("acc", dtype=jnp.float32),),
