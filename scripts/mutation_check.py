@@ -87,8 +87,8 @@ MUTATIONS = [
         "form, changes nothing since row_chunks falls back to multiples of 64)"),
     Mutation(
         "lm_bwd_drops_last_chunk", "coda_jax/fused_ops.py",
-        "tuple(chunked(rows, h, r, lse, targets, weight))",
-        "tuple(chunked(rows, h, r, lse, targets, weight.at[-rows:].set(0)))",
+        "tuple(chunked(rows, h, r, lse, tgt, rest, targets, weight))",
+        "tuple(chunked(rows, h, r, lse, tgt, rest, targets, weight.at[-rows:].set(0)))",
         ("tests/test_losses.py",),
         "the LM-head backward loses the last row chunk's gradient"),
     Mutation(
@@ -288,10 +288,18 @@ MUTATIONS = [
         "log-sum-exps of vocabulary shards added instead of combined"),
     Mutation(
         "shard_targets_not_shifted", "coda_jax/partitioning.py",
-        "        operands[nm] = operands[nm] - offset.astype(operands[nm].dtype)",
-        "        operands[nm] = operands[nm]",
+        "      operands[nm] = operands[nm] - offset.astype(operands[nm].dtype)",
+        "      operands[nm] = operands[nm]",
         ("tests/test_sharding.py",),
         "on a column shard the targets index local columns as if they were global"),
+    Mutation(
+        "shard_targets_shifted_per_step", "coda_jax/partitioning.py",
+        "    for nm in dict.fromkeys(nm for prim in call.program\n"
+        "                            for nm in prim.column_index_operands()):\n",
+        "    for nm in [nm for prim in call.program for nm in prim.column_index_operands()]:\n",
+        ("tests/test_sharding.py",),
+        "the targets, shared by RowLogSumExp(exclude=) and PickColumn, shifted to the "
+        "shard's columns once per step that reads them (landed in b3680bb, caught by CI)"),
     Mutation(
         "shard_partials_over_wrong_axes", "coda_jax/partitioning.py",
         '      axes = layout.m if kinds[name][0] == "col" else layout.n',
@@ -349,8 +357,8 @@ MUTATIONS = [
         "the forward-formed gradient of a mean loss misses the 1 / count"),
     Mutation(
         "post_block_zdz_dropped", "coda_jax/blocks.py",
-        "    dxa, n2, dg = S.norm_input_grad(dlogits, p[\"wlm\"], x2c, r2c, zdz / d, p[\"g_final\"], None,",
-        "    dxa, n2, dg = S.norm_input_grad(dlogits, p[\"wlm\"], x2c, r2c, 0 * zdz, p[\"g_final\"], None,",
+        "    dxa, n2, dg = S.norm_input_grad(dlogits, wlm, x2c, r2c, zdz / d, p[\"g_final\"], None,",
+        "    dxa, n2, dg = S.norm_input_grad(dlogits, wlm, x2c, r2c, 0 * zdz, p[\"g_final\"], None,",
         ("tests/test_blocks.py", "-k", "scalar_loss"),
         "the final norm's backward loses its <dlogits, logits> term on the 3-GEMM path"),
     Mutation(
