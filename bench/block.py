@@ -191,14 +191,14 @@ def peak_bytes(fn, *args):
           - m.alias_size_in_bytes)
 
 
-def block_configs(s: Shape, impl="auto", lm_chunk_rows=None):
+def block_configs(s: Shape, impl="auto", lm_chunk_rows=None, head_grad="logits"):
   """(shifted block, post-block) configs of our fused path at shape ``s``, as timed here
   and as bench/tune_gemm.py traces them (``lm_chunk_rows``: the LM head's rows per chunk,
-  default the library's choice)."""
+  default the library's choice; ``head_grad``: ``BlockConfig.head_grad``)."""
   return (blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, rope_theta=THETA, eps=EPS,
                              swiglu_block=BLOCK, impl=impl),
           blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, eps=EPS, swiglu_block=BLOCK,
-                             impl=impl, lm_chunk_rows=lm_chunk_rows))
+                             impl=impl, lm_chunk_rows=lm_chunk_rows, head_grad=head_grad))
 
 
 def compare_row(op, shape_name, dims, measure, prov, impl, ours, ours_args, xla, xla_args,
@@ -236,10 +236,11 @@ def compare_row(op, shape_name, dims, measure, prov, impl, ours, ours_args, xla,
   return row
 
 
-def run_shape(name, s: Shape, impl, measure, prov, key, only=None, lm_chunk_rows=None):
+def run_shape(name, s: Shape, impl, measure, prov, key, only=None, lm_chunk_rows=None,
+              head_grad="logits"):
   x = make_inputs(s, key)
   std, pos, tgt = x["params"], x["positions"], x["targets"]
-  cfg, post_cfg = block_configs(s, impl, lm_chunk_rows)
+  cfg, post_cfg = block_configs(s, impl, lm_chunk_rows, head_grad)
   mine = ours_params(std, blocks.SHIFTED_KEYS)
   ours_block = lambda a, b, c, p: blocks.shifted_block(a, b, c, p, cfg)
   xla_block = xla_shifted_block(s)
@@ -352,6 +353,8 @@ def main():
                  help="comma-separated ops to time (default all), e.g. post_block_fwd_bwd")
   p.add_argument("--lm-chunk-rows", type=int, default=None,
                  help="the post-block LM head's rows per chunk (default the library's choice)")
+  p.add_argument("--head-grad", default="logits", choices=["logits", "exp"],
+                 help="the post-block LM head's unit gradient (BlockConfig.head_grad)")
   args = p.parse_args()
   on_gpu = jax.devices()[0].platform == "gpu"
   check_baseline()
@@ -365,7 +368,7 @@ def main():
   rows, only = [], set(args.ops.split(",")) if args.ops else None
   for i, name in enumerate(names):
     rows += run_shape(name, SHAPES[name], impl, measure, prov, jax.random.key(i), only,
-                      args.lm_chunk_rows)
+                      args.lm_chunk_rows, args.head_grad)
   md = markdown(rows, prov, on_gpu)
   out = common.write_results("block", rows, md, out=args.out)
   print(f"wrote {out / 'block.json'} and {out / 'block.md'}\n")

@@ -55,6 +55,9 @@ def parse_args():
                    f"{DEFAULTS['tiny'][flag]})")
   p.add_argument("--warmup-steps", type=int, help="learning-rate warm-up (default steps/10)")
   p.add_argument("--seed", type=int, default=0, help="parameters and batch order")
+  p.add_argument("--head-grad", choices=("logits", "exp"), default=None,
+                 help="the fused LM head's unit gradient (LlamaConfig.head_grad; default "
+                      "the config's, \"logits\")")
   p.add_argument("--paths", default="fused,reference", help="comma-separated, in run order")
   p.add_argument("--micro-batches", type=int, help="gradient accumulation pieces per step "
                  "(default: 1, or as many as the compiled step needs to fit the device)")
@@ -360,6 +363,11 @@ def main():
   else:
     get = get_gpt2_config if args.config in GPT2_CONFIGS else get_config
     cfg = get(args.config, **({"n_layers": args.layers} if args.layers else {}))
+  if args.head_grad is not None:
+    if isinstance(cfg, GPT2Config):
+      sys.exit("--head-grad: GPT-2's head is fused_ops.rmsnorm_lm_head_loss with the "
+               "default head_grad; the flag is Llama-only")
+    cfg = cfg.replace(head_grad=args.head_grad)
   if isinstance(cfg, GPT2Config) and args.mesh and "model" in args.mesh:
     sys.exit("--mesh with a 'model' axis: tensor parallelism is Llama-only")
   if isinstance(cfg, GPT2Config) and args.seq > cfg.n_positions:
@@ -368,7 +376,8 @@ def main():
   name = (f"train_{args.config}" + (f"_{cfg.n_layers}l" if args.layers else "")
           + (f"_{args.mesh.replace('=', '').replace(',', '_')}" if args.mesh else "")
           + ("_fsdp" if args.fsdp else "")
-          + ("_jit" if args.mesh and args.partitioner == "jit" else ""))
+          + ("_jit" if args.mesh and args.partitioner == "jit" else "")
+          + (f"_{args.head_grad}_head" if args.head_grad == "exp" else ""))
   try:
     data = corpus.load(args.batch, args.seq)
   except ValueError as e:

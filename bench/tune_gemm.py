@@ -20,7 +20,9 @@ last has the winner against the heuristic default for each problem.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import json
 import sys
 import time
@@ -56,11 +58,15 @@ def block_problems(shape_name):
   mine = jax.eval_shape(lambda p: bb.ours_params(p, blocks.SHIFTED_KEYS), std)
   post = jax.eval_shape(lambda p: bb.ours_params(p, blocks.POST_KEYS), std)
   block = lambda a, b, c, p: blocks.shifted_block(a, b, c, p, cfg)
-  loss = lambda a, b, t, p: blocks.post_block(a, b, t, p, post_cfg)
+  # the post-block with each way of forming the head's gradient (BlockConfig.head_grad)
+  loss = lambda a, b, t, p, head_grad: blocks.post_block(
+      a, b, t, p, dataclasses.replace(post_cfg, head_grad=head_grad))
   found = {}
   for what, fn, args in [
       ("block fwd+bwd", bb.fwd_bwd(block), (x["x0"], x["y0"], pos, mine, x["cts"])),
-      ("post-block fwd+bwd", jax.grad(loss, argnums=(0, 1, 3)), (x["x0"], x["y0"], tgt, post))]:
+      *[(f"post-block fwd+bwd ({g} head)",
+         jax.grad(functools.partial(loss, head_grad=g), argnums=(0, 1, 3)),
+         (x["x0"], x["y0"], tgt, post)) for g in ("logits", "exp")]]:
     with autotune.recording() as rec:
       jax.eval_shape(fn, *args)
     for key_text, problem in rec.items():

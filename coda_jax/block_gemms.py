@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from coda_jax import dispatch
 from coda_jax import primitives as P
 from coda_jax import jnp_reference as ref
-from coda_jax.grad_primitives import GatedGrad, RmsNormGrad, SoftmaxXentGrad
+from coda_jax.grad_primitives import ExpShifted, GatedGrad, RmsNormGrad, SoftmaxXentGrad
 from coda_jax.ops import gemm_epilogue
+from coda_jax.partitioning import set_row_columns
 from coda_jax.sharding import varying_axes
 
 
@@ -87,6 +88,58 @@ def lm_head_logits(h, r, wlm, targets, impl, w_nk=False, vmask=None):
                                       P.PickColumn("t", "tgt"), P.Store("z", zdt)],
                       operands, trans_b=w_nk, impl=impl)
   return out["lse"], out["tgt"], out["lse_rest"], out["z"]
+
+
+# ---- the exp-store LM head (docs/lm_head_exp_store.md) ------------------------------------
+# Rows whose log-sum-exp is within +-EXP_STORE_RANGE store exp(logits) unshifted: every
+# value and every scale s = w exp(-lse) is then a normal number in bf16 and fp32. A chunk
+# with a row outside runs its logits GEMM again with the row's own lse as the shift.
+EXP_STORE_RANGE = 60.0
+
+
+def lm_head_exp(h, r, wlm, targets, shift, impl, w_nk=False, vmask=None):
+  """``lm_head_stats`` (lse, target logit, lse without the target) plus
+  e = exp(logits - shift[m]), stored in bf16 (fp32 for fp32 inputs): (rows, V)."""
+  edt = jnp.float32 if h.dtype == jnp.float32 else jnp.bfloat16
+  head, operands = _logits_head(r, targets, vmask)
+  out = gemm_epilogue(h, wlm, head + [P.RowLogSumExp("lse", exclude="t", rest="lse_rest"),
+                                      P.PickColumn("t", "tgt"), ExpShifted("shift"),
+                                      P.Store("e", edt)],
+                      dict(operands, shift=shift.astype(jnp.float32)), trans_b=w_nk,
+                      impl=impl)
+  return out["lse"], out["tgt"], out["lse_rest"], out["e"]
+
+
+def lm_head_exp_safe(h, r, wlm, targets, impl, w_nk=False, vmask=None):
+  """The exp-store head's logits GEMM: (lse, tgt, lse_rest, e, shift) such that
+  s * e, s = w exp(shift - lse) (``exp_store_scale``), is dlogits for row weights w.
+
+  e = exp(logits - shift), with shift 0 when every row's |lse| < ``EXP_STORE_RANGE``,
+  else (``jax.lax.cond``, per call) from a second run of the GEMM with shift = lse. Its
+  target column is then overwritten with -exp(lse_rest - shift): times s, the exact
+  -(1 - p_t) w from the forward's fp32 statistics (rows whose target is not a column
+  keep theirs: their w is 0). Read by ``head_dn`` and ``head_weight_grad`` in place of
+  dlogits."""
+  lse, tgt, rest, e = lm_head_exp(h, r, wlm, targets, jnp.zeros_like(r, jnp.float32), impl,
+                                  w_nk, vmask)
+  ok = jnp.all(jnp.abs(lse) < EXP_STORE_RANGE)
+  e = jax.lax.cond(ok, lambda: e,
+                   lambda: lm_head_exp(h, r, wlm, targets, lse, impl, w_nk, vmask)[3])
+  shift = jnp.where(ok, 0.0, lse)
+  # one element per row, written in place (no pass over the (rows, V) array)
+  e = set_row_columns(e, targets, -jnp.exp(rest - shift))
+  return lse, tgt, rest, e, shift
+
+
+def exp_store_scale(lse, shift, weight):
+  """s = w exp(shift - lse) per row: s * e is the softmax times w (``lm_head_exp_safe``)."""
+  return weight * jnp.exp(shift - lse)
+
+
+def head_dn(e, w, s, impl, w_nk=False):
+  """dn = dlogits @ W^T in fp32 from the stored exponentials: s[m] * (e @ W^T)."""
+  return gemm_epilogue(e, w.astype(e.dtype), [P.ScaleRow("s"), P.Store("dn", jnp.float32)],
+                       {"s": s}, trans_b=not w_nk, impl=impl)["dn"]
 
 
 def xent_grad_from_logits(z, lse, tgt, lse_rest, targets, weight, dt):
@@ -164,7 +217,7 @@ def target_column_from_stats(dlogits, zdz, lse, tgt, lse_rest, targets, weight):
   old = jnp.take_along_axis(dlogits, jnp.minimum(col, v - 1)[:, None], axis=1)[:, 0]
   new = -jnp.exp(lse_rest - lse) * weight
   # one element per row, written in place (no pass over the (rows, V) array)
-  dlogits = dlogits.at[jnp.arange(m), col].set(new.astype(dlogits.dtype), mode="drop")
+  dlogits = set_row_columns(dlogits, targets, new)
   return dlogits, zdz + jnp.where(inside, (new - old.astype(jnp.float32)) * tgt, 0.0)
 
 

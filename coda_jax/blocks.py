@@ -38,6 +38,7 @@ from coda_jax import dispatch
 from coda_jax import layout
 from coda_jax import primitives as P
 from coda_jax import qk_norm as Q
+from coda_jax.grad_primitives import RmsNormGrad
 from coda_jax.sharding import reduce_like, vary_like
 
 
@@ -56,6 +57,7 @@ class BlockConfig:
   reduction: str = "mean"
   lm_chunk_rows: int | None = None
   wlm_layout: str = "dv"  # post-block head: "dv" (D, V), or "vd" (V, D): a tied embedding
+  head_grad: str = "logits"  # post-block head's unit gradient: fused_ops.HEAD_GRADS
   qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm in the QKV epilogue (eps = eps)
   impl: str | tuple[str, ...] = "auto"  # implementations to try (coda_jax.dispatch)
 
@@ -70,6 +72,8 @@ class BlockConfig:
     if not self.eps > 0:
       raise ValueError(f"eps={self.eps} must be positive")
     F.head_layout(self.wlm_layout)  # raises on anything but "dv" / "vd"
+    if self.head_grad not in F.HEAD_GRADS:
+      raise ValueError(f"head_grad={self.head_grad!r}: one of {F.HEAD_GRADS}")
     if self.lm_chunk_rows is not None and self.lm_chunk_rows <= 0:
       raise ValueError(f"lm_chunk_rows={self.lm_chunk_rows} must be positive (or None)")
     if not isinstance(self.impl, str):
@@ -324,6 +328,12 @@ def _post(x0, y0, targets, params, cfg):
                            _vocab(params, cfg))
 
 
+# The final norm's backward on a whole (rows, D) dn in fp32 (the "exp" head: its dh GEMM
+# ends in the target columns' correction, so the norm runs after it, in XLA).
+NORM_GRAD = (RmsNormGrad("x", "r", "c", "g", "dg", "n", jnp.float32), P.Store("dx", jnp.float32))
+NORM_GRAD_OUTPUTS = tuple(o for step in NORM_GRAD for o in step.outputs(1))
+
+
 def _post_fwd(x0, y0, targets, params, cfg):
   p = _cast(params, x0.dtype)
   vocab, w_nk = _vocab(params, cfg), _w_nk(cfg)
@@ -346,9 +356,16 @@ def _post_fwd(x0, y0, targets, params, cfg):
                                     cfg.impl, w_nk, dx_dtype=jnp.float32)
     return n2, dxa, dg
 
+  def dn_grad(dn, zdz, h2c, r2c, x2c):  # the same from dn = dlogits @ W^T ("exp"), in XLA
+    out = dispatch.apply_program(dn, NORM_GRAD, {"x": x2c, "r": r2c, "c": zdz / d,
+                                                 "g": p["g_final"].astype(jnp.float32)},
+                                 NORM_GRAD_OUTPUTS)
+    return out["n"], out["dx"], out["dg"]
+
   lse, tgt, dwlm, dxa, dg = F.lm_head_unit_grads(
       h2, r2, wlm, targets, weight, cfg.lm_chunk_rows, cfg.impl, chunk_grad,
-      sums0=jnp.zeros((d,), jnp.float32), per_row=(x2,), w_nk=w_nk, vmask=vmask)
+      sums0=jnp.zeros((d,), jnp.float32), per_row=(x2,), w_nk=w_nk, vmask=vmask,
+      store=cfg.head_grad, dn_grad=dn_grad)
   dwlm = F.unpad_vocab(dwlm, vocab, w_nk)
   loss = F.loss_from_stats(lse, tgt, targets, cfg.ignore_index, cfg.reduction, vocab)
   return loss, (params, (dxa, dg, dwlm), norm, mlp_saved)

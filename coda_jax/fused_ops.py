@@ -27,6 +27,7 @@ gradient reaches the stored g unchanged, since d(1 + g)/dg = 1.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,6 +41,11 @@ from coda_jax.sharding import reduce_like, vary_like
 
 _ACT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 REDUCTIONS = ("mean", "sum", "none")
+
+# How a scalar loss's LM head forms its unit gradient (``lm_head_unit_grads``): "logits"
+# stores the chunk's logits (fp16) and runs the softmax backward over them in XLA; "exp"
+# stores exp(logits) (bf16) and folds the softmax into the dh and dW GEMMs' row scales.
+HEAD_GRADS = ("logits", "exp")
 
 
 def norm_weight(stored, offset: float = 0.0):
@@ -267,7 +273,8 @@ _rmsnorm_qkv_rope.defvjp(_qkv_fwd, _qkv_bwd)
 # ---- RMSNorm row scale + LM head + cross-entropy -----------------------------------------
 def rmsnorm_lm_head_loss(h, r, wlm, targets, *, ignore_index: int = -100,
                          reduction: str = "mean", chunk_rows: int | None = None,
-                         wlm_layout: str = "dv", impl: str = "auto"):
+                         wlm_layout: str = "dv", head_grad: str = "logits",
+                         impl: str = "auto"):
   """Cross-entropy of the logits r * (h @ wlm), never stored whole.
 
   Args:
@@ -280,6 +287,11 @@ def rmsnorm_lm_head_loss(h, r, wlm, targets, *, ignore_index: int = -100,
     chunk_rows: rows per chunk (a divisor of the token count); default
       ``block_gemms.row_chunks``: a chunk's 16-bit (rows, V) buffers fit in 1 GiB.
     wlm_layout: "dv" or "vd".
+    head_grad: how a "mean" or "sum" loss forms its gradient in the forward
+      (``HEAD_GRADS``): "logits" stores each chunk's logits in float16 and runs the
+      softmax backward over them in XLA; "exp" stores exp(logits) in bfloat16 and folds
+      the softmax into the dh and dW GEMMs (no pass over the chunk; bfloat16 or float32
+      activations only; docs/lm_head_exp_store.md). "none" ignores it.
     impl: as ``gemm_epilogue``.
 
   Returns:
@@ -305,12 +317,13 @@ def rmsnorm_lm_head_loss(h, r, wlm, targets, *, ignore_index: int = -100,
   check_rows("targets", targets, h.shape[:-1], "int")
   if reduction not in REDUCTIONS:
     raise ValueError(f"reduction={reduction!r}: one of {REDUCTIONS}")
+  check_head_grad(head_grad, h.dtype)
   m = targets.size
   rows = S.row_chunks(m, head_vocab(wlm, w_nk), chunk_rows,
                       buffers=1 if reduction == "none" else 2)
   out = _lm_head_loss(flat_rows(h), r.reshape(-1).astype(jnp.float32), wlm,
                       targets.reshape(-1).astype(jnp.int32),
-                      (int(ignore_index), reduction, rows, w_nk), impl)
+                      HeadOptions(int(ignore_index), reduction, rows, w_nk, head_grad), impl)
   return out.reshape(targets.shape) if reduction == "none" else out
 
 
@@ -378,9 +391,28 @@ def unchunked(x):
   return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadOptions:
+  """The static options of one ``rmsnorm_lm_head_loss`` call (a ``custom_vjp``
+  non-differentiable argument: hashable)."""
+  ignore_index: int
+  reduction: str  # REDUCTIONS
+  rows: int  # rows per chunk, dividing the token count
+  w_nk: bool  # the head is stored (V, D)
+  head_grad: str  # HEAD_GRADS
+
+  def __post_init__(self):
+    if self.reduction not in REDUCTIONS:
+      raise ValueError(f"reduction={self.reduction!r}: one of {REDUCTIONS}")
+    if self.rows <= 0:
+      raise ValueError(f"rows={self.rows} per chunk must be positive")
+    if self.head_grad not in HEAD_GRADS:
+      raise ValueError(f"head_grad={self.head_grad!r}: one of {HEAD_GRADS}")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _lm_head_loss(h, r, wlm, targets, opts, impl):
-  ignore_index, reduction, rows, w_nk = opts
+  ignore_index, reduction, rows, w_nk = opts.ignore_index, opts.reduction, opts.rows, opts.w_nk
   lse, tgt = lm_head_lse(h, r, *pad_vocab(wlm, w_nk), targets, rows, impl, w_nk)
   return loss_from_stats(lse, tgt, targets, ignore_index, reduction, head_vocab(wlm, w_nk))
 
@@ -420,7 +452,7 @@ def loss_row_weights(dloss, targets, ignore_index, vocab):
 
 
 def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0=(),
-                       per_row=(), w_nk=False, vmask=None):
+                       per_row=(), w_nk=False, vmask=None, store="logits", dn_grad=None):
   """The 3-GEMM LM head, chunk by chunk (``rows`` rows each): one GEMM makes the logits
   r * (h @ W) with their log-sum-exp and target logit; dlogits for the row weights
   ``weight`` follow elementwise; ``chunk_grad(dlogits, zdz, hc, rc, *per_row chunks)``
@@ -428,10 +460,17 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
   n = h * r the normed input; the third GEMM adds n^T dlogits to dW. ``sums0``: zeros
   shaped like the column sums, which add up over the chunks.
 
+  ``store="exp"`` (``HEAD_GRADS``; docs/lm_head_exp_store.md): the logits GEMM stores
+  exp(logits) instead, and no elementwise pass over the (rows, V) chunk runs: the dh
+  GEMM scales its rows (``S.head_dn``) and ``dn_grad(dn, zdz, hc, rc, *per_row chunks)``
+  takes dn = dlogits @ W^T (fp32) where ``chunk_grad`` takes dlogits, and returns n in
+  fp32; the dW GEMM reads the exponentials with n's rows scaled.
+
   Returns (lse, target logit, dW in fp32 and ``wlm``'s layout, per-row outputs, column
   sums over all rows). Under ``shard_map`` with the rows split, dW and the sums are this
   shard's: ``reduce_like`` them once scaled by the cotangent (which may vary too).
   ``wlm`` and ``vmask`` as ``pad_vocab`` returns them (dW then has the pad columns)."""
+  check_head_grad(store, h.dtype)
   w = wlm.astype(h.dtype)
   # A scan over the chunks: its body's kernels are lowered and compiled once (written
   # out, 8 chunks lowered 24 kernels: the fused 8B training step compiled in 134 s on
@@ -440,7 +479,23 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
   # fp32 dW buffer (a 3,204 MiB peak for the 1B post-block on the H100, against 5,064
   # MiB with a fresh dW per chunk; bench/NOTES.md, issue 12, fourth session).
 
+  def step_exp(carry, args):
+    dw, sums = carry
+    hc, rc, tc, wc, *rest = args
+    lse, tgt, _, e, shift = S.lm_head_exp_safe(hc, rc, w, tc, impl, w_nk, vmask)
+    s = S.exp_store_scale(lse, shift, wc)
+    dn = S.head_dn(e, w, s, impl, w_nk)
+    # <dlogits, logits> = <dlogits, r (h @ W)> = r <dn, h>: no pass over the logits
+    zdz = rc * jnp.sum(dn * hc.astype(jnp.float32), axis=1)
+    n, ys, col_sums = dn_grad(dn, zdz, hc, rc, *rest)
+    sums = jax.tree.map(jnp.add, sums, col_sums)
+    # the dW GEMM reads s n (rounded once from fp32 n) against e
+    ns = (n * s[:, None]).astype(e.dtype)
+    return (S.head_weight_grad(ns, e, impl, w_nk, accumulate=dw), sums), (lse, tgt, ys)
+
   def step(carry, args):
+    if store == "exp":
+      return step_exp(carry, args)
     dw, sums = carry
     hc, rc, tc, wc, *rest = args
     lse, tgt, lse_rest, z = S.lm_head_logits(hc, rc, w, tc, impl, w_nk, vmask)
@@ -454,6 +509,15 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
   init = (vary(jnp.zeros(wlm.shape, jnp.float32)), jax.tree.map(vary, sums0))
   (dw, sums), (lse, tgt, ys) = jax.lax.scan(step, init, xs)
   return unchunked(lse), unchunked(tgt), dw, jax.tree.map(unchunked, ys), sums
+
+
+def check_head_grad(head_grad: str, dtype) -> None:
+  if head_grad not in HEAD_GRADS:
+    raise ValueError(f"head_grad={head_grad!r}: one of {HEAD_GRADS}")
+  if head_grad == "exp" and jnp.dtype(dtype) == jnp.float16:
+    raise ValueError("head_grad='exp' stores exp(logits), which overflows float16 above "
+                     "logit 11: use bfloat16 (or float32) activations, or "
+                     "head_grad='logits'")
 
 
 def unit_row_weights(targets, ignore_index, reduction, vocab):
@@ -475,7 +539,8 @@ def scale_grads(grads, scale):
 
 
 def _lm_fwd(h, r, wlm, targets, opts, impl):
-  ignore_index, reduction, rows, w_nk = opts
+  ignore_index, reduction, rows, w_nk = opts.ignore_index, opts.reduction, opts.rows, opts.w_nk
+  head_grad = opts.head_grad
   vocab = head_vocab(wlm, w_nk)
   wp, vmask = pad_vocab(wlm, w_nk)
   if reduction == "none":
@@ -492,8 +557,12 @@ def _lm_fwd(h, r, wlm, targets, opts, impl):
     return n, (S.input_grad(dlogits, w, impl, r=rc, w_nk=w_nk, dtype=jnp.float32),
                zdz / rc), ()
 
+  def dn_grad(dn, zdz, hc, rc):  # the same from dn = dlogits @ W^T (head_grad="exp")
+    return hc.astype(jnp.float32) * rc[:, None], (rc[:, None] * dn, zdz / rc), ()
+
   lse, tgt, dw, (dh, dr), _ = lm_head_unit_grads(h, r, wp, targets, weight, rows, impl,
-                                                 chunk_grad, w_nk=w_nk, vmask=vmask)
+                                                 chunk_grad, w_nk=w_nk, vmask=vmask,
+                                                 store=head_grad, dn_grad=dn_grad)
   dw = unpad_vocab(dw, vocab, w_nk)
   loss = loss_from_stats(lse, tgt, targets, ignore_index, reduction, vocab)
   # dh and dW stay fp32 until they are scaled; the empty arrays carry h's and the
@@ -503,7 +572,7 @@ def _lm_fwd(h, r, wlm, targets, opts, impl):
 
 
 def _lm_bwd(opts, impl, saved, dloss):
-  ignore_index, reduction, rows, w_nk = opts
+  ignore_index, reduction, rows, w_nk = opts.ignore_index, opts.reduction, opts.rows, opts.w_nk
   if reduction != "none":  # the forward's gradients for a unit cotangent, scaled
     dh, dr, dw, norm, hdt, wdt = saved
     dh, dr, dw = scale_grads((dh, dr, dw), dloss * norm)

@@ -11,6 +11,9 @@ forward primitives, so the jnp reference and the kernel share one definition:
   recomputed y (the A operand of the next dW) and row partials of <dz, z> (zdz -> c).
 - ``SoftmaxXentGrad``: acc = logits. Emits dlogits = (softmax - onehot) * w[m] and row
   partials of <dlogits, logits> (zdz for the final RMSNorm).
+- ``ExpShifted``: acc = logits. exp(logits - shift[m]): the LM head's stored
+  exponentials (``block_gemms.lm_head_exp``), which the dh and dW GEMMs read in place of
+  dlogits, scaled per row.
 """
 from __future__ import annotations
 
@@ -179,3 +182,23 @@ class SoftmaxXentGrad(Primitive):
 
   def finish(self, raw):
     return {self.zdz: jnp.sum(raw[self.zdz], axis=0)}
+
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpShifted(Primitive):
+  """x -> exp(x - shift[m]); ``shift`` is an (M,) fp32 row operand.
+
+  The LM head's exp-store backward stores this instead of the logits: with
+  s[m] = w[m] exp(shift[m] - lse[m]), s * value is the softmax times the row weight; the
+  target column is then overwritten with -exp(lse_rest - shift), so that s * value
+  there is its exact dlogit -(1 - p_t) w (``block_gemms.lm_head_exp_safe``,
+  ``docs/lm_head_exp_store.md``). It does not claim ``keeps_zero_rows``: a zero row
+  stores exp(-shift), so a call with column partials would not pad its rows."""
+  shift: str
+
+  def inputs(self):
+    return {self.shift: InputKind.ROW}
+
+  def apply(self, x, env):
+    return jnp.exp(x - env.load(self.shift).astype(jnp.float32)[:, None])

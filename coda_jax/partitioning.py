@@ -37,6 +37,7 @@ divide its dimension raises a ``ValueError`` naming the axis and the sizes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -274,3 +275,56 @@ def call(sc: ShardedCall, a, b, *values) -> dict:
 
 
 __all__ = ["Layout", "ShardedCall", "call", "choose_layout", "explicit_mesh", "local_call"]
+
+
+# ---- one element per row: x[m, col[m]] = val[m] -------------------------------------------
+def _set_local(n_axes, x, col, val):
+  """The per-shard set: ``col`` is global; on a column shard it is shifted to the
+  shard's columns, and a column elsewhere (or outside [0, N)) is dropped. Negative
+  indices are mapped out of range first: jnp indexing would wrap them."""
+  m, n = x.shape
+  if n_axes:
+    col = col - (jax.lax.axis_index(n_axes) * n).astype(col.dtype)
+  col = jnp.where((col >= 0) & (col < n), col, n)
+  return x.at[jnp.arange(m), col].set(val.astype(x.dtype), mode="drop")
+
+
+def _axes(entry):
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _set_partition(mesh, arg_shapes, result_shape):
+  spec = arg_shapes[0].sharding.spec
+  m_axes, n_axes = (_axes(spec[0]) if len(spec) > 0 else (),
+                    _axes(spec[1]) if len(spec) > 1 else ())
+  x_sh = NamedSharding(mesh, PartitionSpec(m_axes or None, n_axes or None))
+  rows = NamedSharding(mesh, PartitionSpec(m_axes or None))
+  return (mesh, functools.partial(_set_local, n_axes), x_sh, (x_sh, rows, rows))
+
+
+def _set_infer(mesh, arg_shapes, result_shape):
+  spec = arg_shapes[0].sharding.spec
+  return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+_set_partitioned = custom_partitioning(functools.partial(_set_local, ()))
+_set_partitioned.def_partition(partition=_set_partition, infer_sharding_from_operands=_set_infer,
+                               sharding_rule="m n, m, m -> m n")
+
+
+def set_row_columns(x, col, val):
+  """x (M, N) with x[m, col[m]] = val[m] for each row whose ``col`` is in [0, N) (other
+  rows unchanged): one element per row, written in place. Sharded, each device sets its
+  own rows' elements in its own columns, with no communication (XLA's partitioning of
+  the plain scatter all-gathers the indices and values)."""
+  mesh = explicit_mesh(x, col, val)
+  if mesh is None:
+    return _set_partitioned(x, col, val)
+  spec = jax.typeof(x).sharding.spec
+  m_axes, n_axes = (_axes(spec[0]) if len(spec) > 0 else (),
+                    _axes(spec[1]) if len(spec) > 1 else ())
+  x_spec, rows = PartitionSpec(m_axes or None, n_axes or None), PartitionSpec(m_axes or None)
+  args = [jax.reshard(a, NamedSharding(mesh, s)) for a, s in ((x, x_spec), (col, rows),
+                                                               (val, rows))]
+  return jax.shard_map(functools.partial(_set_local, n_axes), mesh=mesh,
+                       in_specs=(x_spec, rows, rows), out_specs=x_spec, check_vma=False)(*args)

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from coda_jax import fused_ops
 from coda_jax import qk_norm as qk_norm_ops
 from coda_jax.blocks import BlockConfig
 from coda_jax.layout import RopeScaling
@@ -58,6 +59,7 @@ class LlamaConfig:
   qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
   norm_weight_offset: float = 0.0  # Gemma: every RMSNorm applies 1 + g, g stored from 0
   impl: str = "auto"  # coda_jax kernel dispatch ("auto", "mosaic", "interpret", "xla")
+  head_grad: str = "logits"  # fused LM head's unit gradient (coda_jax.fused_ops.HEAD_GRADS)
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_q_heads", "n_kv_heads", "head_dim",
@@ -80,6 +82,7 @@ class LlamaConfig:
                        "q/k RMSNorm)")
     if self.qk_norm:
       qk_norm_ops.check_head_dim_tiles(self.head_dim, self.impl)
+    fused_ops.check_head_grad(self.head_grad, self.dtype)
     off = self.norm_weight_offset
     if isinstance(off, bool) or not isinstance(off, (int, float)) or not math.isfinite(off):
       raise ValueError(f"norm_weight_offset={off!r} must be a finite float (0.0: the norm "
@@ -200,7 +203,7 @@ class LlamaConfig:
                        head_dim=self.head_dim, rope_theta=self.rope_theta,
                        rope_scaling=self.rope_scaling, eps=self.eps,
                        swiglu_block=self.swiglu_block, activation=self.activation,
-                       qk_norm=self.qk_norm, impl=self.impl)
+                       qk_norm=self.qk_norm, impl=self.impl, head_grad=self.head_grad)
 
   def param_count(self) -> int:
     d, f = self.d_model, self.ffn_dim

@@ -572,8 +572,8 @@ MUTATIONS = [
         "the forward-formed dr multiplies zdz by r instead of dividing"),
     Mutation(
         "lm_unit_col_sums_not_accumulated", "coda_jax/fused_ops.py",
-        "    sums = jax.tree.map(jnp.add, sums, col_sums)\n",
-        "    sums = col_sums\n",
+        "    sums = jax.tree.map(jnp.add, sums, col_sums)\n    return (S.head_weight_grad(n, ",
+        "    sums = col_sums\n    return (S.head_weight_grad(n, ",
         ("tests/test_blocks.py", "-k", "scalar_loss"),
         "the 3-GEMM head's column sums (the final norm's dg) keep only the last chunk"),
     Mutation(
@@ -631,6 +631,49 @@ MUTATIONS = [
         ("tests/test_losses.py", "-k", "confident"),
         "the recomputing backward keeps the recomputed target dlogit (its last bits differ "
         "from the forward's lse)"),
+    # ---- the exp-store LM head (head_grad="exp") --------------------------------------
+    Mutation(
+        "exp_store_no_fallback", "coda_jax/block_gemms.py",
+        "  ok = jnp.all(jnp.abs(lse) < EXP_STORE_RANGE)",
+        "  ok = jnp.all(jnp.abs(lse) < 1e9)",
+        ("tests/test_losses.py", "-k", "exp_store_outside"),
+        "a chunk whose lse is beyond exp's range stores exp(logits) unshifted (inf)"),
+    Mutation(
+        "exp_store_target_not_corrected", "coda_jax/block_gemms.py",
+        "  e = set_row_columns(e, targets, -jnp.exp(rest - shift))",
+        "  e = e",
+        ("tests/test_losses.py", "-k", "exp"),
+        "the stored exponentials keep the target's p_t: its dlogit misses the -1"),
+    Mutation(
+        "exp_store_target_ignores_shift", "coda_jax/block_gemms.py",
+        "  e = set_row_columns(e, targets, -jnp.exp(rest - shift))",
+        "  e = set_row_columns(e, targets, -jnp.exp(rest - lse))",
+        ("tests/test_losses.py", "-k", "exp"),
+        "the target column's value normalised by lse, where the rest of e is by the shift"),
+    Mutation(
+        "exp_store_zdz_without_r", "coda_jax/fused_ops.py",
+        "    zdz = rc * jnp.sum(dn * hc.astype(jnp.float32), axis=1)",
+        "    zdz = jnp.sum(dn * hc.astype(jnp.float32), axis=1)",
+        ("tests/test_losses.py", "-k", "exp"),
+        "<dlogits, logits> from dn and h without the row scale r of the logits"),
+    Mutation(
+        "exp_store_dw_reads_unscaled_n", "coda_jax/fused_ops.py",
+        "    ns = (n * s[:, None]).astype(e.dtype)",
+        "    ns = n.astype(e.dtype)",
+        ("tests/test_losses.py", "-k", "exp"),
+        "the dW GEMM reads n without the row scale s = w exp(shift - lse)"),
+    Mutation(
+        "set_row_columns_wraps_negative", "coda_jax/partitioning.py",
+        "  col = jnp.where((col >= 0) & (col < n), col, n)\n",
+        "",
+        ("tests/test_sharding.py", "-k", "set_row_columns"),
+        "a negative target (ignored rows) wraps to the last column and overwrites it"),
+    Mutation(
+        "exp_store_post_block_c_not_over_d", "coda_jax/blocks.py",
+        "    out = dispatch.apply_program(dn, NORM_GRAD, {\"x\": x2c, \"r\": r2c, \"c\": zdz / d,",
+        "    out = dispatch.apply_program(dn, NORM_GRAD, {\"x\": x2c, \"r\": r2c, \"c\": zdz,",
+        ("tests/test_blocks.py", "-k", "post_block_scalar_loss and exp"),
+        "the final norm's zdz term not divided by D on the exp-store path"),
 ]
 
 

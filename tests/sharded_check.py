@@ -74,6 +74,11 @@ CASES = {
         lambda h, r, w, t: F.rmsnorm_lm_head_loss(h, r, w, t, reduction="sum", chunk_rows=M // 4,
                                                   impl=IMPL),
         (h, r, wlm, tgt), (R, R, W, R), (0, 1, 2)),
+    "lm_head_loss_exp": (
+        lambda h, r, w, t: F.rmsnorm_lm_head_loss(h, r, w, t, reduction="sum",
+                                                  chunk_rows=M // 4, head_grad="exp",
+                                                  impl=IMPL),
+        (h, r, wlm, tgt), (R, R, W, R), (0, 1, 2)),
     "shifted_block": (
         lambda x, y, p, prm, c1, c2: sum(dot(o, c) for o, c in zip(
             blocks.shifted_block(x, y, p, prm, cfg), (c1, c2))),
@@ -96,6 +101,7 @@ TP_POST = {"wo": ROW, "g_mlp": W, "w13": COL, "w2": ROW, "g_final": W, "wlm": CO
 TP_CASES = {
     "tp_rmsnorm_swiglu": CASES["rmsnorm_swiglu"][:2] + ((R, R, COL, Y), (0, 1, 2)),
     "tp_lm_head_loss": CASES["lm_head_loss_chunked"][:2] + ((R, R, COL, R), (0, 1, 2)),
+    "tp_lm_head_loss_exp": CASES["lm_head_loss_exp"][:2] + ((R, R, COL, R), (0, 1, 2)),
     "tp_shifted_block": CASES["shifted_block"][:2] + ((R, Y, R, TP_BLOCK, R, Y), (0, 1, 3)),
     "tp_post_block": CASES["post_block"][:2] + ((R, Y, R, TP_POST), (0, 1, 3)),
 }

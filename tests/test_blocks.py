@@ -313,6 +313,14 @@ BAD = {
         lambda a: B.post_block(a["x0"], a["y0"], a["tgt"], a["pp"],
                                dataclasses.replace(CFG, lm_chunk_rows=100)),
         r"chunk_rows=100 must be a positive divisor of M=128"),
+    "post-head-grad": (
+        lambda a: B.post_block(a["x0"], a["y0"], a["tgt"], a["pp"],
+                               dataclasses.replace(CFG, head_grad="exps")),
+        r"head_grad='exps': one of \('logits', 'exp'\)"),
+    "post-head-grad-fp16": (
+        lambda a: B.post_block(a["x0"].astype(jnp.float16), a["y0"].astype(jnp.float16),
+                               a["tgt"], a["pp"], dataclasses.replace(CFG, head_grad="exp")),
+        "overflows float16"),
 }
 
 
@@ -325,18 +333,21 @@ def test_bad_block_inputs(case, key):
     jax.eval_shape(lambda: fn(args))
 
 
-@pytest.mark.parametrize("reduction, wlm_layout", [("mean", "dv"), ("sum", "vd")])
-def test_post_block_scalar_loss(reduction, wlm_layout, key, kernel_impl):
+@pytest.mark.parametrize("reduction, wlm_layout, head_grad",
+                         [("mean", "dv", "logits"), ("sum", "vd", "logits"),
+                          ("mean", "vd", "exp")])
+def test_post_block_scalar_loss(reduction, wlm_layout, head_grad, key, kernel_impl):
   """The post-block of a "mean" or "sum" loss: its head gradient is formed in the
   forward (3 vocabulary-sized GEMMs per chunk) and scaled in the backward. Every
   gradient under the tolerance rule for a cotangent of 0.75; the loss equals the mean
   or sum of the fused per-token losses. With "vd" the head is passed (V, D), as a tied
-  embedding, and its gradient comes back (V, D)."""
+  embedding, and its gradient comes back (V, D). ``head_grad`` "exp": the head stores
+  exp(logits) and the final norm's backward runs in XLA after its dh GEMM."""
   args = _args(key, jnp.bfloat16)
   x0, y0, p = args[0], args[1], args[5]
   tgt = jax.random.randint(jax.random.fold_in(key, 1), (M,), 0, V).at[::5].set(-100)
   cfg = dataclasses.replace(CFG, impl=kernel_impl, reduction=reduction,
-                            wlm_layout=wlm_layout)
+                            wlm_layout=wlm_layout, head_grad=head_grad)
   vd = wlm_layout == "vd"
 
   def fused(x0, y0, p):

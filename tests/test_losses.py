@@ -68,7 +68,8 @@ def ce_jnp(h, r, wlm, targets, ignore_index, reduction):
   return jnp.sum(losses) / (jnp.maximum(jnp.sum(valid), 1) if reduction == "mean" else 1)
 
 
-def _check(x, ignore_index, reduction, impl, ct, chunk_rows=None, wlm_layout="dv"):
+def _check(x, ignore_index, reduction, impl, ct, chunk_rows=None, wlm_layout="dv",
+           head_grad="logits"):
   """Runs the fused loss forward and backward (w.r.t. h, r, wlm) and checks values and
   gradients against the independent truth; ignored rows exactly 0. Returns the fused
   (loss, grads)."""
@@ -79,7 +80,8 @@ def _check(x, ignore_index, reduction, impl, ct, chunk_rows=None, wlm_layout="dv
   fused = lambda h, r, w: F.rmsnorm_lm_head_loss(h, r, w.T if vd else w, x["tgt"],
                                                  ignore_index=ignore_index,
                                                  reduction=reduction, chunk_rows=chunk_rows,
-                                                 wlm_layout=wlm_layout, impl=impl)
+                                                 wlm_layout=wlm_layout,
+                                                 head_grad=head_grad, impl=impl)
   proj = lambda fn: lambda *a: jnp.sum(fn(*a) * ct)
   got, grads = jax.jit(lambda *a: (fused(*a), jax.grad(proj(fused), (0, 1, 2))(*a)))(*args)
   losses, valid = ce_rows_f64(*args, x["tgt"], ignore_index)
@@ -106,12 +108,15 @@ def _check(x, ignore_index, reduction, impl, ct, chunk_rows=None, wlm_layout="dv
   return got, grads
 
 
-# (ignore_index, reduction, chunk_rows, rows whose targets are all set to ignore_index)
+# (ignore_index, reduction, chunk_rows, rows whose targets are all set to ignore_index,
+# head_grad: how a scalar loss forms its head gradient, fused_ops.HEAD_GRADS)
 CASES = {
-    "ignore_0_mean": (0, "mean", None, None),
-    "ignore_last_none_chunked": (V - 1, "none", 64, None),
-    "ignore_-100_sum_chunked": (-100, "sum", 64, None),
-    "first_chunk_all_ignored_mean": (-100, "mean", 64, slice(0, 64)),
+    "ignore_0_mean": (0, "mean", None, None, "logits"),
+    "ignore_last_none_chunked": (V - 1, "none", 64, None, "logits"),
+    "ignore_-100_sum_chunked": (-100, "sum", 64, None, "logits"),
+    "first_chunk_all_ignored_mean": (-100, "mean", 64, slice(0, 64), "logits"),
+    "exp_ignore_0_mean": (0, "mean", None, None, "exp"),
+    "exp_first_chunk_all_ignored_sum": (-100, "sum", 64, slice(0, 64), "exp"),
 }
 
 
@@ -120,13 +125,14 @@ def test_loss_and_grads(case, key, kernel_impl):
   """Kernel path, M = 128. ignore_index 0 and V - 1 (values the targets really hold,
   with -100 then an ordinary out-of-range target), -100; mean / none (per row against
   the float64 cross-entropy) / sum; two chunks of 64 rows, one of them all ignored."""
-  ignore_index, reduction, chunk_rows, all_ignored = CASES[case]
+  ignore_index, reduction, chunk_rows, all_ignored, head_grad = CASES[case]
   m = 128
   x = _inputs(key, m, D, V, ignore_index)
   if all_ignored is not None:
     x["tgt"] = x["tgt"].at[all_ignored].set(ignore_index)
   ct = normal(jax.random.fold_in(key, 1), (m,)) if reduction == "none" else 0.75
-  check = _check(x, ignore_index, reduction, kernel_impl, ct, chunk_rows)
+  check = _check(x, ignore_index, reduction, kernel_impl, ct, chunk_rows,
+                 head_grad=head_grad)
   if all_ignored is not None:
     assert np.all(np.asarray(check[1][0], np.float32)[all_ignored] == 0)
 
@@ -142,30 +148,59 @@ def test_tied_head_read_transposed(key, kernel_impl, reduction, chunk_rows):
   _check(x, -100, reduction, kernel_impl, ct, chunk_rows, wlm_layout="vd")
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_confident_rows_with_large_logits(key, kernel_impl, reduction):
-  """A trained model's regime: logits up to ~40 and targets that are each row's argmax,
+@pytest.mark.parametrize("reduction, head_grad", [("mean", "logits"), ("none", "logits"),
+                                                  ("sum", "exp")])
+def test_confident_rows_with_large_logits(key, kernel_impl, reduction, head_grad):
+  """A trained model's regime: logits of 30 and more and targets that are each row's argmax,
   with p_t up to 1 - 5e-7. The target's dlogit -(1 - p_t) is then tiny beside p_t; on
   the forward-formed path it must come from the target's fp32 logit, not the stored
   fp16 one (whose rounding, ~|z| 2^-12, made one row's dh 116x wrong: 2 x 0.27 allowed).
   The regime is asserted, so the test cannot go easy if the inputs drift."""
   x = _inputs(key, 128, D, V, -100)
-  x["wlm"] = (x["wlm"].astype(jnp.float32) * 10).astype(jnp.bfloat16)
+  x["wlm"] = (x["wlm"].astype(jnp.float32) * 12).astype(jnp.bfloat16)
   z = (x["h"].astype(jnp.float32) @ x["wlm"].astype(jnp.float32)) * x["r"][:, None]
   best = jnp.argmax(z, axis=1)
   p_best = jnp.max(jax.nn.softmax(z, axis=1), axis=1)
   assert float(jnp.max(z)) > 30 and float(jnp.quantile(p_best, 0.9)) > 0.998
   x["tgt"] = best.at[1::6].set(-100).astype(jnp.int32)
   ct = normal(jax.random.fold_in(key, 1), (128,)) if reduction == "none" else 0.75
-  _check(x, -100, reduction, kernel_impl, ct, 64 if reduction == "none" else None)
+  _check(x, -100, reduction, kernel_impl, ct, 64 if reduction != "mean" else None,
+         head_grad=head_grad)
+
+
+def test_exp_store_outside_its_range(key, kernel_impl):
+  """head_grad="exp" stores exp(logits) unshifted only while every row of a chunk has
+  |lse| < EXP_STORE_RANGE (60); the second of two chunks has logits up to ~200 (lse
+  ~200: exp would overflow), so it runs its logits GEMM again shifted by each row's
+  lse. Both chunks' gradients under the tolerance rule, against the float64 truth; the
+  regime is asserted so the test cannot go easy."""
+  x = _inputs(key, 128, D, V, -100)
+  r = x["r"].at[64:].multiply(60.0)
+  lse = jax.nn.logsumexp((x["h"].astype(jnp.float32) @ x["wlm"].astype(jnp.float32))
+                         * r[:, None], axis=1)
+  assert float(jnp.max(jnp.abs(lse[:64]))) < S.EXP_STORE_RANGE / 2
+  assert float(jnp.min(lse[64:])) > S.EXP_STORE_RANGE * 1.5
+  x["r"] = r
+  _check(x, -100, "mean", kernel_impl, 0.75, 64, head_grad="exp")
+
+
+def test_head_grad_checks(key):
+  x = _inputs(key, 64, D, V, -100)
+  with pytest.raises(ValueError, match=r"head_grad='exps': one of \('logits', 'exp'\)"):
+    F.rmsnorm_lm_head_loss(x["h"], x["r"], x["wlm"], x["tgt"], head_grad="exps")
+  with pytest.raises(ValueError, match="overflows float16"):
+    F.rmsnorm_lm_head_loss(x["h"].astype(jnp.float16), x["r"], x["wlm"].astype(jnp.float16),
+                           x["tgt"], head_grad="exp")
 
 
 V_ODD = 201  # not a multiple of 64, as GPT-2's 50257: padded to 256 columns
 
 
-@pytest.mark.parametrize("wlm_layout, reduction, chunk_rows",
-                         [("dv", "mean", None), ("vd", "none", 64), ("vd", "sum", 64)])
-def test_vocabulary_that_does_not_tile(key, kernel_impl, wlm_layout, reduction, chunk_rows):
+@pytest.mark.parametrize("wlm_layout, reduction, chunk_rows, head_grad",
+                         [("dv", "mean", None, "logits"), ("vd", "none", 64, "logits"),
+                          ("vd", "sum", 64, "logits"), ("vd", "mean", 64, "exp")])
+def test_vocabulary_that_does_not_tile(key, kernel_impl, wlm_layout, reduction, chunk_rows,
+                                       head_grad):
   """V = 201 runs on the kernels (``fused_ops.pad_vocab``): the head is padded to 256
   columns and an ``AddBias`` mask gives the pad columns the logit ``PAD_LOGIT``, whose
   probability and gradient are exactly 0. Loss and gradients (dW has V columns) held to
@@ -176,12 +211,14 @@ def test_vocabulary_that_does_not_tile(key, kernel_impl, wlm_layout, reduction, 
   with pytest.raises(ValueError, match="does not tile"):
     S.lm_head_stats(x["h"], x["r"], x["wlm"], x["tgt"], kernel_impl)
   ct = normal(jax.random.fold_in(key, 1), (128,)) if reduction == "none" else 0.75
-  _, grads = _check(x, -100, reduction, kernel_impl, ct, chunk_rows, wlm_layout=wlm_layout)
+  _, grads = _check(x, -100, reduction, kernel_impl, ct, chunk_rows, wlm_layout=wlm_layout,
+                    head_grad=head_grad)
   assert grads[2].shape == (D, V_ODD)
 
 
-@pytest.mark.parametrize("reduction, gemms", [("mean", 3), ("none", 4)])
-def test_hub_gpt2_vocabulary_lowers_to_kernels_for_an_h100(reduction, gemms):
+@pytest.mark.parametrize("reduction, head_grad, gemms",
+                         [("mean", "logits", 3), ("none", "logits", 4), ("mean", "exp", 4)])
+def test_hub_gpt2_vocabulary_lowers_to_kernels_for_an_h100(reduction, head_grad, gemms):
   """GPT-2's vocabulary of 50257 (tied, (V, D)) exported for CUDA as an H100 runs it
   (``bench.lowering_time``: Mosaic GPU lowers without a GPU): the loss's gradient
   traces its 3 (scalar loss) or 4 (per-row) vocabulary-sized GEMMs as kernels, where
@@ -191,7 +228,8 @@ def test_hub_gpt2_vocabulary_lowers_to_kernels_for_an_h100(reduction, gemms):
   shapes = (jax.ShapeDtypeStruct((m, d), jnp.bfloat16), jax.ShapeDtypeStruct((m,), jnp.float32),
             jax.ShapeDtypeStruct((v, d), jnp.bfloat16), jax.ShapeDtypeStruct((m,), jnp.int32))
   loss = lambda h, r, w, t: jnp.sum(F.rmsnorm_lm_head_loss(h, r, w, t, reduction=reduction,
-                                                           wlm_layout="vd"))
+                                                           wlm_layout="vd",
+                                                           head_grad=head_grad))
   assert export_time(jax.grad(loss, (0, 1, 2)), *shapes)["gemms_traced"] == gemms
 
 

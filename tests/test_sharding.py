@@ -27,6 +27,17 @@ def test_rules_are_identity_outside_shard_map():
   assert sharding.reduce_like(None, w) is None
 
 
+def test_set_row_columns_writes_one_element_per_row():
+  """partitioning.set_row_columns (the LM head's target column): row m gets val[m] at
+  col[m]; a column outside [0, N), negative included (jnp indexing would wrap -1 to the
+  last column), leaves its row as it was. Its sharded form runs in the sharded cases
+  below (lm_head_loss_exp, tp_lm_head_loss_exp: no collectives)."""
+  from coda_jax.partitioning import set_row_columns
+  x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+  got = jax.jit(set_row_columns)(x, jnp.array([1, -1, 4]), jnp.array([50.0, 60.0, 70.0]))
+  assert jnp.array_equal(got, x.at[0, 1].set(50.0)), got
+
+
 @dataclasses.dataclass
 class Case:
   diff: float  # max relative gradient difference from one device
@@ -41,8 +52,9 @@ class Case:
 
 M, D, F_, QKV, V = 256, 128, 192, 256, 320  # sharded_check.py's sizes
 OPS = ["residual_rmsnorm", "rmsnorm_swiglu", "rmsnorm_qkv_rope", "rmsnorm_lm_head_loss",
-       "lm_head_loss_chunked", "shifted_block", "post_block"]
-TP = ["tp_rmsnorm_swiglu", "tp_lm_head_loss", "tp_shifted_block", "tp_post_block"]
+       "lm_head_loss_chunked", "lm_head_loss_exp", "shifted_block", "post_block"]
+TP = ["tp_rmsnorm_swiglu", "tp_lm_head_loss", "tp_lm_head_loss_exp", "tp_shifted_block",
+      "tp_post_block"]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +75,7 @@ def sharded_results():
                        r"largest_reduce=(\d+) forward_largest_reduce=(\d+)", out.stdout):
     cases[m.group(1), m.group(2)] = Case(float(m.group(3)),
                                          *map(int, m.group(4, 5, 6, 7, 8, 9, 10)))
-  assert len(cases) == 7 + 2 * 11, out.stdout
+  assert len(cases) == len(OPS) + 2 * (len(OPS) + len(TP)), out.stdout
   m = re.search(r"TRAIN loss_diff=(\S+) param_diff=(\S+) all-gather=(\d+) all-reduce=(\d+)",
                 out.stdout)
   assert m, out.stdout
