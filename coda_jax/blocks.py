@@ -311,6 +311,7 @@ def post_block(x0, y0, targets, params, cfg: BlockConfig):
   F.check_rows("targets", targets, x0.shape[:-1], "int")
   if cfg.reduction not in F.REDUCTIONS:
     raise ValueError(f"reduction={cfg.reduction!r}: one of {F.REDUCTIONS}")
+  F.check_head_grad(cfg.head_grad, x0.dtype)
   rows = S.row_chunks(targets.size, _vocab(params, cfg), cfg.lm_chunk_rows,
                       buffers=1 if cfg.reduction == "none" else 2)
   loss = _post(F.flat_rows(x0), F.flat_rows(y0), targets.reshape(-1).astype(jnp.int32),
