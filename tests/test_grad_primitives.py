@@ -12,7 +12,7 @@ import pallas_kernels as pk
 
 import coda_jax as cj
 from coda_jax import dispatch, ops
-from coda_jax.grad_primitives import GatedGrad, RmsNormGrad, SoftmaxXentGrad
+from coda_jax.grad_primitives import ExpShifted, GatedGrad, RmsNormGrad, SoftmaxXentGrad
 from coda_jax.primitives import Gated, PickColumn, RowLogSumExp
 from helpers import (assert_within_baseline, gated_pairs, gemm_inputs, normal, rel_err,
                      spread_rows)
@@ -112,6 +112,9 @@ PROGRAMS = {
     # the LSE without the target column (what the LM head's forward now computes)
     "xent_lse_rest": [cj.ScaleRow("r"), cj.RowLogSumExp("lse", exclude="t", rest="lse_rest"),
                       PickColumn("t", "tgt"), cj.Store("d")],
+    # the exp-store LM head's logits GEMM (block_gemms.lm_head_exp)
+    "xent_exp_store": [cj.ScaleRow("r"), cj.RowLogSumExp("lse", exclude="t", rest="lse_rest"),
+                       PickColumn("t", "tgt"), ExpShifted("shift"), cj.Store("d")],
 }
 
 
@@ -131,6 +134,7 @@ def test_backward_program_in_kernel(name, key, kernel_impl, schedule, monkeypatc
   inputs, _, _ = ops._declared(program, M, N)
   ops_all = _operands(jax.random.fold_in(key, 1), jnp.bfloat16)
   ops_all["lse_in"] = 2 + normal(key, (M,))
+  ops_all["shift"] = normal(jax.random.fold_in(key, 2), (M,))
   operands = {k: ops_all[k] for k in inputs}
   up = {k: v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v for k, v in operands.items()}
   truth = cj.reference(a.astype(jnp.float32), b.astype(jnp.float32), _f32(program), up,
