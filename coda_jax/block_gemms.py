@@ -201,24 +201,25 @@ def xent_logits_grad(h, r, wlm, lse, tgt, lse_rest, targets, weight, impl, w_nk=
   finish lowering it for sm90.)"""
   head, operands = _logits_head(r, targets, vmask)
   out = gemm_epilogue(h, wlm, head + [SoftmaxXentGrad("lse", "t", "w", "zdz"),
-                                      P.Store("dlogits", h.dtype)],
+                                      P.PickColumn("t", "dt"), P.Store("dlogits", h.dtype)],
                       dict(operands, lse=lse, w=weight), trans_b=w_nk, impl=impl)
-  return target_column_from_stats(out["dlogits"], out["zdz"], lse, tgt, lse_rest, targets,
-                                  weight)
+  return target_column_from_stats(out["dlogits"], out["zdz"], out["dt"], lse, tgt, lse_rest,
+                                  targets, weight)
 
 
-def target_column_from_stats(dlogits, zdz, lse, tgt, lse_rest, targets, weight):
+def target_column_from_stats(dlogits, zdz, old, lse, tgt, lse_rest, targets, weight):
   """(XLA, per row) dlogits' target column replaced by -exp(lse_rest - lse) * weight
   (-(1 - p_t), exact), and zdz's target term moved to match, with the fp32 target logit.
-  Rows whose target is not a column (ignored, out of range) are left as they are."""
-  m, v = dlogits.shape
+  ``old``: the kernel's fp32 target dlogit, which its zdz summed (``PickColumn`` after
+  ``SoftmaxXentGrad``: 0 where the target is not a column). Rows whose target is not a
+  column (ignored, out of range) are left as they are. No gather: on a vocabulary-
+  parallel head each shard sets its own columns (``set_row_columns``)."""
+  v = dlogits.shape[1]
   inside = (targets >= 0) & (targets < v)
-  col = jnp.where(inside, targets, v)  # out of bounds: dropped by the scatter
-  old = jnp.take_along_axis(dlogits, jnp.minimum(col, v - 1)[:, None], axis=1)[:, 0]
   new = -jnp.exp(lse_rest - lse) * weight
   # one element per row, written in place (no pass over the (rows, V) array)
   dlogits = set_row_columns(dlogits, targets, new)
-  return dlogits, zdz + jnp.where(inside, (new - old.astype(jnp.float32)) * tgt, 0.0)
+  return dlogits, zdz + jnp.where(inside, (new - old) * tgt, 0.0)
 
 
 def input_grad(dout, w, impl, r=None, w_nk=False, dtype=None):

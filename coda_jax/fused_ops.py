@@ -590,7 +590,7 @@ def _lm_bwd(opts, impl, saved, dloss):
     n = (hc.astype(jnp.float32) * rc[:, None]).astype(hc.dtype)
     return S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw), (dh, zdz / rc)
 
-  dw0 = vary_like(jnp.zeros(wp.shape, jnp.float32), h)  # varies with the rows' shards
+  dw0 = vary_like(jnp.zeros_like(wp, jnp.float32), h)  # varies with the rows' shards
   dw, (dh, dr) = jax.lax.scan(step, dw0,
                               tuple(chunked(rows, h, r, lse, tgt, rest, targets, weight)))
   dw = unpad_vocab(dw, vocab, w_nk)

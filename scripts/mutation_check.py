@@ -625,8 +625,8 @@ MUTATIONS = [
         "logit: exp(z_t - lse) - 1 is wrong in its leading digit on confident rows"),
     Mutation(
         "xent_recompute_target_unpatched", "coda_jax/block_gemms.py",
-        "  return target_column_from_stats(out[\"dlogits\"], out[\"zdz\"], lse, tgt, lse_rest, "
-        "targets,\n                                  weight)\n",
+        "  return target_column_from_stats(out[\"dlogits\"], out[\"zdz\"], out[\"dt\"], lse, tgt, lse_rest,\n"
+        "                                  targets, weight)\n",
         "  return out[\"dlogits\"], out[\"zdz\"]\n",
         ("tests/test_losses.py", "-k", "confident"),
         "the recomputing backward keeps the recomputed target dlogit (its last bits differ "

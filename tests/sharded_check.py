@@ -102,6 +102,11 @@ TP_CASES = {
     "tp_rmsnorm_swiglu": CASES["rmsnorm_swiglu"][:2] + ((R, R, COL, Y), (0, 1, 2)),
     "tp_lm_head_loss": CASES["lm_head_loss_chunked"][:2] + ((R, R, COL, R), (0, 1, 2)),
     "tp_lm_head_loss_exp": CASES["lm_head_loss_exp"][:2] + ((R, R, COL, R), (0, 1, 2)),
+    # per-token losses: the backward recomputes the logits and sets the target column
+    "tp_lm_head_loss_none": (
+        lambda h, r, w, t, c: jnp.sum(c * F.rmsnorm_lm_head_loss(
+            h, r, w, t, reduction="none", chunk_rows=M // 4, impl=IMPL)),
+        (h, r, wlm, tgt, normal((M,)).astype(jnp.float32)), (R, R, COL, R, R), (0, 1, 2)),
     "tp_shifted_block": CASES["shifted_block"][:2] + ((R, Y, R, TP_BLOCK, R, Y), (0, 1, 3)),
     "tp_post_block": CASES["post_block"][:2] + ((R, Y, R, TP_POST), (0, 1, 3)),
 }
