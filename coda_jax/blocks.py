@@ -72,8 +72,7 @@ class BlockConfig:
     if not self.eps > 0:
       raise ValueError(f"eps={self.eps} must be positive")
     F.head_layout(self.wlm_layout)  # raises on anything but "dv" / "vd"
-    if self.head_grad not in F.HEAD_GRADS:
-      raise ValueError(f"head_grad={self.head_grad!r}: one of {F.HEAD_GRADS}")
+    F.check_head_grad(self.head_grad)
     if self.lm_chunk_rows is not None and self.lm_chunk_rows <= 0:
       raise ValueError(f"lm_chunk_rows={self.lm_chunk_rows} must be positive (or None)")
     if not isinstance(self.impl, str):
@@ -329,8 +328,8 @@ def _post(x0, y0, targets, params, cfg):
                            _vocab(params, cfg))
 
 
-# The final norm's backward on a whole (rows, D) dn in fp32 (the "exp" head: its dh GEMM
-# ends in the target columns' correction, so the norm runs after it, in XLA).
+# The final norm's backward on a whole (rows, D) dn in fp32 (the "exp" head: its c term,
+# <dn, n> / D, is known only once the dh GEMM has made dn, so the norm runs after it, in XLA).
 NORM_GRAD = (RmsNormGrad("x", "r", "c", "g", "dg", "n", jnp.float32), P.Store("dx", jnp.float32))
 NORM_GRAD_OUTPUTS = tuple(o for step in NORM_GRAD for o in step.outputs(1))
 

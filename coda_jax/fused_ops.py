@@ -406,8 +406,7 @@ class HeadOptions:
       raise ValueError(f"reduction={self.reduction!r}: one of {REDUCTIONS}")
     if self.rows <= 0:
       raise ValueError(f"rows={self.rows} per chunk must be positive")
-    if self.head_grad not in HEAD_GRADS:
-      raise ValueError(f"head_grad={self.head_grad!r}: one of {HEAD_GRADS}")
+    check_head_grad(self.head_grad)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -494,8 +493,6 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
     return (S.head_weight_grad(ns, e, impl, w_nk, accumulate=dw), sums), (lse, tgt, ys)
 
   def step(carry, args):
-    if store == "exp":
-      return step_exp(carry, args)
     dw, sums = carry
     hc, rc, tc, wc, *rest = args
     lse, tgt, lse_rest, z = S.lm_head_logits(hc, rc, w, tc, impl, w_nk, vmask)
@@ -507,14 +504,17 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
   xs = tuple(chunked(rows, h, r, targets, weight, *per_row))
   vary = lambda x: vary_like(x, h)  # the accumulators vary with the rows' shards
   init = (vary(jnp.zeros(wlm.shape, jnp.float32)), jax.tree.map(vary, sums0))
-  (dw, sums), (lse, tgt, ys) = jax.lax.scan(step, init, xs)
+  body = step_exp if store == "exp" else step
+  (dw, sums), (lse, tgt, ys) = jax.lax.scan(body, init, xs)
   return unchunked(lse), unchunked(tgt), dw, jax.tree.map(unchunked, ys), sums
 
 
-def check_head_grad(head_grad: str, dtype) -> None:
+def check_head_grad(head_grad: str, dtype=None) -> None:
+  """ValueError unless ``head_grad`` is one of ``HEAD_GRADS`` and, when the activations'
+  ``dtype`` is given, can run in it."""
   if head_grad not in HEAD_GRADS:
     raise ValueError(f"head_grad={head_grad!r}: one of {HEAD_GRADS}")
-  if head_grad == "exp" and jnp.dtype(dtype) == jnp.float16:
+  if head_grad == "exp" and dtype is not None and jnp.dtype(dtype) == jnp.float16:
     raise ValueError("head_grad='exp' stores exp(logits), which overflows float16 above "
                      "logit 11: use bfloat16 (or float32) activations, or "
                      "head_grad='logits'")

@@ -289,16 +289,17 @@ def _set_local(n_axes, x, col, val):
   return x.at[jnp.arange(m), col].set(val.astype(x.dtype), mode="drop")
 
 
-def _axes(entry):
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+def _set_specs(spec):
+  """From x's spec: its column mesh axes, and the specs of x and of the row operands."""
+  axes = lambda e: () if e is None else (e,) if isinstance(e, str) else tuple(e)
+  m_axes, n_axes = (axes(spec[0]) if len(spec) > 0 else (),
+                    axes(spec[1]) if len(spec) > 1 else ())
+  return n_axes, PartitionSpec(m_axes or None, n_axes or None), PartitionSpec(m_axes or None)
 
 
 def _set_partition(mesh, arg_shapes, result_shape):
-  spec = arg_shapes[0].sharding.spec
-  m_axes, n_axes = (_axes(spec[0]) if len(spec) > 0 else (),
-                    _axes(spec[1]) if len(spec) > 1 else ())
-  x_sh = NamedSharding(mesh, PartitionSpec(m_axes or None, n_axes or None))
-  rows = NamedSharding(mesh, PartitionSpec(m_axes or None))
+  n_axes, x_spec, rows = _set_specs(arg_shapes[0].sharding.spec)
+  x_sh, rows = NamedSharding(mesh, x_spec), NamedSharding(mesh, rows)
   return (mesh, functools.partial(_set_local, n_axes), x_sh, (x_sh, rows, rows))
 
 
@@ -320,10 +321,7 @@ def set_row_columns(x, col, val):
   mesh = explicit_mesh(x, col, val)
   if mesh is None:
     return _set_partitioned(x, col, val)
-  spec = jax.typeof(x).sharding.spec
-  m_axes, n_axes = (_axes(spec[0]) if len(spec) > 0 else (),
-                    _axes(spec[1]) if len(spec) > 1 else ())
-  x_spec, rows = PartitionSpec(m_axes or None, n_axes or None), PartitionSpec(m_axes or None)
+  n_axes, x_spec, rows = _set_specs(jax.typeof(x).sharding.spec)
   args = [jax.reshard(a, NamedSharding(mesh, s)) for a, s in ((x, x_spec), (col, rows),
                                                                (val, rows))]
   return jax.shard_map(functools.partial(_set_local, n_axes), mesh=mesh,

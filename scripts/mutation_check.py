@@ -586,10 +586,10 @@ MUTATIONS = [
         "= 0, issue 12)"),
     Mutation(
         "lm_chunks_unrolled", "coda_jax/fused_ops.py",
-        "  (dw, sums), (lse, tgt, ys) = jax.lax.scan(step, init, xs)\n",
+        "  (dw, sums), (lse, tgt, ys) = jax.lax.scan(body, init, xs)\n",
         "  carry, outs = init, []\n"
         "  for c in range(xs[0].shape[0]):\n"
-        "    carry, o = step(carry, tuple(x[c] for x in xs))\n"
+        "    carry, o = body(carry, tuple(x[c] for x in xs))\n"
         "    outs.append(o)\n"
         "  (dw, sums), (lse, tgt, ys) = carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)\n",
         ("tests/test_bench_harness.py", "-k", "lowering_time"),
