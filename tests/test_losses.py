@@ -48,6 +48,27 @@ def ce_rows_f64(h, r, wlm, targets, ignore_index):
   return np.where(valid & ~inside, np.nan, np.where(valid, lse - picked, 0.0)), valid
 
 
+def ce_grads_f64(h, r, wlm, targets, ignore_index, reduction, ct):
+  """d/d(h, r, wlm) of sum(ct * loss) in float64 (targets in [0, V) or ignored): the
+  gradients' truth. fp32 is not enough for it: a confident row's target dlogit
+  -(1 - p_t) is then formed as p_t - 1 with p_t within a few fp32 ulps (6e-8) of 1, and
+  an fp32 reference (XLA's exp on the GPU rounds differently from the CPU's) is itself
+  off by up to ~100% in such a row."""
+  hf, rf, wf = (np.asarray(a, np.float64) for a in (h, r, wlm))
+  u = hf @ wf
+  z = u * rf[:, None]
+  p = np.exp(z - z.max(axis=1, keepdims=True))
+  p /= p.sum(axis=1, keepdims=True)
+  t = np.asarray(targets)
+  valid = t != ignore_index
+  onehot = np.arange(z.shape[1])[None, :] == t[:, None]
+  scale = np.broadcast_to(np.asarray(ct, np.float64), t.shape) * valid
+  if reduction == "mean":
+    scale = scale / max(valid.sum(), 1)
+  dz = (p - onehot) * scale[:, None]
+  return (dz * rf[:, None]) @ wf.T, (dz * u).sum(axis=1), hf.T @ (dz * rf[:, None])
+
+
 def reduce_f64(losses, valid, reduction):
   if reduction == "none":
     return losses
@@ -90,8 +111,11 @@ def _check(x, ignore_index, reduction, impl, ct, chunk_rows=None, wlm_layout="dv
   base = ref(*args)
   up = [a.astype(jnp.float32) for a in args]
   with jax.default_matmul_precision("highest"):
-    g_truth = jax.jit(jax.grad(proj(ref), (0, 1, 2)))(*up)
     np.testing.assert_allclose(np.asarray(jax.jit(ref)(*up)), truth, rtol=1e-5, atol=1e-5)
+  t = np.asarray(x["tgt"])
+  assert np.all((t == ignore_index) | ((t >= 0) & (t < x["wlm"].shape[1]))), \
+    "_check's gradient truth takes targets in [0, V) or ignored"
+  g_truth = ce_grads_f64(*args, x["tgt"], ignore_index, reduction, ct)
   g_base = jax.grad(proj(ref), (0, 1, 2))(*args)
   assert got.shape == np.shape(truth) and got.dtype == jnp.float32
   assert_within_baseline(jnp.atleast_1d(got), np.atleast_1d(truth), jnp.atleast_1d(base),
@@ -155,7 +179,8 @@ def test_confident_rows_with_large_logits(key, kernel_impl, reduction, head_grad
   with p_t up to 1 - 5e-7. The target's dlogit -(1 - p_t) is then tiny beside p_t; on
   the forward-formed path it must come from the target's fp32 logit, not the stored
   fp16 one (whose rounding, ~|z| 2^-12, made one row's dh 116x wrong: 2 x 0.27 allowed).
-  The regime is asserted, so the test cannot go easy if the inputs drift."""
+  The regime is asserted, so the test cannot go easy if the inputs drift. The truth is
+  float64 (``ce_grads_f64``): an fp32 one rounds 1 - p_t itself."""
   x = _inputs(key, 128, D, V, -100)
   x["wlm"] = (x["wlm"].astype(jnp.float32) * 12).astype(jnp.bfloat16)
   z = (x["h"].astype(jnp.float32) @ x["wlm"].astype(jnp.float32)) * x["r"][:, None]
