@@ -546,6 +546,26 @@ MUTATIONS = [
         '    put(getattr(model.layers, k), jnp.stack(layers), f"h.*.{n} (stacked)")',
         ("tests/test_gpt2.py", "-k", "hf_round_trip"),
         "the import transposes c_proj (D, D), the one matrix whose shape check cannot see it"),
+    # ---- issue 12: our checkpoint files loaded by transformers (tests/test_hf_interop.py);
+    # both are symmetric, so that a save-and-load round trip of our own cannot see them
+    Mutation(
+        "hf_gate_up_names_swapped", "flax_layers/checkpoint.py",
+        '"w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",',
+        '"w_gate": "mlp.up_proj.weight", "w_up": "mlp.gate_proj.weight",',
+        ("tests/test_hf_interop.py",),
+        "the Llama files name the SwiGLU gate up_proj and the up projection gate_proj"),
+    Mutation(
+        "gpt2_hf_ln_names_swapped", "flax_layers/gpt2.py",
+        '"norm_attn": "ln_1.weight", "norm_attn_bias": "ln_1.bias",\n'
+        '             "c_attn": "attn.c_attn.weight", "c_attn_bias": "attn.c_attn.bias",\n'
+        '             "c_proj": "attn.c_proj.weight", "c_proj_bias": "attn.c_proj.bias",\n'
+        '             "norm_mlp": "ln_2.weight",',
+        '"norm_attn": "ln_2.weight", "norm_attn_bias": "ln_1.bias",\n'
+        '             "c_attn": "attn.c_attn.weight", "c_attn_bias": "attn.c_attn.bias",\n'
+        '             "c_proj": "attn.c_proj.weight", "c_proj_bias": "attn.c_proj.bias",\n'
+        '             "norm_mlp": "ln_1.weight",',
+        ("tests/test_hf_interop.py", "-k", "gpt2"),
+        "the GPT-2 files swap the two LayerNorms' weights (ln_1 named ln_2)"),
     Mutation(
         "gpt2_positions_from_one", "flax_layers/gpt2.py",
         "positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),",
