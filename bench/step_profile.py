@@ -1,0 +1,120 @@
+"""Where one training step's GPU time goes, on the fused path and on the reference: the
+CUPTI time of every kernel of one step (median of a few), summed by kind.
+
+    PYTHONPATH=. python -m bench.step_profile --config llama-3-8b --layers 4 --batch 4
+
+The kinds are matched on kernel names (``KINDS``, first match wins; ``--top`` prints the
+largest kernels by name, to check the matching). The state is not donated, so that the
+same step can run again: it is held twice, which is why the default batch is 4, not the
+training benchmark's 8. Writes ``step_profile_<config>_<layers>l.{md,json}`` to --out
+(default bench/results/<device>/). Needs a GPU (CUPTI)."""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import re
+from pathlib import Path
+
+# as bench.train: both paths may use 95% of the GPU (its docstring says why)
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
+import jax  # noqa: E402 (after the allocator's setting)
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from bench import common  # noqa: E402
+from flax_layers import Llama, get_config, train  # noqa: E402
+
+# (kind, regular expression over the kernel's name); the first that matches names it
+KINDS = (
+    ("attention", r"cudnn|flash|fmha|sdpa|attention"),
+    ("our GEMM kernels (Mosaic GPU)", r"coda_gemm|mosaic|pallas"),
+    ("XLA's GEMMs (cuBLAS)", r"gemm|cutlass|xmma|nvjet|cublas|sm90_"),
+    ("copies and sets", r"memcpy|memset|copy"),
+    ("XLA fusions and reductions", r"fusion|loop_|input_|reduce|convert|transpose|"
+                                   r"broadcast|concatenate|slice|scatter|gather|select"),
+)
+
+
+def kind_of(name: str) -> str:
+  for kind, pattern in KINDS:
+    if re.search(pattern, name, re.IGNORECASE):
+      return kind
+  return "other"
+
+
+def profile_path(cfg, fused: bool, batch: int, seq: int, iterations: int, seed: int = 0):
+  """(total ms, [(kernel name, ms)]) of one optimizer step on random tokens."""
+  model = Llama(cfg, rngs=nnx.Rngs(seed), fused=fused)
+  graphdef, state = train.init_state(model, train.make_optimizer(total_steps=100))
+  del model
+  step = train.make_train_step(graphdef, donate=False)
+  tokens = jax.random.randint(jax.random.key(seed + 1), (batch, seq), 0, cfg.vocab_size)
+  targets = jnp.roll(tokens, -1, axis=1)
+  total, per_kernel = common.time_kernels(step, state, tokens, targets,
+                                          iterations=iterations)
+  del state, step
+  gc.collect()
+  jax.clear_caches()
+  return total, per_kernel
+
+
+def by_kind(per_kernel):
+  sums = {}
+  for name, ms in per_kernel:
+    sums[kind_of(name)] = sums.get(kind_of(name), 0.0) + ms
+  return sums
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--config", default="llama-3-8b")
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--batch", type=int, default=4)
+  p.add_argument("--seq", type=int, default=2048)
+  p.add_argument("--iterations", type=int, default=3)
+  p.add_argument("--top", type=int, default=15, help="largest kernels listed per path")
+  p.add_argument("--out", type=Path, default=None)
+  args = p.parse_args()
+  if jax.devices()[0].platform != "gpu":
+    raise SystemExit("bench.step_profile times kernels with CUPTI: run it on the GPU host")
+  cfg = get_config(args.config, n_layers=args.layers)
+  prov = common.provenance()
+  runs = {}
+  for path in ("fused", "reference"):
+    runs[path] = profile_path(cfg, path == "fused", args.batch, args.seq, args.iterations)
+    print(f"{path}: {runs[path][0]:.1f} ms of kernels a step", flush=True)
+  kinds = [k for k, _ in KINDS] + ["other"]
+  sums = {path: by_kind(pk) for path, (_, pk) in runs.items()}
+  md = [f"# Kernel time of one training step: {args.config}, {args.layers} layers, "
+        f"batch {args.batch} x {args.seq}", "",
+        f"device: {prov['device']}; jax {prov['jax_version']}; commit {prov['commit']}",
+        f"command: `{prov['command']}`",
+        "times: CUPTI, ms, median over iterations of each kernel; the step not donated", "",
+        "| kind | fused ms | reference ms | reference - fused |", "|---|---|---|---|"]
+  for k in kinds:
+    f, r = sums["fused"].get(k, 0.0), sums["reference"].get(k, 0.0)
+    md.append(f"| {k} | {f:.2f} | {r:.2f} | {r - f:+.2f} |")
+  tf, tr = runs["fused"][0], runs["reference"][0]
+  md += [f"| **all kernels** | **{tf:.2f}** | **{tr:.2f}** | **{tr - tf:+.2f}** |", "",
+         f"reference / fused: {tr / tf:.3f}", ""]
+  for path, (_, pk) in runs.items():
+    md += [f"## {path}: the {args.top} largest kernels", "", "| kernel | kind | ms |",
+           "|---|---|---|"]
+    merged = {}
+    for name, ms in pk:
+      merged[name] = merged.get(name, 0.0) + ms
+    for name, ms in sorted(merged.items(), key=lambda kv: -kv[1])[:args.top]:
+      md.append(f"| `{name[:90]}` | {kind_of(name)} | {ms:.2f} |")
+    md.append("")
+  text = "\n".join(md) + "\n"
+  print(text)
+  rows = [dict(path=path, config=args.config, layers=args.layers, batch=args.batch,
+               seq=args.seq, kernel_ms=runs[path][0], by_kind=sums[path], **prov)
+          for path in runs]
+  common.write_results(f"step_profile_{args.config}_{args.layers}l", rows, text, args.out)
+
+
+if __name__ == "__main__":
+  main()
