@@ -6,7 +6,9 @@ CUPTI time of every kernel of one step (median of a few), summed by kind.
 The kinds are matched on kernel names (``KINDS``, first match wins; ``--top`` prints the
 largest kernels by name, to check the matching). The state is not donated, so that the
 same step can run again: it is held twice, which is why the default batch is 4, not the
-training benchmark's 8. Writes ``step_profile_<config>_<layers>l.{md,json}`` to --out
+training benchmark's 8, and the profiler keeps every iteration's outputs (a new state
+each), which is why the default is one iteration (3 ran out of memory at 8B-4l on an
+H100). Writes ``step_profile_<config>_<layers>l.{md,json}`` to --out
 (default bench/results/<device>/). Needs a GPU (CUPTI)."""
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def main():
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--batch", type=int, default=4)
   p.add_argument("--seq", type=int, default=2048)
-  p.add_argument("--iterations", type=int, default=3)
+  p.add_argument("--iterations", type=int, default=1)
   p.add_argument("--top", type=int, default=15, help="largest kernels listed per path")
   p.add_argument("--out", type=Path, default=None)
   args = p.parse_args()
