@@ -16,7 +16,7 @@ import pytest
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as R
 from coda_jax import block_gemms as S
-from helpers import assert_within_baseline, normal, spread_rows
+from helpers import assert_within_baseline, f64, normal, spread_rows
 
 D, V = 192, 384  # distinct from each other and from the row counts
 EPS = 1e-5
@@ -37,8 +37,8 @@ def _inputs(key, m, d, v, ignore_index, dt=jnp.bfloat16):
 def ce_rows_f64(h, r, wlm, targets, ignore_index):
   """Per-row cross-entropy in float64: lse(logits) - logits[t] (t in [0, V)), NaN
   (t outside), 0 (t == ignore_index). Returns (losses, valid)."""
-  logits = (np.asarray(h, np.float64) @ np.asarray(wlm, np.float64)
-            * np.asarray(r, np.float64)[:, None])
+  hf, rf, wf = map(f64, (h, r, wlm))
+  logits = hf @ wf * rf[:, None]
   mx = logits.max(axis=1)
   lse = mx + np.log(np.exp(logits - mx[:, None]).sum(axis=1))
   t = np.asarray(targets)
@@ -54,7 +54,7 @@ def ce_grads_f64(h, r, wlm, targets, ignore_index, reduction, ct):
   -(1 - p_t) is then formed as p_t - 1 with p_t within a few fp32 ulps (6e-8) of 1, and
   an fp32 reference (XLA's exp on the GPU rounds differently from the CPU's) is itself
   off by up to ~100% in such a row."""
-  hf, rf, wf = (np.asarray(a, np.float64) for a in (h, r, wlm))
+  hf, rf, wf = map(f64, (h, r, wlm))
   u = hf @ wf
   z = u * rf[:, None]
   p = np.exp(z - z.max(axis=1, keepdims=True))
@@ -66,7 +66,8 @@ def ce_grads_f64(h, r, wlm, targets, ignore_index, reduction, ct):
   if reduction == "mean":
     scale = scale / max(valid.sum(), 1)
   dz = (p - onehot) * scale[:, None]
-  return (dz * rf[:, None]) @ wf.T, (dz * u).sum(axis=1), hf.T @ (dz * rf[:, None])
+  dzr = dz * rf[:, None]  # d/d(h @ W)
+  return dzr @ wf.T, (dz * u).sum(axis=1), hf.T @ dzr
 
 
 def reduce_f64(losses, valid, reduction):
