@@ -20,6 +20,7 @@ last has the winner against the heuristic default for each problem.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -31,7 +32,7 @@ from pathlib import Path
 import jax
 
 from pallas_kernels import autotune
-from bench import common
+from bench import common, lowering_time
 
 
 def bench_problems(shapes, programs):
@@ -86,23 +87,8 @@ def family_problems(shape_name):
   return {k: (f"{shape_name} block fwd+bwd", problem) for k, problem in rec.items()}
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--workloads", default="bench,block-1b,block-8b")
-  p.add_argument("--shapes", default=None, help="bench workload: MxKxN,... (default all)")
-  p.add_argument("--programs", default="all", help="bench workload: program names")
-  p.add_argument("--out", default=str(autotune.SHIPPED_CACHE))
-  p.add_argument("--iterations", type=int, default=10)
-  p.add_argument("--extra", action="store_true",
-                 help="a wider search (bands of 8, tile_k 32, all tile operands staged)")
-  p.add_argument("--budget-s", type=float, default=None,
-                 help="stop starting new problems after this many seconds")
-  p.add_argument("--list", action="store_true", help="list the problems and stop")
-  p.add_argument("--retune", action="store_true",
-                 help="tune problems that --out already has too (default: skip them)")
-  args = p.parse_args()
-  if jax.devices()[0].platform != "gpu":
-    sys.exit("tune_gemm measures on the device: run it on the GPU host")
+def find_problems(args) -> dict:
+  """key text -> (where, problem) of every GEMM the ``--workloads`` trace."""
   from bench import gemm_epilogue as ge
   shapes = (ge.SHAPES if args.shapes is None else
             [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
@@ -119,6 +105,31 @@ def main():
                "family-gpt2_1b, family-qwen3_1.7b")
     for k, v in found.items():
       problems.setdefault(k, v)
+  return problems
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--workloads", default="bench,block-1b,block-8b")
+  p.add_argument("--shapes", default=None, help="bench workload: MxKxN,... (default all)")
+  p.add_argument("--programs", default="all", help="bench workload: program names")
+  p.add_argument("--out", default=str(autotune.SHIPPED_CACHE))
+  p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--extra", action="store_true",
+                 help="a wider search (bands of 8, tile_k 32, all tile operands staged)")
+  p.add_argument("--budget-s", type=float, default=None,
+                 help="stop starting new problems after this many seconds")
+  p.add_argument("--list", action="store_true", help="list the problems and stop")
+  p.add_argument("--retune", action="store_true",
+                 help="tune problems that --out already has too (default: skip them)")
+  args = p.parse_args()
+  on_gpu = jax.devices()[0].platform == "gpu"
+  if not on_gpu and not args.list:
+    sys.exit("tune_gemm measures on the device: run it on the GPU host (--list runs "
+             "anywhere)")
+  # --list without a GPU: the workloads are traced as an H100 would run them
+  with contextlib.nullcontext() if on_gpu else lowering_time.pretend_h100():
+    problems = find_problems(args)
   prov = common.provenance()
   print(f"{len(problems)} GEMM problems; {prov}", flush=True)
   if args.list:

@@ -34,3 +34,26 @@ def test_lowering_time_lowers_each_lm_head_kernel_once():
   two, four = lt.post_block("tiny", 128), lt.post_block("tiny", 64)  # M = 256 rows
   assert two["gemms_traced"] == four["gemms_traced"] > 0, (two, four)
   assert two["seconds"] > 0 and two["module_mb"] > 0, two
+
+
+def test_tune_gemm_lists_a_workloads_gemms_without_a_gpu(monkeypatch, capsys):
+  """``bench.tune_gemm --list`` traces a workload as an H100 would run it, on any machine,
+  so that a session can plan its device time (which GEMMs to tune or time) before it has
+  a GPU; without --list it still refuses to run off the GPU."""
+  import sys
+  from bench import tune_gemm
+  if jax.devices()[0].platform == "gpu":
+    pytest.skip("this checks the CPU path of --list; on the GPU host it lists as tuning does")
+  monkeypatch.setattr(sys, "argv", ["tune_gemm", "--list", "--workloads", "block-1b"])
+  tune_gemm.main()
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("1b ")]
+  keys = [l.split(": ", 1)[1] for l in lines]
+  assert len(keys) == len(set(keys)) >= 12, lines
+  assert all(k.startswith("NVIDIA H100 80GB HBM3|") for k in keys), keys
+  shapes = {tuple(k.split("|")[2:4]) for k in keys}
+  # the fused MLP's up/gate GEMM, and the LM head's logits GEMM and its dW GEMM
+  assert {("16384x16384x2048", "nn"), ("2048x128256x2048", "nn"),
+          ("2048x128256x2048", "tn")} <= shapes, shapes
+  monkeypatch.setattr(sys, "argv", ["tune_gemm", "--workloads", "block-1b"])
+  with pytest.raises(SystemExit, match="run it on the GPU host"):
+    tune_gemm.main()
