@@ -410,8 +410,7 @@ def _post_head_bwd(p, params, targets, x2, h2, r2, stats, dloss, cfg):
                                      cfg.impl, w_nk)
     return (S.head_weight_grad(n2, dlogits, cfg.impl, w_nk, accumulate=dwlm), dg + dgc), dxa
 
-  init = (vary_like(jnp.zeros_like(wlm, jnp.float32), x2),  # varies with the rows
-          vary_like(jnp.zeros((d,), jnp.float32), x2))
+  init = (F.dw_carry(wlm, x2), vary_like(jnp.zeros((d,), jnp.float32), x2))
   (dwlm, dgf), dxa = jax.lax.scan(chunk, init,
                                   tuple(F.chunked(rows, x2, h2, r2, *stats, targets,
                                                   weight)))

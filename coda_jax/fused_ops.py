@@ -503,10 +503,17 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
 
   xs = tuple(chunked(rows, h, r, targets, weight, *per_row))
   vary = lambda x: vary_like(x, h)  # the accumulators vary with the rows' shards
-  init = (vary(jnp.zeros(wlm.shape, jnp.float32)), jax.tree.map(vary, sums0))
+  init = (dw_carry(wlm, h), jax.tree.map(vary, sums0))
   body = step_exp if store == "exp" else step
   (dw, sums), (lse, tgt, ys) = jax.lax.scan(body, init, xs)
   return unchunked(lse), unchunked(tgt), dw, jax.tree.map(unchunked, ys), sums
+
+
+def dw_carry(w, rows):
+  """The LM head's fp32 dW accumulator for a scan over row chunks: zeros shaped and (on
+  explicit mesh axes) sharded like the head ``w``, varying with ``rows``' shards (each
+  shard sums its own rows' part)."""
+  return vary_like(jnp.zeros_like(w, jnp.float32), rows)
 
 
 def check_head_grad(head_grad: str, dtype=None) -> None:
@@ -590,8 +597,7 @@ def _lm_bwd(opts, impl, saved, dloss):
     n = (hc.astype(jnp.float32) * rc[:, None]).astype(hc.dtype)
     return S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw), (dh, zdz / rc)
 
-  dw0 = vary_like(jnp.zeros_like(wp, jnp.float32), h)  # varies with the rows' shards
-  dw, (dh, dr) = jax.lax.scan(step, dw0,
+  dw, (dh, dr) = jax.lax.scan(step, dw_carry(wp, h),
                               tuple(chunked(rows, h, r, lse, tgt, rest, targets, weight)))
   dw = unpad_vocab(dw, vocab, w_nk)
   return unchunked(dh), unchunked(dr), reduce_like(dw, wlm).astype(wlm.dtype), None

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors import safe_open
 
 from flax_layers import Llama, get_config, save_hf_checkpoint
 from flax_layers.gpt2 import GPT2, get_gpt2_config, save_gpt2_checkpoint
@@ -64,9 +65,7 @@ def test_transformers_reads_a_tied_llama_config(tmp_path):
   cfg = get_config("tiny", n_layers=1, tie_embeddings=True)
   save_hf_checkpoint(Llama(cfg, rngs=nnx.Rngs(0), fused=False), tmp_path)
   assert transformers.AutoConfig.from_pretrained(tmp_path).tie_word_embeddings is True
-  index = json.loads((tmp_path / "config.json").read_text())
-  assert index["tie_word_embeddings"] is True
-  from safetensors import safe_open
+  assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is True
   with safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:
     assert "lm_head.weight" not in set(f.keys()) and "model.embed_tokens.weight" in set(f.keys())
 
