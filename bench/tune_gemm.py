@@ -10,7 +10,8 @@ to collect every distinct GEMM problem: the epilogue programs of bench/gemm_epil
 at its shapes (``bench``), and the fused Llama block forward, forward+backward and
 post-block forward+backward of bench/block.py (``block-1b``, ``block-8b``), and the
 GPT-2 and Qwen3 shifted blocks of bench/family_blocks.py (``family-gpt2_1b``,
-``family-qwen3_1.7b``). Each problem
+``family-qwen3_1.7b``), and the main job's fused train step (``train-llama-3-8b:4``:
+config, layers, batch rows). ``--list`` says which are in the cache. Each problem
 is then tuned (``autotune.tune``: both schedules, tiles, clusters, grid orders, epilogue
 widths, the deepest pipeline that fits) and written into ``--out``, by default the
 cache shipped with the library, ``pallas_kernels/tuned/gemm_configs.json``. Every
@@ -25,6 +26,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -87,6 +89,29 @@ def family_problems(shape_name):
   return {k: (f"{shape_name} block fwd+bwd", problem) for k, problem in rec.items()}
 
 
+def train_problems(spec: str):
+  """The GEMMs of the main job's fused train step (flax_layers.train.make_train_step)
+  for ``CONFIG:LAYERS[:BATCH]`` (batch of 2048-token rows, default 8), as bench/train.py
+  runs it: weight gradients accumulated in fp32, which the block workloads (bf16
+  weights) do not trace."""
+  from flax import nnx
+  import jax.numpy as jnp
+  from flax_layers import config as C, train
+  from flax_layers.model import Llama
+  name, _, rest = spec.partition(":")
+  layers, _, batch = rest.partition(":")
+  cfg = C.get_config(name, **({"n_layers": int(layers)} if layers else {}))
+  tx = train.make_optimizer(learning_rate=3e-4, total_steps=10)
+  graphdef, state = nnx.split(nnx.eval_shape(
+      lambda: (lambda m: (m, nnx.Optimizer(m, tx, wrt=nnx.Param)))(
+          Llama(cfg, rngs=nnx.Rngs(0), fused=True))))
+  step = train.make_train_step(graphdef)
+  tokens = jax.ShapeDtypeStruct((int(batch or 8), 2048), jnp.int32)
+  with autotune.recording() as rec:
+    jax.eval_shape(step, state, tokens, tokens)
+  return {k: (f"train {spec}", problem) for k, problem in rec.items()}
+
+
 def find_problems(args) -> dict:
   """key text -> (where, problem) of every GEMM the ``--workloads`` trace."""
   from bench import gemm_epilogue as ge
@@ -100,9 +125,12 @@ def find_problems(args) -> dict:
       found = block_problems(w.removeprefix("block-"))
     elif w.startswith("family-"):
       found = family_problems(w.removeprefix("family-"))
+    elif w.startswith("train-"):
+      found = train_problems(w.removeprefix("train-"))
     else:
       sys.exit(f"--workloads: unknown {w!r}; one of bench, block-1b, block-8b, "
-               "family-gpt2_1b, family-qwen3_1.7b")
+               "family-gpt2_1b, family-qwen3_1.7b, train-CONFIG:LAYERS[:BATCH] (e.g. "
+               "train-llama-3-8b:4)")
     for k, v in found.items():
       problems.setdefault(k, v)
   return problems
@@ -119,6 +147,8 @@ def main():
                  help="a wider search (bands of 8, tile_k 32, all tile operands staged)")
   p.add_argument("--budget-s", type=float, default=None,
                  help="stop starting new problems after this many seconds")
+  p.add_argument("--match", default=None, help="only the problems whose key text "
+                 "(device|jax|MxNxK|order|dtype|program) matches this regular expression")
   p.add_argument("--list", action="store_true", help="list the problems and stop")
   p.add_argument("--retune", action="store_true",
                  help="tune problems that --out already has too (default: skip them)")
@@ -130,11 +160,14 @@ def main():
   # --list without a GPU: the workloads are traced as an H100 would run them
   with contextlib.nullcontext() if on_gpu else lowering_time.pretend_h100():
     problems = find_problems(args)
+  if args.match:
+    problems = {k: v for k, v in problems.items() if re.search(args.match, k)}
   prov = common.provenance()
   print(f"{len(problems)} GEMM problems; {prov}", flush=True)
   if args.list:
-    for k, (where, _) in problems.items():
-      print(f"{where}: {k}")
+    for k, (where, problem) in problems.items():
+      cached = "tuned" if autotune.lookup(problem.key) is not None else "NOT TUNED"
+      print(f"{where} [{cached}]: {k}")
     return
   out = Path(args.out)
   have = set(json.loads(out.read_text())["entries"]) if out.exists() else set()

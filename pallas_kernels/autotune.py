@@ -8,7 +8,9 @@ outputs, and the column group its epilogue sub-tiles must be a multiple of).
 ``gemm(config=None)`` asks ``lookup`` first: the user's cache
 (``$CODA_JAX_GEMM_CACHE``, default ``~/.cache/coda_jax/gemm_configs.json``), then the
 cache shipped in ``pallas_kernels/tuned/gemm_configs.json``. Where neither has the key,
-``default_config``'s heuristic serves. ``tune`` runs the search for one problem:
+the same problem tuned at the nearest row count M within a factor of 2 serves (a
+ragged batch padded to 16128 rows runs the config tuned at 16384), if it tiles this M;
+else ``default_config``'s heuristic. ``tune`` runs the search for one problem:
 every candidate that the shape tiles and that fits in shared memory is compiled and
 timed with CUPTI; one that fails to compile or run is skipped with its reason logged,
 never chosen. ``bench/tune_gemm.py`` is the front end that fills the cache.
@@ -20,6 +22,7 @@ import contextlib
 import dataclasses
 import enum
 import json
+import math
 import os
 import statistics
 import threading
@@ -150,14 +153,48 @@ def cache_paths() -> list[Path]:
   return [user_cache_path(), SHIPPED_CACHE]
 
 
-def lookup(key: ProblemKey) -> g.GemmConfig | None:
-  """The cached config for this problem, or None."""
+# How far (a factor) a cached problem's M may be from the asked one for its config to
+# serve (``lookup_with_source``): the same N, K, orders, dtype and program at a nearby
+# row count tiles the same way and is bound the same way. Further apart (a tiny
+# evaluation batch against a training one), the heuristic serves instead.
+NEARBY_M_FACTOR = 2
+
+
+def lookup_with_source(key: ProblemKey) -> tuple[g.GemmConfig | None, str | None]:
+  """The cached config for this problem and where it came from: ``"tuned"`` (this key),
+  ``"tuned at M=<m>"`` (the same problem at the nearest cached M within a factor
+  ``NEARBY_M_FACTOR``, whose config tiles this M; the larger M on a tie), or
+  ``(None, None)``. The first cache in ``cache_paths`` that has the key wins; a nearby
+  M is looked for only where no cache has the key itself."""
   text = key.text()
   for path in cache_paths():
     entry = _entries(path).get(text)
     if entry is not None:
-      return config_from_dict(entry["config"])
-  return None
+      return config_from_dict(entry["config"]), "tuned"
+  device, jax_version, _, order, dtype, sig = text.split("|", 5)
+  near = []
+  for path in cache_paths():
+    for other, entry in _entries(path).items():
+      o_device, o_jax, o_shape, o_order, o_dtype, o_sig = other.split("|", 5)
+      m, n, k = (int(v) for v in o_shape.split("x"))
+      if ((o_device, o_jax, o_order, o_dtype, o_sig, n, k)
+          == (device, jax_version, order, dtype, sig, key.n, key.k)
+          and key.m <= m * NEARBY_M_FACTOR and m <= key.m * NEARBY_M_FACTOR):
+        near.append((abs(math.log(m / key.m)), -m, entry["config"]))
+  for _, neg_m, cfg_dict in sorted(near, key=lambda t: t[:2]):
+    cfg = config_from_dict(cfg_dict)
+    try:
+      g._check_tiling(key.m, key.n, key.k, cfg, key.trans_a, key.trans_b)
+    except ValueError:
+      continue  # e.g. M not a multiple of that config's cluster tile
+    return cfg, f"tuned at M={-neg_m}"
+  return None, None
+
+
+def lookup(key: ProblemKey) -> g.GemmConfig | None:
+  """The cached config for this problem (or for it at a nearby M: ``lookup_with_source``),
+  or None."""
+  return lookup_with_source(key)[0]
 
 
 def store(key: ProblemKey, record: dict, path: Path | None = None) -> Path:
@@ -238,10 +275,10 @@ def record(problem: Problem) -> None:
 
 def chosen_config(problem: Problem) -> tuple[g.GemmConfig, str]:
   """What ``gemm(config=None)`` runs for a recorded problem, and where it came from
-  ("tuned" or "default"): for benchmark tables."""
-  tuned = lookup(problem.key)
+  ("tuned", "tuned at M=<m>" or "default"): for benchmark tables."""
+  tuned, source = lookup_with_source(problem.key)
   if tuned is not None:
-    return tuned, "tuned"
+    return tuned, source
   return problem.default_config(), "default"
 
 
@@ -270,7 +307,8 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   """The search space for one problem: both schedules, the tile shapes, clusters and
   grid orders below, each with epilogue sub-tiles of 64 or 32 columns (a multiple of
   the column group) and the deepest pipeline that fits in shared memory; ``extra``
-  adds bands of 8, tile_k 32 and every tile operand staged during the mainloop. Returns
+  adds bands of 8, tile_k 32 and tile operands staged 4 sub-tiles ahead or all of them
+  during the mainloop (the default is 2 ahead). Returns
   (configs, [(description, reason skipped)])."""
   M_, N_ = g.MatDim.M, g.MatDim.N
   PP, CO = g.Schedule.PINGPONG, g.Schedule.COOPERATIVE
@@ -288,11 +326,12 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   tile_ks = (64,) if mn_major or not extra else (64, 32)
   has_tiles = any(kind in g._TILE_KINDS for kind in input_kinds.values())
   found, skipped, seen = [], [], set()
-  for (sched, tm, tn, wg, cl, minor, width, ens), tk, en, all_slots in (
+  for (sched, tm, tn, wg, cl, minor, width, ens), tk, en, depth in (
       (s, tk, en, sl) for s in structures for tk in tile_ks for en in s[-1]
-      for sl in ((False, True) if has_tiles and extra else (False,))):
+      for sl in ((2, 4, None) if has_tiles and extra else (2,))):
     en = max(min(en, tn), min_epi_tile_n)
-    slots = (tm // 64) * (tn // en) if all_slots else 2
+    subtiles = (tm // 64) * (tn // en)
+    slots = subtiles if depth is None else min(depth, max(2, subtiles))
     name = (f"{sched.value} {tm}x{tn}x{tk} wg{wg.name} cl{cl.name if cl else '-'} "
             f"{minor.name}{width} e64x{en} in{slots}")
     if name in seen:
@@ -401,5 +440,6 @@ def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] =
 
 __all__ = ["CACHE_ENV", "Problem", "ProblemKey", "SHIPPED_CACHE", "candidates",
            "chosen_config", "describe_workload",
-           "config_from_dict", "config_to_dict", "lookup", "measure_ms", "problem_key",
+           "config_from_dict", "config_to_dict", "lookup", "lookup_with_source", "measure_ms",
+           "problem_key",
            "record", "recording", "signature", "store", "tune", "user_cache_path"]

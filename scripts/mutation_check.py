@@ -694,6 +694,18 @@ MUTATIONS = [
         "    out = dispatch.apply_program(dn, NORM_GRAD, {\"x\": x2c, \"r\": r2c, \"c\": zdz,",
         ("tests/test_blocks.py", "-k", "post_block_scalar_loss and exp"),
         "the final norm's zdz term not divided by D on the exp-store path"),
+    Mutation(
+        "nearby_m_config_not_tiling", "pallas_kernels/autotune.py",
+        "      continue  # e.g. M not a multiple of that config's cluster tile",
+        "      pass  # e.g. M not a multiple of that config's cluster tile",
+        ("tests/test_autotune.py", "-k", "nearby"),
+        "a config tuned at a nearby M is used where it does not tile this M"),
+    Mutation(
+        "nearby_m_any_distance", "pallas_kernels/autotune.py",
+        "          and key.m <= m * NEARBY_M_FACTOR and m <= key.m * NEARBY_M_FACTOR):",
+        "          ):",
+        ("tests/test_autotune.py", "-k", "nearby"),
+        "a config tuned at any M serves, however far from this one"),
 ]
 
 

@@ -57,6 +57,45 @@ def test_store_then_lookup(cache):
   assert autotune.lookup(_key(k=192)) == GemmConfig()
 
 
+def test_lookup_at_nearby_m(cache):
+  """A problem tuned at another M serves within a factor of 2, nearest first (the
+  larger on a tie), only where its config tiles this M; the exact key always wins."""
+  small = GemmConfig(tile_m=64, tile_n=64, cluster_dim=None, epi_tile_n=32)  # 128 x 64 CTA
+  autotune.store(_key(m=1024), {"config": autotune.config_to_dict(PINGPONG)})
+  autotune.store(_key(m=4096), {"config": autotune.config_to_dict(small)})
+  assert autotune.lookup_with_source(_key(m=1024)) == (PINGPONG, "tuned")
+  assert autotune.lookup_with_source(_key(m=768)) == (PINGPONG, "tuned at M=1024")
+  assert autotune.lookup_with_source(_key(m=512)) == (PINGPONG, "tuned at M=1024")
+  assert autotune.lookup_with_source(_key(m=384)) == (None, None)  # a factor 2.7 away
+  assert autotune.lookup_with_source(_key(m=3072)) == (small, "tuned at M=4096")
+  # 2048 is a factor 2 from both: the larger M's config
+  assert autotune.lookup_with_source(_key(m=2048)) == (small, "tuned at M=4096")
+  # another N, K, order, program or jax version is another problem
+  for other in (_key(m=768, n=512), _key(m=768, k=256),
+                dataclasses.replace(_key(m=768), trans_b=False),
+                _key(m=768, sig="other;in=;out=out:tile:bfloat16:1;in_place=;group=1"),
+                dataclasses.replace(_key(m=768), jax_version="0.12.0")):
+    assert autotune.lookup(other) is None, other
+  # the nearest M's config (2304) does not tile M=2176 (17 x 128): the next nearest
+  # (4096, whose 128-row CTA does) serves; 1024 is over a factor 2 away
+  big = GemmConfig()  # 256 x 256 cluster tile
+  autotune.store(_key(m=2304), {"config": autotune.config_to_dict(big)})
+  assert autotune.lookup_with_source(_key(m=2176)) == (small, "tuned at M=4096")
+  assert autotune.lookup_with_source(_key(m=2304)) == (big, "tuned")
+
+
+def test_chosen_config_names_a_nearby_m(cache):
+  autotune.store(_key(m=1024), {"config": autotune.config_to_dict(PINGPONG)})
+  a = jax.ShapeDtypeStruct((768, 128), jnp.bfloat16)
+  b = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+  with autotune.recording() as rec:
+    jax.eval_shape(lambda a, b: pk.gemm(a, b, trans_b=True, program_id="prog",
+                                        device_kind=_key().device_kind, num_sms=132), a, b)
+  (problem,) = rec.values()
+  assert problem.key == _key(m=768)
+  assert autotune.chosen_config(problem) == (PINGPONG, "tuned at M=1024")
+
+
 def test_user_cache_wins_over_shipped(cache, tmp_path, monkeypatch):
   shipped = tmp_path / "shipped.json"
   autotune.store(_key(), {"config": autotune.config_to_dict(GemmConfig())}, shipped)

@@ -57,3 +57,61 @@ def test_tune_gemm_lists_a_workloads_gemms_without_a_gpu(monkeypatch, capsys):
   monkeypatch.setattr(sys, "argv", ["tune_gemm", "--workloads", "block-1b"])
   with pytest.raises(SystemExit, match="run it on the GPU host"):
     tune_gemm.main()
+
+
+def test_tune_gemm_lists_the_train_steps_gemms(monkeypatch, capsys):
+  """The ``train-CONFIG:LAYERS:BATCH`` workload traces the main job's fused step (its
+  weight gradients accumulated in fp32, which the block workloads do not trace), and
+  ``--match`` keeps the problems whose key matches."""
+  import sys
+  from bench import tune_gemm
+  if jax.devices()[0].platform == "gpu":
+    pytest.skip("this checks the CPU path of --list; on the GPU host it lists as tuning does")
+  monkeypatch.setattr(sys, "argv", ["tune_gemm", "--list", "--workloads", "train-tiny:1:2"])
+  tune_gemm.main()
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("train tiny:1:2 ")]
+  keys = [l.split(": ", 1)[1] for l in lines]
+  assert len(keys) >= 8, lines
+  # 2 rows of 2048 tokens: M = 4096; the LM head's dW accumulates in place in fp32
+  assert any(k.split("|")[2].startswith("4096x") for k in keys), keys
+  assert any("in_place=dw<acc" in k and "dw:tile:float32" in k for k in keys), keys
+  assert all(l.split(": ", 1)[0].endswith(("[tuned]", "[NOT TUNED]")) for l in lines)
+  monkeypatch.setattr(sys, "argv", ["tune_gemm", "--list", "--workloads", "train-tiny:1:2",
+                                    "--match", r"\|tn\|"])
+  tune_gemm.main()
+  matched = [l.split(": ", 1)[1] for l in capsys.readouterr().out.splitlines()
+             if l.startswith("train tiny:1:2 ")]
+  assert matched and all(k.split("|")[3] == "tn" for k in matched), matched
+  assert len(matched) < len(keys)
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_step_gemms_xla_dot_orders(trans_a, trans_b):
+  """bench.step_gemms' cuBLAS baseline multiplies in the problem's operand order and
+  returns the product in the operands' dtype (one dot, no separate convert)."""
+  import numpy as np
+  import jax.numpy as jnp
+  from bench import step_gemms
+  ka, kb = jax.random.split(jax.random.key(3))
+  a = jax.random.normal(ka, (40, 24), jnp.float32)
+  b = jax.random.normal(kb, (24, 16), jnp.float32)
+  got = step_gemms.xla_dot(a.T if trans_a else a, b.T if trans_b else b, trans_a, trans_b)
+  np.testing.assert_allclose(got, np.asarray(a) @ np.asarray(b), rtol=2e-5, atol=2e-5)
+  bf = step_gemms.xla_dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), False, False)
+  assert bf.dtype == jnp.bfloat16 and bf.shape == (40, 16)
+
+
+def test_step_gemms_table():
+  from bench import step_gemms
+  prov = dict(device="dev", jax_version="0.11.2", commit="abc", command="cmd")
+  rows = [dict(m=256, n=128, k=64, order="nt", program="Store(name='out')", config="cfg",
+               config_source="tuned", ours_ms=2.0, our_plain_ms=1.6, xla_dot_ms=1.0,
+               xla_kernels=["nvjet_x"], tflops_ours=1.0),
+          dict(m=64, n=64, k=64, order="nn", program="P", error="ValueError: no")]
+  md = step_gemms.markdown("w", rows, prov)
+  row = [l for l in md.splitlines() if l.startswith("| 256x128x64")][0]
+  # ours / XLA, plain / XLA, ours / plain
+  assert "| 2.000 | 1.600 | 1.000 | 2.000 | 1.600 | 1.250 |" in row, row
+  assert "FAILED: ValueError: no" in md and "`nvjet_x`" in md
+  assert "| **sum** | | | | **2.000** | **1.600** | **1.000** |" in md, md

@@ -1,0 +1,160 @@
+"""Each GEMM of a workload against cuBLAS at the same shape: where the step's GEMM time
+is lost, problem by problem.
+
+    PYTHONPATH=. python -m bench.step_gemms --workloads train-llama-3-8b:4:4
+
+The workloads are ``bench.tune_gemm``'s (``--list`` there names their GEMMs). For every
+distinct GEMM problem the workload traces, three things are timed on fresh random
+inputs (CUPTI, median of ``--iterations``):
+
+- **ours**: the problem as the workload runs it (its epilogue program, with the config
+  ``gemm`` chooses: the tuned one if the cache has it, else the heuristic default);
+- **our plain**: our GEMM at the same M, N, K and operand order, storing the product in
+  the operands' dtype (its own chosen config);
+- **XLA dot**: ``lax.dot_general`` at the same M, N, K and order, product in the operands'
+  dtype: cuBLAS (or XLA's Triton GEMM) with nothing fused, the speed of light.
+
+ours / XLA says what the problem costs against cuBLAS; our plain / XLA separates the
+mainloop from the epilogue (ours / our plain). Only our GEMM kernel's own time is summed
+for "ours": an in-place problem's operand copy, which XLA inserts because nothing is
+donated here, is left out. Writes ``step_gemms_<workload>.{md,json}`` to --out (default
+bench/results/<device>/). Needs a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from bench import common, tune_gemm
+from pallas_kernels import autotune
+from pallas_kernels import gemm_mgpu as g
+
+OUR_KERNEL = "coda_gemm"
+
+
+def _median_ms(fn, args, iterations, only=None) -> tuple[float, list[str]]:
+  """Median over iterations of the summed CUPTI time of ``fn``'s kernels (those whose
+  name contains ``only``, if given), and the names of the kernels summed."""
+  from jax.experimental.mosaic.gpu import profiler
+  _, timings = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
+  if timings is None:
+    raise RuntimeError("CUPTI recorded no kernels")
+  if iterations == 1:
+    timings = [timings]
+  sums = [sum(t for name, t in it if only is None or only in name) for it in timings]
+  if not any(sums):
+    raise RuntimeError(f"no kernel named *{only}* among {[n for n, _ in timings[0]]}")
+  names = [n for n, _ in timings[0] if only is None or only in n]
+  return statistics.median(sums), names
+
+
+def xla_dot(a, b, trans_a: bool, trans_b: bool):
+  """``a @ b`` with the problem's operand order, product in the operands' dtype (one
+  cuBLAS call accumulating in fp32; asking for an fp32 product and converting would
+  time a separate convert kernel too)."""
+  dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
+  return jax.lax.dot_general(a, b, dims)
+
+
+def time_problem(problem: autotune.Problem, iterations: int) -> dict:
+  key = problem.key
+  ks = jax.random.split(jax.random.key(1), 2 + len(problem.inputs))
+  a, b = autotune._random_like(ks[0], problem.a), autotune._random_like(ks[1], problem.b)
+  ops = {nm: autotune._random_like(kk, v)
+         for kk, (nm, (_, v)) in zip(ks[2:], problem.inputs.items())}
+  kinds = problem.input_kinds
+  cfg, source = autotune.chosen_config(problem)
+  ours = jax.jit(lambda a, b, ops: g.gemm(
+      a, b, inputs={nm: (kinds[nm], v) for nm, v in ops.items()},
+      epilogue=problem.epilogue, outputs=problem.outputs, trans_a=key.trans_a,
+      trans_b=key.trans_b, in_place=problem.in_place, config=cfg,
+      program_id=problem.program_id, min_epi_tile_n=problem.min_epi_tile_n))
+  plain = jax.jit(lambda a, b: g.gemm(a, b, trans_a=key.trans_a, trans_b=key.trans_b))
+  with autotune.recording() as rec:  # which config the plain GEMM runs, for the table
+    jax.eval_shape(plain, a, b)
+  plain_cfg, plain_source = autotune.chosen_config(next(iter(rec.values())))
+  xla = jax.jit(lambda a, b: xla_dot(a, b, key.trans_a, key.trans_b))
+  row = dict(m=key.m, n=key.n, k=key.k,
+             order=("t" if key.trans_a else "n") + ("t" if key.trans_b else "n"),
+             program=problem.key.signature.split(";")[0], config=cfg.describe(),
+             config_source=source, plain_config=plain_cfg.describe(),
+             plain_config_source=plain_source)
+  row["ours_ms"], _ = _median_ms(ours, (a, b, ops), iterations, only=OUR_KERNEL)
+  row["our_plain_ms"], _ = _median_ms(plain, (a, b), iterations, only=OUR_KERNEL)
+  row["xla_dot_ms"], row["xla_kernels"] = _median_ms(xla, (a, b), iterations)
+  row["tflops_ours"] = 2 * key.m * key.n * key.k / row["ours_ms"] / 1e9
+  return row
+
+
+def markdown(workload: str, rows: list[dict], prov: dict) -> str:
+  md = [f"# Each GEMM of `{workload}` against cuBLAS at the same shape", "",
+        f"device: {prov['device']}; jax {prov['jax_version']}; commit {prov['commit']}",
+        f"command: `{prov['command']}`",
+        "times: CUPTI, ms, median of the iterations, random normal inputs; ours counts "
+        "our GEMM kernel only (no copies); each distinct problem once (a step may run it "
+        "once per layer)", "",
+        "| M x N x K | order | program | config (source) | ours | our plain | XLA dot | "
+        "ours / XLA | plain / XLA | ours / plain | TFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    if "error" in r:
+      md.append(f"| {r['m']}x{r['n']}x{r['k']} | {r['order']} | {r['program'][:60]} | "
+                f"FAILED: {r['error'][:120]} | | | | | | | |")
+      continue
+    md.append(
+        f"| {r['m']}x{r['n']}x{r['k']} | {r['order']} | {r['program'][:60]} | "
+        f"{r['config']} ({r['config_source']}) | {r['ours_ms']:.3f} | "
+        f"{r['our_plain_ms']:.3f} | {r['xla_dot_ms']:.3f} | "
+        f"{r['ours_ms'] / r['xla_dot_ms']:.3f} | {r['our_plain_ms'] / r['xla_dot_ms']:.3f} | "
+        f"{r['ours_ms'] / r['our_plain_ms']:.3f} | {r['tflops_ours']:.0f} |")
+  ok = [r for r in rows if "error" not in r]
+  if ok:
+    tot = {k: sum(r[k] for r in ok) for k in ("ours_ms", "our_plain_ms", "xla_dot_ms")}
+    md.append(f"| **sum** | | | | **{tot['ours_ms']:.3f}** | **{tot['our_plain_ms']:.3f}** "
+              f"| **{tot['xla_dot_ms']:.3f}** | **{tot['ours_ms'] / tot['xla_dot_ms']:.3f}** "
+              f"| **{tot['our_plain_ms'] / tot['xla_dot_ms']:.3f}** | "
+              f"**{tot['ours_ms'] / tot['our_plain_ms']:.3f}** | |")
+    md += ["", "XLA's kernels: " + "; ".join(sorted({
+        f"`{n}`" for r in ok for n in r.get("xla_kernels", [])}))]
+  return "\n".join(md) + "\n"
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--workloads", default="train-llama-3-8b:4:4",
+                 help="bench.tune_gemm's workloads, comma-separated")
+  p.add_argument("--iterations", type=int, default=20)
+  p.add_argument("--out", type=Path, default=None)
+  args = p.parse_args()
+  if jax.devices()[0].platform != "gpu":
+    sys.exit("step_gemms times kernels: run it on the GPU host")
+  prov = common.provenance()
+  for workload in args.workloads.split(","):
+    problems = tune_gemm.find_problems(argparse.Namespace(
+        workloads=workload, shapes=None, programs="all"))
+    rows = []
+    for i, (_, (where, problem)) in enumerate(problems.items()):
+      k = problem.key
+      print(f"[{i + 1}/{len(problems)}] {k.m}x{k.n}x{k.k} {k.signature[:100]}", flush=True)
+      try:
+        row = time_problem(problem, args.iterations)
+      except Exception as e:  # noqa: BLE001  one failing problem does not stop the table
+        row = dict(m=k.m, n=k.n, k=k.k, order="", program=k.signature.split(";")[0],
+                   error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+      row.update(where=where, **prov)
+      rows.append(row)
+      print(f"  {row}", flush=True)
+    md = markdown(workload, rows, prov)
+    slug = workload.replace(":", "_").replace(".", "_")
+    out = common.write_results(f"step_gemms_{slug}", rows, md, args.out)
+    print(md)
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+  main()
