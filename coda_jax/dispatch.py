@@ -199,40 +199,9 @@ def finished_kinds(call: Call) -> dict[str, tuple[str, float]]:
   return kinds
 
 
-# A tuned config is worth at most this many padded rows (a fraction of M): M = 16000
-# runs the config tuned at 16384 on 16128 rows (+0.8%) rather than the heuristic's
-# on 16000 (bench/NOTES.md: 3% faster forward).
-TUNED_PADDING_FRACTION = 0.02
-
-
-def _tuned_rows(call: Call, a, b, operands, ms, k, device_kind) -> int | None:
-  """The smallest of the candidate row counts ``ms`` (within TUNED_PADDING_FRACTION of
-  the first, M itself) at which the tuning cache has a config for this call on
-  ``device_kind`` (``pk.autotune.lookup_with_source``: at that M, or at a nearby one
-  whose config tiles it), or None."""
-  from pallas_kernels import autotune
-  m = ms[0]
-  for pm in ms:
-    if pm > m * (1 + TUNED_PADDING_FRACTION):
-      break
-    in_place = dict(call.in_place) if pm == m else {}  # a padded copy is not in place
-    sig = autotune.signature(call.program_id, dict(call.inputs),
-                             {nm: operands[nm].dtype for nm, _ in call.inputs},
-                             call.outputs, in_place, call.column_group)
-    key = autotune.problem_key(pm, b.shape[0] if call.trans_b else b.shape[1], k, a.dtype,
-                               call.trans_a, call.trans_b, sig, device_kind=device_kind)
-    if autotune.lookup_with_source(key)[0] is not None:
-      return pm
-  return None
-
-
-def padded_shape(call: Call, a, b, operands, device_kind: str | None = None
-                 ) -> tuple[int, int]:
+def padded_shape(call: Call, a, b, operands) -> tuple[int, int]:
   """The (M, K) the kernel runs at: the operands' own when they tile, else the smallest
-  zero-padded sizes that do (ValueError when none does). With ``device_kind`` (the
-  kernel path: ``gemm`` will look its config up), a few padded rows are preferred to
-  the heuristic when they buy a tuned config: the smallest M within
-  ``TUNED_PADDING_FRACTION`` of the operands' at which the tuning cache has one.
+  zero-padded sizes that do (ValueError when none does).
 
   Zero rows appended to A (and, for K, to B) change nothing a caller sees: padded K
   adds 0 to every product; padded M rows are sliced off the tile and row outputs, and
@@ -242,10 +211,6 @@ def padded_shape(call: Call, a, b, operands, device_kind: str | None = None
   has_cols = any(kind == "col" for kind, _ in finished_kinds(call).values())
   pad_m_ok = not has_cols or all(p.keeps_zero_rows() for p in call.program)
   ms = dict.fromkeys([m] + ([_round_up(m, q) for q in (64, 128, 256)] if pad_m_ok else []))
-  if device_kind is not None:
-    tuned = _tuned_rows(call, a, b, operands, list(ms), k, device_kind)
-    if tuned is not None:
-      return tuned, k
   ks = dict.fromkeys([k] + [_round_up(k, q) for q in (16, 64)])
   error = None
   for pm, pk_ in sorted(((pm, pk_) for pm in ms for pk_ in ks),
@@ -288,9 +253,7 @@ def _kernel_run(call, a, b, operands, interpret=None):
   def epilogue(tile, acc):
     P.run_program(call.program, acc, tile)
   m, _, k = pk.check_operands(a, b, call.trans_a, call.trans_b, dtypes=(a.dtype,))
-  device = target_device()
-  pm, pk_ = (m, k) if call.config is not None else padded_shape(
-      call, a, b, operands, device_kind=None if interpret is not None else device.device_kind)
+  pm, pk_ = (m, k) if call.config is not None else padded_shape(call, a, b, operands)
   in_place = dict(call.in_place)
   if (pm, pk_) != (m, k):  # zero rows to the tile; sliced off below
     announce(f"padding (M, K) = ({m}, {k}) to ({pm}, {pk_}) so the kernel tiles")
@@ -300,6 +263,7 @@ def _kernel_run(call, a, b, operands, interpret=None):
     operands = {nm: v if kinds[nm] == pk.InputKind.COL else _pad_rows(v, pm)
                 for nm, v in operands.items()}
     in_place = {}  # the padded copy is not the caller's buffer
+  device = target_device()
   raw = pk.gemm(a, b, inputs={nm: (kind, operands[nm]) for nm, kind in call.inputs},
                 epilogue=epilogue, outputs=call.outputs, trans_a=call.trans_a,
                 trans_b=call.trans_b, config=call.config, in_place=in_place,
@@ -355,7 +319,6 @@ def run(call: Call, a, b, operands, impl) -> dict[str, jax.Array]:
   return choose(call, a, b, operands, impl).run(call, a, b, operands)
 
 
-__all__ = ["AUTO", "Call", "IMPLEMENTATIONS", "Implementation", "NAMES",
-           "TUNED_PADDING_FRACTION", "Unsupported", "announce", "apply_program", "choose",
-           "finish", "finished_kinds", "kernel_config", "kernels_available", "padded_shape",
-           "resolve", "run", "target_device"]
+__all__ = ["AUTO", "Call", "IMPLEMENTATIONS", "Implementation", "NAMES", "Unsupported",
+           "announce", "apply_program", "choose", "finish", "finished_kinds", "kernel_config",
+           "kernels_available", "padded_shape", "resolve", "run", "target_device"]

@@ -706,12 +706,6 @@ MUTATIONS = [
         "          ):",
         ("tests/test_autotune.py", "-k", "nearby"),
         "a config tuned at any M serves, however far from this one"),
-    Mutation(
-        "tuned_padding_unbounded", "coda_jax/dispatch.py",
-        "    if pm > m * (1 + TUNED_PADDING_FRACTION):\n      break\n",
-        "",
-        ("tests/test_dispatch.py", "-k", "tuned_config"),
-        "any amount of padding is bought for a tuned config"),
 ]
 
 

@@ -199,39 +199,3 @@ def test_rows_are_not_padded_under_a_step_that_moves_zero(key, kernel_calls):
     dispatch.padded_shape(call, a, b, {})
   got = cj.gemm_epilogue(a, b, program, impl="auto")
   assert got["cs"].shape == (256,) and kernel_calls == []
-
-
-def test_a_few_padded_rows_buy_a_tuned_config(tmp_path, monkeypatch):
-  """On the kernel path (a device kind given), M = 4032 runs on 4096 rows when the
-  tuning cache has a config for this call at 4096 (1.6% more rows), and on its own rows
-  otherwise; padding over TUNED_PADDING_FRACTION is never bought, and the interpreter
-  path (no device kind) ignores the cache."""
-  from pallas_kernels import autotune
-  monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "configs.json"))
-  monkeypatch.setattr(autotune, "SHIPPED_CACHE", tmp_path / "absent.json")
-  program = (cj.ScaleRow("r"), cj.RowSum("ss", square=True), cj.Store("y"))
-  n, k = 512, 256
-
-  def shape(m, device_kind="FAKE GPU"):
-    a, b = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n)))
-    operands = {"r": jax.ShapeDtypeStruct((m,), jnp.float32)}
-    call = dispatch.Call(program=program, inputs=(("r", pallas_kernels.InputKind.ROW),),
-                         outputs=ops._declared(program, m, n)[1], column_group=1,
-                         program_id="test_prog")
-    return dispatch.padded_shape(call, a, b, operands, device_kind=device_kind), call
-
-  (plain, _), (fake, call) = shape(4032, None), shape(4032)
-  assert plain == fake == (4032, k)  # the heuristic tiles 4032 rows; nothing is cached
-  sig = autotune.signature("test_prog", {"r": pallas_kernels.InputKind.ROW},
-                           {"r": jnp.float32}, call.outputs, {}, 1)
-  for m in (4096, 2048):
-    autotune.store(autotune.problem_key(m, n, k, jnp.bfloat16, False, False, sig,
-                                        device_kind="FAKE GPU"),
-                   {"config": autotune.config_to_dict(pallas_kernels.GemmConfig())})
-  assert shape(4032)[0] == (4096, k)  # GemmConfig()'s 256 x 256 cluster tile
-  assert shape(4032, None)[0] == (4032, k)
-  assert shape(4032, "OTHER GPU")[0] == (4032, k)
-  assert shape(4096)[0] == (4096, k)
-  # 1984 rows: 2048 is 3.2% more, over the limit; the heuristic's own choice stands
-  assert shape(1984)[0] == shape(1984, None)[0]
-  assert dispatch.TUNED_PADDING_FRACTION < 2048 / 1984 - 1
