@@ -96,7 +96,8 @@ def test_step_gemms_xla_dot_orders(trans_a, trans_b):
   ka, kb = jax.random.split(jax.random.key(3))
   a = jax.random.normal(ka, (40, 24), jnp.float32)
   b = jax.random.normal(kb, (24, 16), jnp.float32)
-  got = step_gemms.xla_dot(a.T if trans_a else a, b.T if trans_b else b, trans_a, trans_b)
+  with jax.default_matmul_precision("float32"):  # not TF32 on a GPU: this checks orders
+    got = step_gemms.xla_dot(a.T if trans_a else a, b.T if trans_b else b, trans_a, trans_b)
   np.testing.assert_allclose(got, np.asarray(a) @ np.asarray(b), rtol=2e-5, atol=2e-5)
   bf = step_gemms.xla_dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), False, False)
   assert bf.dtype == jnp.bfloat16 and bf.shape == (40, 16)
