@@ -36,18 +36,26 @@ def test_lowering_time_lowers_each_lm_head_kernel_once():
   assert two["seconds"] > 0 and two["module_mb"] > 0, two
 
 
+def _listed(monkeypatch, capsys, prefix, *args):
+  """``bench.tune_gemm --list *args`` on the CPU: its lines whose workload starts with
+  ``prefix``, and the key of each."""
+  import sys
+  from bench import tune_gemm
+  if jax.devices()[0].platform == "gpu":
+    pytest.skip("this checks the CPU path of --list; on the GPU host it lists as tuning does")
+  monkeypatch.setattr(sys, "argv", ["tune_gemm", "--list", *args])
+  tune_gemm.main()
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith(prefix)]
+  return lines, [l.split(": ", 1)[1] for l in lines]
+
+
 def test_tune_gemm_lists_a_workloads_gemms_without_a_gpu(monkeypatch, capsys):
   """``bench.tune_gemm --list`` traces a workload as an H100 would run it, on any machine,
   so that a session can plan its device time (which GEMMs to tune or time) before it has
   a GPU; without --list it still refuses to run off the GPU."""
   import sys
   from bench import tune_gemm
-  if jax.devices()[0].platform == "gpu":
-    pytest.skip("this checks the CPU path of --list; on the GPU host it lists as tuning does")
-  monkeypatch.setattr(sys, "argv", ["tune_gemm", "--list", "--workloads", "block-1b"])
-  tune_gemm.main()
-  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("1b ")]
-  keys = [l.split(": ", 1)[1] for l in lines]
+  lines, keys = _listed(monkeypatch, capsys, "1b ", "--workloads", "block-1b")
   assert len(keys) == len(set(keys)) >= 12, lines
   assert all(k.startswith("NVIDIA H100 80GB HBM3|") for k in keys), keys
   shapes = {tuple(k.split("|")[2:4]) for k in keys}
@@ -63,24 +71,14 @@ def test_tune_gemm_lists_the_train_steps_gemms(monkeypatch, capsys):
   """The ``train-CONFIG:LAYERS:BATCH`` workload traces the main job's fused step (its
   weight gradients accumulated in fp32, which the block workloads do not trace), and
   ``--match`` keeps the problems whose key matches."""
-  import sys
-  from bench import tune_gemm
-  if jax.devices()[0].platform == "gpu":
-    pytest.skip("this checks the CPU path of --list; on the GPU host it lists as tuning does")
-  monkeypatch.setattr(sys, "argv", ["tune_gemm", "--list", "--workloads", "train-tiny:1:2"])
-  tune_gemm.main()
-  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("train tiny:1:2 ")]
-  keys = [l.split(": ", 1)[1] for l in lines]
+  lines, keys = _listed(monkeypatch, capsys, "train tiny:1:2 ", "--workloads", "train-tiny:1:2")
   assert len(keys) >= 8, lines
   # 2 rows of 2048 tokens: M = 4096; the LM head's dW accumulates in place in fp32
   assert any(k.split("|")[2].startswith("4096x") for k in keys), keys
   assert any("in_place=dw<acc" in k and "dw:tile:float32" in k for k in keys), keys
   assert all(l.split(": ", 1)[0].endswith(("[tuned]", "[NOT TUNED]")) for l in lines)
-  monkeypatch.setattr(sys, "argv", ["tune_gemm", "--list", "--workloads", "train-tiny:1:2",
-                                    "--match", r"\|tn\|"])
-  tune_gemm.main()
-  matched = [l.split(": ", 1)[1] for l in capsys.readouterr().out.splitlines()
-             if l.startswith("train tiny:1:2 ")]
+  _, matched = _listed(monkeypatch, capsys, "train tiny:1:2 ", "--workloads", "train-tiny:1:2",
+                       "--match", r"\|tn\|")
   assert matched and all(k.split("|")[3] == "tn" for k in matched), matched
   assert len(matched) < len(keys)
 
