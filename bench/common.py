@@ -78,16 +78,20 @@ def provenance() -> dict:
           "commit": commit(), "command": command_line()}
 
 
-def time_kernels(fn, *args, iterations: int = 30) -> tuple[float, list[tuple[str, float]]]:
+def time_kernels(fn, *args, iterations: int = 30,
+                 only: str | None = None) -> tuple[float, list[tuple[str, float]]]:
   """Median over iterations of the summed device time of all kernels ``fn`` launches
-  (CUPTI), and the per-kernel medians of the first breakdown."""
+  (CUPTI; with ``only``, of those whose name contains it), and the per-kernel medians of
+  the first breakdown (all kernels)."""
   from jax.experimental.mosaic.gpu import profiler
   _, timings = profiler.measure(jax.jit(fn), aggregate=False, iterations=iterations)(*args)
   if timings is None:
     raise RuntimeError("CUPTI recorded no kernels")
   if iterations == 1:
     timings = [timings]
-  totals = [sum(t for _, t in it) for it in timings]
+  totals = [sum(t for name, t in it if only is None or only in name) for it in timings]
+  if not any(totals):
+    raise RuntimeError(f"no kernel named *{only}* among {[n for n, _ in timings[0]]}")
   per_kernel = [(name, statistics.median(it[i][1] for it in timings))
                 for i, (name, _) in enumerate(timings[0])]
   return statistics.median(totals), per_kernel

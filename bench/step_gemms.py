@@ -23,7 +23,6 @@ bench/results/<device>/). Needs a GPU.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,22 +34,6 @@ from pallas_kernels import autotune
 from pallas_kernels import gemm_mgpu as g
 
 OUR_KERNEL = "coda_gemm"
-
-
-def _median_ms(fn, args, iterations, only=None) -> tuple[float, list[str]]:
-  """Median over iterations of the summed CUPTI time of ``fn``'s kernels (those whose
-  name contains ``only``, if given), and the names of the kernels summed."""
-  from jax.experimental.mosaic.gpu import profiler
-  _, timings = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
-  if timings is None:
-    raise RuntimeError("CUPTI recorded no kernels")
-  if iterations == 1:
-    timings = [timings]
-  sums = [sum(t for name, t in it if only is None or only in name) for it in timings]
-  if not any(sums):
-    raise RuntimeError(f"no kernel named *{only}* among {[n for n, _ in timings[0]]}")
-  names = [n for n, _ in timings[0] if only is None or only in n]
-  return statistics.median(sums), names
 
 
 def xla_dot(a, b, trans_a: bool, trans_b: bool):
@@ -84,9 +67,12 @@ def time_problem(problem: autotune.Problem, iterations: int) -> dict:
              program=problem.key.signature.split(";")[0], config=cfg.describe(),
              config_source=source, plain_config=plain_cfg.describe(),
              plain_config_source=plain_source)
-  row["ours_ms"], _ = _median_ms(ours, (a, b, ops), iterations, only=OUR_KERNEL)
-  row["our_plain_ms"], _ = _median_ms(plain, (a, b), iterations, only=OUR_KERNEL)
-  row["xla_dot_ms"], row["xla_kernels"] = _median_ms(xla, (a, b), iterations)
+  row["ours_ms"], _ = common.time_kernels(ours, a, b, ops, iterations=iterations,
+                                          only=OUR_KERNEL)
+  row["our_plain_ms"], _ = common.time_kernels(plain, a, b, iterations=iterations,
+                                               only=OUR_KERNEL)
+  row["xla_dot_ms"], kernels = common.time_kernels(xla, a, b, iterations=iterations)
+  row["xla_kernels"] = [name for name, _ in kernels]
   row["tflops_ours"] = 2 * key.m * key.n * key.k / row["ours_ms"] / 1e9
   return row
 

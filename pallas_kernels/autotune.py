@@ -65,6 +65,14 @@ class ProblemKey:
     if "|" in self.signature:
       raise ValueError(f"ProblemKey.signature={self.signature!r} must not contain '|'")
 
+  @classmethod
+  def from_text(cls, text: str) -> "ProblemKey":
+    """The key whose ``text()`` this is."""
+    device_kind, jax_version, shape, order, dtype, sig = text.split("|", 5)
+    m, n, k = (int(v) for v in shape.split("x"))
+    return cls(device_kind, jax_version, m, n, k, order[0] == "t", order[1] == "t", dtype,
+               sig)
+
   def text(self) -> str:
     """The cache's key for this problem."""
     return "|".join([self.device_kind, self.jax_version, f"{self.m}x{self.n}x{self.k}",
@@ -171,14 +179,11 @@ def lookup_with_source(key: ProblemKey) -> tuple[g.GemmConfig | None, str | None
     entry = _entries(path).get(text)
     if entry is not None:
       return config_from_dict(entry["config"]), "tuned"
-  device, jax_version, _, order, dtype, sig = text.split("|", 5)
   near = []
   for path in cache_paths():
     for other, entry in _entries(path).items():
-      o_device, o_jax, o_shape, o_order, o_dtype, o_sig = other.split("|", 5)
-      m, n, k = (int(v) for v in o_shape.split("x"))
-      if ((o_device, o_jax, o_order, o_dtype, o_sig, n, k)
-          == (device, jax_version, order, dtype, sig, key.n, key.k)
+      m = ProblemKey.from_text(other).m
+      if (dataclasses.replace(key, m=m).text() == other
           and key.m <= m * NEARBY_M_FACTOR and m <= key.m * NEARBY_M_FACTOR):
         near.append((abs(math.log(m / key.m)), -m, entry["config"]))
   for _, neg_m, cfg_dict in sorted(near, key=lambda t: t[:2]):

@@ -114,6 +114,12 @@ def test_bad_cache_files(cache):
     autotune.lookup(_key())
 
 
+@pytest.mark.parametrize("key", [_key(), _key(m=64, sig="a;b=c:d"),
+                                 dataclasses.replace(_key(), trans_a=True, trans_b=False)])
+def test_problem_key_text_round_trip(key):
+  assert autotune.ProblemKey.from_text(key.text()) == key
+
+
 def test_problem_key_checks():
   with pytest.raises(ValueError, match="ProblemKey.k=0 must be positive"):
     _key(k=0)
