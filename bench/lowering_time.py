@@ -71,8 +71,11 @@ def post_block(shape: str, chunk_rows: int | None = None) -> dict:
   return export_time(grad, x["x0"], x["y0"], x["targets"], p)
 
 
-def train_step(config: str, layers: int | None, batch: int = 8, seq: int = 2048) -> dict:
-  """The main job's fused train step (flax_layers.train.make_train_step) of a config."""
+def abstract_train_step(config: str, layers: int | None, batch: int = 8,
+                        seq: int = 2048) -> tuple:
+  """(step, args): the main job's fused train step (flax_layers.train.make_train_step) of
+  a config, and abstract arguments for it (state, tokens, targets) at ``batch`` x
+  ``seq`` tokens; nothing is allocated."""
   from flax import nnx
   from flax_layers import config as C, train
   from flax_layers.model import Llama
@@ -84,9 +87,14 @@ def train_step(config: str, layers: int | None, batch: int = 8, seq: int = 2048)
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   graphdef, state = nnx.split(nnx.eval_shape(make))
-  step = train.make_train_step(graphdef)
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-  return export_time(lambda s, t, y: step(s, t, y), state, tokens, tokens)
+  return train.make_train_step(graphdef), (state, tokens, tokens)
+
+
+def train_step(config: str, layers: int | None, batch: int = 8, seq: int = 2048) -> dict:
+  """Export time of the main job's fused train step of a config."""
+  step, args = abstract_train_step(config, layers, batch, seq)
+  return export_time(lambda s, t, y: step(s, t, y), *args)
 
 
 def main():

@@ -46,17 +46,9 @@ def xla_dot(a, b, trans_a: bool, trans_b: bool):
 
 def time_problem(problem: autotune.Problem, iterations: int) -> dict:
   key = problem.key
-  ks = jax.random.split(jax.random.key(1), 2 + len(problem.inputs))
-  a, b = autotune._random_like(ks[0], problem.a), autotune._random_like(ks[1], problem.b)
-  ops = {nm: autotune._random_like(kk, v)
-         for kk, (nm, (_, v)) in zip(ks[2:], problem.inputs.items())}
-  kinds = problem.input_kinds
+  a, b, ops = problem.random_inputs(seed=1)
   cfg, source = autotune.chosen_config(problem)
-  ours = jax.jit(lambda a, b, ops: g.gemm(
-      a, b, inputs={nm: (kinds[nm], v) for nm, v in ops.items()},
-      epilogue=problem.epilogue, outputs=problem.outputs, trans_a=key.trans_a,
-      trans_b=key.trans_b, in_place=problem.in_place, config=cfg,
-      program_id=problem.program_id, min_epi_tile_n=problem.min_epi_tile_n))
+  ours = problem.jitted(cfg)
   plain = jax.jit(lambda a, b: g.gemm(a, b, trans_a=key.trans_a, trans_b=key.trans_b))
   with autotune.recording() as rec:  # which config the plain GEMM runs, for the table
     jax.eval_shape(plain, a, b)

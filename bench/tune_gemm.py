@@ -11,7 +11,8 @@ at its shapes (``bench``), and the fused Llama block forward, forward+backward a
 post-block forward+backward of bench/block.py (``block-1b``, ``block-8b``), and the
 GPT-2 and Qwen3 shifted blocks of bench/family_blocks.py (``family-gpt2_1b``,
 ``family-qwen3_1.7b``), and the main job's fused train step (``train-llama-3-8b:4``:
-config, layers, batch rows). ``--list`` says which are in the cache. Each problem
+config, layers, batch rows). ``--list`` says where each one's config would come from: tuned
+at its M, tuned at a nearby M, or NOT TUNED (the heuristic). Each problem
 is then tuned (``autotune.tune``: both schedules, tiles, clusters, grid orders, epilogue
 widths, the deepest pipeline that fits) and written into ``--out``, by default the
 cache shipped with the library, ``pallas_kernels/tuned/gemm_configs.json``. Every
@@ -90,25 +91,15 @@ def family_problems(shape_name):
 
 
 def train_problems(spec: str):
-  """The GEMMs of the main job's fused train step (flax_layers.train.make_train_step)
-  for ``CONFIG:LAYERS[:BATCH]`` (batch of 2048-token rows, default 8), as bench/train.py
-  runs it: weight gradients accumulated in fp32, which the block workloads (bf16
-  weights) do not trace."""
-  from flax import nnx
-  import jax.numpy as jnp
-  from flax_layers import config as C, train
-  from flax_layers.model import Llama
+  """The GEMMs of the main job's fused train step for ``CONFIG:LAYERS[:BATCH]`` (batch
+  of 2048-token rows, default 8), as bench/train.py runs it: weight gradients
+  accumulated in fp32, which the block workloads (bf16 weights) do not trace."""
   name, _, rest = spec.partition(":")
   layers, _, batch = rest.partition(":")
-  cfg = C.get_config(name, **({"n_layers": int(layers)} if layers else {}))
-  tx = train.make_optimizer(learning_rate=3e-4, total_steps=10)
-  graphdef, state = nnx.split(nnx.eval_shape(
-      lambda: (lambda m: (m, nnx.Optimizer(m, tx, wrt=nnx.Param)))(
-          Llama(cfg, rngs=nnx.Rngs(0), fused=True))))
-  step = train.make_train_step(graphdef)
-  tokens = jax.ShapeDtypeStruct((int(batch or 8), 2048), jnp.int32)
+  step, args = lowering_time.abstract_train_step(name, int(layers) if layers else None,
+                                                 int(batch or 8))
   with autotune.recording() as rec:
-    jax.eval_shape(step, state, tokens, tokens)
+    jax.eval_shape(step, *args)
   return {k: (f"train {spec}", problem) for k, problem in rec.items()}
 
 
@@ -144,7 +135,8 @@ def main():
   p.add_argument("--out", default=str(autotune.SHIPPED_CACHE))
   p.add_argument("--iterations", type=int, default=10)
   p.add_argument("--extra", action="store_true",
-                 help="a wider search (bands of 8, tile_k 32, all tile operands staged)")
+                 help="a wider search (bands of 8, tile_k 32, tile operands staged 4 "
+                 "sub-tiles ahead or all of them)")
   p.add_argument("--budget-s", type=float, default=None,
                  help="stop starting new problems after this many seconds")
   p.add_argument("--match", default=None, help="only the problems whose key text "
@@ -166,8 +158,8 @@ def main():
   print(f"{len(problems)} GEMM problems; {prov}", flush=True)
   if args.list:
     for k, (where, problem) in problems.items():
-      cached = "tuned" if autotune.lookup(problem.key) is not None else "NOT TUNED"
-      print(f"{where} [{cached}]: {k}")
+      source = autotune.lookup_with_source(problem.key)[1] or "NOT TUNED"
+      print(f"{where} [{source}]: {k}")
     return
   out = Path(args.out)
   have = set(json.loads(out.read_text())["entries"]) if out.exists() else set()

@@ -245,6 +245,22 @@ class Problem:
   def input_dtypes(self) -> dict:
     return {nm: v.dtype for nm, (_, v) in self.inputs.items()}
 
+  def random_inputs(self, seed: int = 0) -> tuple:
+    """(a, b, operands by name): fresh random normal inputs of the problem's shapes
+    (integer operands uniform in [0, 64))."""
+    ks = jax.random.split(jax.random.key(seed), 2 + len(self.inputs))
+    return (_random_like(ks[0], self.a), _random_like(ks[1], self.b),
+            {nm: _random_like(kk, v) for kk, (nm, (_, v)) in zip(ks[2:], self.inputs.items())})
+
+  def jitted(self, config: g.GemmConfig) -> Callable:
+    """``jit(f)`` with ``f(a, b, operands)`` this problem's GEMM under ``config``."""
+    kinds = self.input_kinds
+    return jax.jit(lambda a, b, ops: g.gemm(
+        a, b, inputs={nm: (kinds[nm], v) for nm, v in ops.items()}, epilogue=self.epilogue,
+        outputs=self.outputs, trans_a=self.key.trans_a, trans_b=self.key.trans_b,
+        in_place=self.in_place, config=config, program_id=self.program_id,
+        min_epi_tile_n=self.min_epi_tile_n))
+
   def default_config(self) -> g.GemmConfig:
     """The heuristic config ``gemm`` falls back to (raises ValueError if none tiles)."""
     k = self.key
@@ -406,16 +422,10 @@ def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] =
     log(f"  no default config: {e}")
   for name, why in skipped:
     log(f"  skip {name}: {why}")
-  ks = jax.random.split(jax.random.key(0), 2 + len(problem.inputs))
-  a, b = _random_like(ks[0], problem.a), _random_like(ks[1], problem.b)
-  ops = {nm: _random_like(kk, v) for kk, (nm, (_, v)) in zip(ks[2:], problem.inputs.items())}
+  a, b, ops = problem.random_inputs()
 
   def build(cfg):
-    fn = jax.jit(lambda a, b, ops: g.gemm(
-        a, b, inputs={nm: (kinds[nm], v) for nm, v in ops.items()}, epilogue=problem.epilogue, outputs=problem.outputs,
-        trans_a=key.trans_a, trans_b=key.trans_b, in_place=problem.in_place, config=cfg,
-        program_id=problem.program_id, min_epi_tile_n=problem.min_epi_tile_n))
-    return fn.lower(a, b, ops).compile()
+    return problem.jitted(cfg).lower(a, b, ops).compile()
 
   t0 = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(compile_threads) as pool:

@@ -178,6 +178,28 @@ def test_recording_collects_each_problem_once():
   assert rec2 == {}
 
 
+def test_problem_random_inputs():
+  """A recorded problem's inputs for timing: its shapes and dtypes, random normal floats
+  (never zeros), integers in [0, 64), different per seed."""
+  a = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+  b = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16)
+  inputs = {"r": (InputKind.ROW, jax.ShapeDtypeStruct((256,), jnp.float32)),
+            "t": (InputKind.ROW, jax.ShapeDtypeStruct((256,), jnp.int32))}
+  with autotune.recording() as rec:
+    jax.eval_shape(lambda a, b, r, t: pk.gemm(a, b, inputs={"r": (InputKind.ROW, r),
+                                                            "t": (InputKind.ROW, t)},
+                                              num_sms=2), a, b, inputs["r"][1], inputs["t"][1])
+  (problem,) = rec.values()
+  x, y, ops_ = problem.random_inputs()
+  assert (x.shape, x.dtype, y.shape, y.dtype) == ((256, 128), jnp.bfloat16, (128, 512),
+                                                  jnp.bfloat16)
+  assert {nm: (v.shape, v.dtype) for nm, v in ops_.items()} == {
+      "r": ((256,), jnp.float32), "t": ((256,), jnp.int32)}
+  assert 0.9 < float(jnp.std(x.astype(jnp.float32))) < 1.1
+  assert 0 <= int(ops_["t"].min()) and int(ops_["t"].max()) < 64 and int(ops_["t"].max()) > 0
+  assert not jnp.array_equal(problem.random_inputs(seed=1)[0], x)
+
+
 def test_gemm_uses_the_cached_config(cache, monkeypatch):
   """With config=None, pk.gemm takes the cache's entry for its problem (here keyed on
   this machine's device), not the heuristic."""
