@@ -1,0 +1,163 @@
+"""Times a workload's GEMMs under named config variants: one knob against the config
+``gemm`` would choose, on the same inputs and in the same process. GPU host only.
+
+    PYTHONPATH=. python -m bench.compare_configs --workloads train-llama-3-8b:4 \\
+        --match 'GatedGrad' --plain 14336x4096x16384:tn \\
+        --variant 'pp_clN=schedule=PINGPONG,cluster_dim=N,stages=5' \\
+        --variant 'pp_2x2=schedule=PINGPONG,cluster_dim=None,cluster_2x2=True,stages=5'
+
+Problems: those of ``--workloads`` (``bench.tune_gemm``'s; ``--match`` filters their key
+text) and ``--plain MxNxK:ORDER`` plain GEMMs. Each variant is ``NAME=FIELD=VALUE,...``:
+``GemmConfig`` fields replaced in the chosen config (enums by name, ``None``, ints,
+``True``/``False``); ``num_sms=N`` sets the persistent grid instead. Stages are lowered
+until the variant fits in shared memory; one that still does not fit, or does not tile
+the problem, is reported with the reason. ``--ncu`` runs each (problem, variant)
+twice without timing, for Nsight Compute (profile the second launch). Prints a table:
+time and the ratio to the chosen config ("base").
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import re
+import sys
+
+import jax
+
+from bench import common, tune_gemm
+from pallas_kernels import autotune
+from pallas_kernels import gemm_mgpu as g
+
+
+def parse_variant(text: str) -> tuple[str, dict, int | None]:
+  """``NAME=FIELD=VALUE,...`` -> (name, GemmConfig field overrides, num_sms or None)."""
+  name, sep, rest = text.partition("=")
+  if not sep or not name:
+    raise ValueError(f"--variant {text!r}: expected NAME=FIELD=VALUE,...")
+  fields = {f.name: f for f in dataclasses.fields(g.GemmConfig)}
+  enums = {"wg_dim": g.MatDim, "grid_minor_dim": g.MatDim, "cluster_dim": g.MatDim,
+           "schedule": g.Schedule}
+  overrides, num_sms = {}, None
+  for item in filter(None, rest.split(",")):
+    field, sep, value = item.partition("=")
+    if not sep:
+      raise ValueError(f"--variant {name}: {item!r} is not FIELD=VALUE")
+    if field == "num_sms":
+      num_sms = int(value)
+      continue
+    if field not in fields:
+      raise ValueError(f"--variant {name}: {field!r} is not a GemmConfig field "
+                       f"({sorted(fields)} or num_sms)")
+    if value == "None":
+      overrides[field] = None
+    elif field in enums:
+      overrides[field] = enums[field][value]
+    elif value in ("True", "False"):
+      overrides[field] = value == "True"
+    else:
+      overrides[field] = int(value)
+  return name, overrides, num_sms
+
+
+def plain_problem(spec: str) -> tuple[str, autotune.Problem]:
+  """``MxNxK:ORDER`` (order nn, nt, tn or tt) -> the plain GEMM's recorded problem."""
+  m_ = re.fullmatch(r"(\d+)x(\d+)x(\d+):([nt])([nt])", spec)
+  if not m_:
+    raise ValueError(f"--plain {spec!r}: expected MxNxK:ORDER, e.g. 8192x8192x8192:nn")
+  m, n, k = (int(v) for v in m_.groups()[:3])
+  trans_a, trans_b = m_.group(4) == "t", m_.group(5) == "t"
+  a = jax.ShapeDtypeStruct((k, m) if trans_a else (m, k), "bfloat16")
+  b = jax.ShapeDtypeStruct((n, k) if trans_b else (k, n), "bfloat16")
+  with autotune.recording() as rec:
+    jax.eval_shape(lambda a, b: g.gemm(a, b, trans_a=trans_a, trans_b=trans_b), a, b)
+  return f"plain {spec}", next(iter(rec.values()))
+
+
+def fit_stages(cfg: g.GemmConfig, problem: autotune.Problem) -> g.GemmConfig:
+  """``cfg`` with at most its stages, the deepest that fits in shared memory."""
+  for stages in range(cfg.stages, 1, -1):
+    c = dataclasses.replace(cfg, stages=stages)
+    if g.smem_bytes(c, problem.a.dtype, problem.input_kinds, problem.input_dtypes,
+                    problem.outputs) <= g.SMEM_LIMIT_BYTES:
+      return c
+  raise ValueError(f"{cfg.describe()}: no stage count fits in shared memory")
+
+
+def run(problem: autotune.Problem, variants, iterations: int, ncu: bool) -> list[dict]:
+  base, source = autotune.chosen_config(problem)
+  a, b, ops = problem.random_inputs(seed=1)
+  rows = []
+  for name, overrides, num_sms in [("base", {}, None), *variants]:
+    row = dict(variant=name)
+    try:
+      cfg = fit_stages(dataclasses.replace(base, **overrides), problem)
+      kinds = problem.input_kinds
+      fn = jax.jit(lambda a, b, ops, cfg=cfg: g.gemm(
+          a, b, inputs={nm: (kinds[nm], v) for nm, v in ops.items()},
+          epilogue=problem.epilogue, outputs=problem.outputs, trans_a=problem.key.trans_a,
+          trans_b=problem.key.trans_b, in_place=problem.in_place, config=cfg,
+          program_id=problem.program_id, min_epi_tile_n=problem.min_epi_tile_n,
+          num_sms=num_sms))
+      row["config"] = cfg.describe() + (f" sms{num_sms}" if num_sms else "")
+      if ncu:
+        for _ in range(2):
+          jax.block_until_ready(fn(a, b, ops))
+        row["ms"] = None
+      else:
+        row["ms"] = common.time_kernels(fn, a, b, ops, iterations=iterations,
+                                        only="coda_gemm")[0]
+    except Exception as e:  # noqa: BLE001  a variant that does not fit is reported
+      row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+    rows.append(row)
+  base_ms = rows[0].get("ms")
+  for row in rows:
+    if row.get("ms") and base_ms:
+      row["vs_base"] = row["ms"] / base_ms
+  return rows, source
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--workloads", default=None, help="bench.tune_gemm's workloads")
+  p.add_argument("--match", default=None, help="regular expression on the key text")
+  p.add_argument("--plain", action="append", default=[], help="MxNxK:ORDER plain GEMMs")
+  p.add_argument("--variant", action="append", default=[],
+                 help="NAME=FIELD=VALUE,... (repeatable)")
+  p.add_argument("--iterations", type=int, default=20)
+  p.add_argument("--ncu", action="store_true", help="run each twice, untimed")
+  args = p.parse_args()
+  try:
+    variants = [parse_variant(v) for v in args.variant]
+    problems = [plain_problem(s) for s in args.plain]
+  except ValueError as e:
+    sys.exit(str(e))
+  if jax.devices()[0].platform != "gpu":
+    sys.exit("compare_configs measures on the device: run it on the GPU host")
+  if args.workloads:
+    found = tune_gemm.find_problems(argparse.Namespace(
+        workloads=args.workloads, shapes=None, programs="all"))
+    problems += [(where, pr) for k, (where, pr) in found.items()
+                 if args.match is None or re.search(args.match, k)]
+  print(common.provenance(), flush=True)
+  table = ["| problem | M x N x K | order | variant | config | ms | / base |",
+           "|---|---|---|---|---|---|---|"]
+  for where, problem in problems:
+    k = problem.key
+    rows, source = run(problem, variants, args.iterations, args.ncu)
+    program = k.signature.split(";")[0][:60]
+    for row in rows:
+      ms = row.get("ms")
+      result = row.get("error") or ("ran" if ms is None else f"{ms:.4f}")
+      ratio = f"{row['vs_base']:.3f}" if "vs_base" in row else "-"
+      variant = row["variant"] + (f" ({source})" if row["variant"] == "base" else "")
+      line = (f"| {where}: {program} | {k.m}x{k.n}x{k.k} | "
+              f"{'t' if k.trans_a else 'n'}{'t' if k.trans_b else 'n'} | {variant} | "
+              f"{row.get('config', '-')} | {result} | {ratio} |")
+      print(line, flush=True)
+      table.append(line)
+  print("\n" + "\n".join(table))
+
+
+if __name__ == "__main__":
+  main()
