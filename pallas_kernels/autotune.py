@@ -321,9 +321,6 @@ def describe_workload(fn: Callable, *args) -> list[str]:
 
 # ---- the search ------------------------------------------------------------------------
 
-_2X2 = "2x2"  # in the search structures below: cluster_2x2=True
-
-
 def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: dict,
                outputs: tuple, *, trans_a: bool, trans_b: bool, min_epi_tile_n: int = 1,
                max_stages: int = 7,
@@ -336,15 +333,14 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   (configs, [(description, reason skipped)])."""
   M_, N_ = g.MatDim.M, g.MatDim.N
   PP, CO = g.Schedule.PINGPONG, g.Schedule.COOPERATIVE
-  # (schedule, tile_m, tile_n, wg_dim, cluster (a MatDim, None or _2X2: 2 x 2),
-  # grid_minor_dim, grid_tile_width, epilogue widths). Pruned by measurement on the H100 (bench/NOTES.md, issue 10):
+  # (schedule, tile_m, tile_n, wg_dim, cluster_dim, grid_minor_dim, grid_tile_width,
+  # epilogue widths). Pruned by measurement on the H100 (bench/NOTES.md, issue 10):
   # 64-row or 64-column warpgroup tiles, tile_k 32, bands of 8 and staging every tile
   # operand sub-tile during the mainloop (it costs pipeline stages) never won.
   structures = [
       (CO, 128, 128, M_, N_, N_, 16, (64, 32)), (CO, 128, 128, M_, None, N_, 16, (64, 32)),
       (PP, 128, 128, M_, N_, N_, 16, (64, 32)), (PP, 128, 128, M_, M_, M_, 16, (64, 32)),
-      (PP, 128, 128, M_, N_, M_, 16, (32,)), (PP, 128, 128, M_, M_, N_, 16, (32,)),
-      (PP, 128, 128, M_, _2X2, N_, 16, (64, 32)), (PP, 128, 128, M_, _2X2, M_, 16, (32,))]
+      (PP, 128, 128, M_, N_, M_, 16, (32,)), (PP, 128, 128, M_, M_, N_, 16, (32,))]
   if extra:
     structures += [(s, tm, tn, wg, cl, mi, 8, ens) for s, tm, tn, wg, cl, mi, _, ens in structures]
   mn_major = trans_a or not trans_b
@@ -357,8 +353,7 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
     en = max(min(en, tn), min_epi_tile_n)
     subtiles = (tm // 64) * (tn // en)
     slots = subtiles if depth is None else min(depth, max(2, subtiles))
-    name = (f"{sched.value} {tm}x{tn}x{tk} wg{wg.name} "
-            f"cl{'2x2' if cl == _2X2 else cl.name if cl else '-'} "
+    name = (f"{sched.value} {tm}x{tn}x{tk} wg{wg.name} cl{cl.name if cl else '-'} "
             f"{minor.name}{width} e64x{en} in{slots}")
     if name in seen:
       continue
@@ -372,8 +367,7 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
         break
       try:
         cfg = g.GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=stages, epi_tile_n=en,
-                           wg_dim=wg, cluster_dim=None if cl == _2X2 else cl,
-                           cluster_2x2=cl == _2X2, grid_minor_dim=minor,
+                           wg_dim=wg, cluster_dim=cl, grid_minor_dim=minor,
                            grid_tile_width=width, schedule=sched, epi_operand_slots=slots)
         g._check_tiling(m, n, k, cfg, trans_a, trans_b)
       except ValueError as e:

@@ -29,7 +29,6 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import cluster_occupancy
 from pallas_kernels import epilogue as epi
 
 SMEM_LIMIT_BYTES = 227 * 1024  # sm90 per-block opt-in maximum
@@ -76,12 +75,6 @@ class GemmConfig:
   # Pair CTAs along this dim into a cluster that multicasts the operand they share
   # (cluster along M shares B tiles, along N shares A tiles), halving its L2 traffic.
   cluster_dim: MatDim | None = MatDim.N
-  # Ping-pong only: clusters of 2 x 2 CTAs, A multicast to the CTA beside (along N)
-  # and B to the CTA below (along M), so each operand tile is read from L2 once per
-  # pair. A 128x128 ping-pong tile with one operand multicast reads 1.5x the L2 bytes
-  # per FLOP of a cooperative 256x128 one, and is L2-bound; 2 x 2 reads the same.
-  # Needs cluster_dim=None.
-  cluster_2x2: bool = False
   schedule: Schedule = Schedule.COOPERATIVE
   # Epilogue sub-tiles of each tile operand (a residual, a saved pre-activation) staged
   # in shared memory ahead of the epilogue. The first ones are loaded while the
@@ -95,13 +88,8 @@ class GemmConfig:
   def cluster_tile(self) -> tuple[int, int]:
     """The unit the grid is divided into: a CTA tile, doubled along cluster_dim."""
     cm, cn = self.cta_tile
-    return (cm * (2 if self.cluster_2x2 or self.cluster_dim == MatDim.M else 1),
-            cn * (2 if self.cluster_2x2 or self.cluster_dim == MatDim.N else 1))
-
-  @property
-  def cluster_size(self) -> int:
-    """CTAs per cluster: 1, 2 (paired along cluster_dim) or 4 (cluster_2x2)."""
-    return 4 if self.cluster_2x2 else 1 if self.cluster_dim is None else 2
+    return (cm * (2 if self.cluster_dim == MatDim.M else 1),
+            cn * (2 if self.cluster_dim == MatDim.N else 1))
 
   @property
   def cta_tile(self) -> tuple[int, int]:
@@ -116,8 +104,7 @@ class GemmConfig:
     """A short name for tables: schedule, warpgroup tile x K step, stages, epilogue
     sub-tile, split, cluster."""
     split = "" if self.schedule == Schedule.PINGPONG else f" wg{self.wg_dim.name}"
-    cl = (" cl2x2" if self.cluster_2x2 else
-          f" cl{self.cluster_dim.name}" if self.cluster_dim is not None else "")
+    cl = f" cl{self.cluster_dim.name}" if self.cluster_dim is not None else ""
     slots = f" in{self.epi_operand_slots}" if self.epi_operand_slots != 2 else ""
     return (f"{self.schedule.value} {self.tile_m}x{self.tile_n}x{self.tile_k} "
             f"s{self.stages} e{self.epi_tile_m}x{self.epi_tile_n}{split}{cl} "
@@ -147,12 +134,6 @@ class GemmConfig:
     if not 1 <= self.epi_operand_slots <= max(2, subtiles):
       raise ValueError(f"GemmConfig.epi_operand_slots={self.epi_operand_slots}: between 1 "
                        f"and the {max(2, subtiles)} sub-tiles of a warpgroup tile")
-    if self.cluster_2x2 and (self.cluster_dim is not None
-                             or self.schedule != Schedule.PINGPONG):
-      raise ValueError(f"GemmConfig.cluster_2x2 with cluster_dim={self.cluster_dim} and "
-                       f"schedule={self.schedule.value}: 2 x 2 clusters are built for the "
-                       "ping-pong schedule and pair along both dims; pass "
-                       "schedule=Schedule.PINGPONG, cluster_dim=None")
     if self.grid_tile_width < 1:
       raise ValueError(f"GemmConfig.grid_tile_width={self.grid_tile_width} must be >= 1")
 
@@ -548,8 +529,6 @@ def _tile_origin(lin, cfg: GemmConfig, m_iters, n_iters):
   """(mi, ni): the CTA-tile coordinates of linear tile ``lin`` of this cluster."""
   mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), cfg.grid_minor_dim,
                               cfg.grid_tile_width)
-  if cfg.cluster_2x2:
-    return mi * 2 + lax.axis_index("cluster_m"), ni * 2 + lax.axis_index("cluster_n")
   if cfg.cluster_dim == MatDim.M:
     mi = mi * 2 + lax.axis_index("cluster")
   elif cfg.cluster_dim == MatDim.N:
@@ -576,15 +555,7 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
   multicast_b = ("cluster",) if cfg.cluster_dim == MatDim.M else None
   a_block = (tk, tm) if trans_a else (tm, tk)
   b_block = (tn, tk) if trans_b else (tk, tn)
-  if cfg.cluster_2x2:
-    # A goes to the CTAs of a cluster row (same rows of C), B to those of a column. A
-    # slot is written by this CTA, its row peer and its column peer: all three must
-    # have released it. A barrier over both axes arrives in exactly those CTAs
-    # (coordinates differing in at most one axis).
-    multicast_a, multicast_b = ("cluster_n",), ("cluster_m",)
-    consumed = plgpu.ClusterBarrier(collective_axes=("cluster_m", "cluster_n"),
-                                    num_arrivals=1, num_barriers=stages)
-  elif cfg.cluster_dim is None:
+  if cfg.cluster_dim is None:
     consumed = plgpu.Barrier(num_arrivals=1, num_barriers=stages)
   else:  # a multicast writes the peer CTA's slot too: both must have released it
     consumed = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=1,
@@ -706,8 +677,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
       element is read before it is written, by the same CTA.
     config: tuning; default the tuned config for this problem from the on-disk cache
       (``autotune.lookup``), else ``default_config``'s heuristic.
-    num_sms: SMs the persistent grid fills; default the device's SM count (with 2 x 2
-      clusters, four times the clusters the driver says run at once).
+    num_sms: size of the persistent grid; default the device's SM count.
     interpret: ``plgpu.InterpretGPUParams()`` to run on CPU through the interpreter.
     program_id: names the epilogue program in the tuning cache's key (what the closure
       computes; its operands and outputs are part of the key anyway).
@@ -773,19 +743,11 @@ def gemm(a: jax.Array, b: jax.Array, *,
   if need > SMEM_LIMIT_BYTES:
     raise ValueError(f"{config} with this epilogue needs {need} bytes of shared memory, "
                      f"over the {SMEM_LIMIT_BYTES}-byte limit: lower stages or tiles")
+  if num_sms is None:
+    num_sms = jax.devices()[0].core_count if interpret is None else 2
   tiles = (m // config.cluster_tile[0]) * (n // config.cluster_tile[1])
-  cluster = config.cluster_size
+  cluster = 1 if config.cluster_dim is None else 2
   names_in = tuple(inputs)
-  if num_sms is None and interpret is None:
-    device = jax.devices()[0]
-    num_sms = device.core_count
-    if cluster > 2:
-      # Clusters of 4 do not fill every GPC (30 of them run at once on a 132-SM H100):
-      # a grid of num_sms // 4 would run its last clusters as a second wave.
-      num_sms = cluster * cluster_occupancy.max_active_clusters(
-          (2, 2, 1), getattr(device, "local_hardware_id", device.id), num_sms)
-  elif num_sms is None:
-    num_sms = 2
   if num_sms < cluster:
     raise ValueError(f"num_sms={num_sms} is smaller than the cluster ({cluster} CTAs) of "
                      f"{config}: pass cluster_dim=None or more SMs")
@@ -804,9 +766,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
             jax.ShapeDtypeStruct(epi.output_shape(o, m, n, config.epi_tile_m,
                                                   config.epi_tile_n), o.dtype)
             for o in outputs if o.name not in in_place),
-        grid=(grid,), grid_names=("sm",),
-        **(dict(cluster=(2, 2), cluster_names=("cluster_m", "cluster_n"))
-           if config.cluster_2x2 else dict(cluster=(cluster,), cluster_names=("cluster",))),
+        grid=(grid,), grid_names=("sm",), cluster=(cluster,), cluster_names=("cluster",),
         num_threads=3, thread_name="wg",
         kernel_name=f"coda_gemm_{config.schedule.name.lower()}",  # in profiles
         # approx_math: SFU exp/sin/cos/division in epilogues (inputs are range-reduced

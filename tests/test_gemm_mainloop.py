@@ -36,10 +36,6 @@ CONFIGS = {
     "pingpong_cluster_m": GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=3,
                                      cluster_dim=M_, grid_minor_dim=M_, grid_tile_width=2,
                                      schedule=Schedule.PINGPONG),
-    # 2 x 2 clusters: A multicast along N, B along M, slots released to three CTAs
-    "pingpong_cluster_2x2": GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=3,
-                                       epi_tile_n=32, cluster_dim=None, cluster_2x2=True,
-                                       schedule=Schedule.PINGPONG),
     "default": None,
 }
 # (M, N, K, dtype): non-square, K = 3 x tile_k; M, N divisible by every cluster tile.
@@ -62,11 +58,10 @@ def check_gemm(a, b, interpret, trans_a=False, trans_b=False, **kw):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize(**TRANSPOSES)
-@pytest.mark.parametrize("config", ["wg_n", "pingpong_cluster_m", "pingpong_cluster_2x2"])
+@pytest.mark.parametrize("config", ["wg_n", "pingpong_cluster_m"])
 def test_transposes(key, interpret, dtype, trans_a, trans_b, config):
   a, b = gemm_inputs(key, 128, 256, 192, dtype, trans_a, trans_b)
-  check_gemm(a, b, interpret, trans_a, trans_b, config=CONFIGS[config],
-             num_sms=max(2, CONFIGS[config].cluster_size))
+  check_gemm(a, b, interpret, trans_a, trans_b, config=CONFIGS[config], num_sms=2)
 
 
 @pytest.mark.parametrize(**TRANSPOSES)
@@ -88,8 +83,7 @@ def test_tile_k_32(key, interpret, trans_a, trans_b):
 def test_configs(key, interpret, config, shape):
   m, n, k, dtype = shape
   a, b = gemm_inputs(key, m, n, k, dtype)
-  # several tiles per SM (one cluster)
-  check_gemm(a, b, interpret, config=config, num_sms=config.cluster_size if config else 2)
+  check_gemm(a, b, interpret, config=config, num_sms=2)  # several tiles per SM
 
 
 def test_default_config_single_k_step(key, interpret):
@@ -115,13 +109,10 @@ def test_fewer_sms_than_a_cluster(key, interpret):
 @pytest.mark.parametrize("k,config", [(128, "wg_n"), (128, "cluster_n"), (128, "wg_m"),
                                       (64, "default"), (128, "pingpong"),
                                       (192, "pingpong_two_stages"),
-                                      (128, "pingpong_cluster_n"),
-                                      (128, "pingpong_cluster_2x2")])
+                                      (128, "pingpong_cluster_n")])
 def test_race_free(key, race_detector, k, config):
   """Several tiles per SM, so that buffer reuse across tiles is exercised; the
   interpreter's happens-before checker sees races that its eager copies hide."""
   a, b = gemm_inputs(key, 512, 256, k, jnp.bfloat16)
-  cfg = CONFIGS[config]
-  check_gemm(a, b, race_detector.params, config=cfg,
-             num_sms=2 if cfg is None else max(2, cfg.cluster_size))
+  check_gemm(a, b, race_detector.params, config=CONFIGS[config], num_sms=2)
   assert not race_detector.races_found(), "data race in the kernel (see stdout)"
