@@ -114,3 +114,30 @@ def test_step_gemms_table():
   assert "| 2.000 | 1.600 | 1.000 | 2.000 | 1.600 | 1.250 |" in row, row
   assert "FAILED: ValueError: no" in md and "`nvjet_x`" in md
   assert "| **sum** | | | | **2.000** | **1.600** | **1.000** |" in md, md
+
+
+def test_compare_configs_variants_and_plain_problems():
+  """bench.compare_configs: a variant's fields parse to GemmConfig values (enums by name,
+  None, booleans, ints, num_sms apart); bad ones name the field and the fix; a plain
+  problem records the GEMM at its shape and operand order."""
+  from bench import compare_configs as cc
+  from pallas_kernels import MatDim, Schedule
+  name, over, sms = cc.parse_variant(
+      "pp=schedule=PINGPONG,cluster_dim=None,wg_dim=N,stages=5,epi_operand_slots=1,"
+      "num_sms=64")
+  assert (name, sms) == ("pp", 64)
+  assert over == dict(schedule=Schedule.PINGPONG, cluster_dim=None, wg_dim=MatDim.N,
+                      stages=5, epi_operand_slots=1)
+  with pytest.raises(ValueError, match="'tile' is not a GemmConfig field"):
+    cc.parse_variant("x=tile=128")
+  with pytest.raises(ValueError, match="is not FIELD=VALUE"):
+    cc.parse_variant("x=stages")
+  with pytest.raises(ValueError, match="expected NAME=FIELD=VALUE"):
+    cc.parse_variant("stages")
+  where, problem = cc.plain_problem("512x256x128:tn")
+  k = problem.key
+  assert (where, k.m, k.n, k.k, k.trans_a, k.trans_b) == (
+      "plain 512x256x128:tn", 512, 256, 128, True, False)
+  assert problem.a.shape == (128, 512) and problem.b.shape == (128, 256)
+  with pytest.raises(ValueError, match="expected MxNxK:ORDER"):
+    cc.plain_problem("512x256:nn")
