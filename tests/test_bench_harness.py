@@ -123,11 +123,11 @@ def test_compare_configs_variants_and_plain_problems():
   from bench import compare_configs as cc
   from pallas_kernels import MatDim, Schedule
   name, over, sms = cc.parse_variant(
-      "pp=schedule=PINGPONG,cluster_dim=None,wg_dim=N,stages=5,epi_operand_slots=1,"
+      "pp=schedule=PINGPONG,cluster_dim=None,wg_dim=N,stages=5,epi_operand_slots=4,"
       "num_sms=64")
   assert (name, sms) == ("pp", 64)
   assert over == dict(schedule=Schedule.PINGPONG, cluster_dim=None, wg_dim=MatDim.N,
-                      stages=5, epi_operand_slots=1)
+                      stages=5, epi_operand_slots=4)
   with pytest.raises(ValueError, match="'tile' is not a GemmConfig field"):
     cc.parse_variant("x=tile=128")
   with pytest.raises(ValueError, match="is not FIELD=VALUE"):
