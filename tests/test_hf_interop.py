@@ -9,7 +9,9 @@ transformers 4.57 is the last release with Flax models, and is in the ``test`` e
 Flax Llama knows no RoPE scaling, fixes theta at 10000 (it does not read ``rope_theta``)
 and has no tied head (it makes a fresh ``lm_head``), so the Llama here is unscaled, of
 theta 10000 and untied; those are checked against our own reader and an independent
-formula instead (test_hf_checkpoint.py, test_rope_scaling.py). Nothing is downloaded."""
+formula instead (test_hf_checkpoint.py, test_rope_scaling.py). Where transformers has no
+Flax models (5.x, as on the GPU host, which has torch) its PyTorch models run on the CPU
+instead; with neither, the model comparisons skip and say why. Nothing is downloaded."""
 import json
 
 import jax
@@ -35,6 +37,29 @@ def _tokens(vocab, key=3):
   return np.asarray(jax.random.randint(jax.random.key(key), (2, 48), 0, vocab))
 
 
+def _their_logits(flax_class: str, torch_class: str, path, tokens):
+  """Logits of transformers' own model loaded from ``path``: its Flax class where this
+  transformers has Flax models (4.x), else its PyTorch class on the CPU (5.x)."""
+  if hasattr(transformers, "FlaxPreTrainedModel"):
+    theirs = getattr(transformers, flax_class).from_pretrained(path, from_pt=True,
+                                                               dtype=jnp.float32)
+    with jax.default_matmul_precision("highest"):
+      return np.asarray(theirs(tokens).logits)
+  torch = pytest.importorskip(
+      "torch", reason=f"transformers {transformers.__version__} has no Flax models and "
+                      "torch is not installed: nothing to run its model with")
+  theirs = getattr(transformers, torch_class).from_pretrained(path, dtype=torch.float32)
+  with torch.no_grad():
+    return theirs(torch.as_tensor(tokens)).logits.numpy()
+
+
+def _rope_theta(hf_cfg) -> float:
+  """theta as transformers read it: an attribute in 4.x, in ``rope_parameters`` in 5.x."""
+  if hasattr(hf_cfg, "rope_parameters") and hf_cfg.rope_parameters:
+    return hf_cfg.rope_parameters["rope_theta"]
+  return hf_cfg.rope_theta
+
+
 def _rel(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return np.linalg.norm(a - b) / np.linalg.norm(b)
@@ -47,14 +72,12 @@ def test_transformers_loads_our_llama_checkpoint(tmp_path, n_kv_heads):
   model = Llama(cfg, rngs=nnx.Rngs(1), fused=False)
   save_hf_checkpoint(model, tmp_path)
   hf_cfg = transformers.AutoConfig.from_pretrained(tmp_path)
-  assert (hf_cfg.model_type, hf_cfg.num_key_value_heads, hf_cfg.rope_theta,
+  assert (hf_cfg.model_type, hf_cfg.num_key_value_heads, _rope_theta(hf_cfg),
           hf_cfg.rms_norm_eps, hf_cfg.tie_word_embeddings) == ("llama", n_kv_heads, 1e4,
                                                               1e-6, False)
-  theirs = transformers.FlaxLlamaForCausalLM.from_pretrained(tmp_path, from_pt=True,
-                                                             dtype=jnp.float32)
   tokens = _tokens(cfg.vocab_size)
+  want = _their_logits("FlaxLlamaForCausalLM", "LlamaForCausalLM", tmp_path, tokens)
   with jax.default_matmul_precision("highest"):
-    want = theirs(tokens).logits
     got = model(jnp.asarray(tokens))
   assert _rel(got, want) < TOL, _rel(got, want)
 
@@ -82,10 +105,8 @@ def test_transformers_loads_our_gpt2_checkpoint(tmp_path):
       for i, v in enumerate(leaves)]))
   save_gpt2_checkpoint(model, tmp_path)
   assert transformers.AutoConfig.from_pretrained(tmp_path).model_type == "gpt2"
-  theirs = transformers.FlaxGPT2LMHeadModel.from_pretrained(tmp_path, from_pt=True,
-                                                            dtype=jnp.float32)
   tokens = _tokens(cfg.vocab_size, 4)
+  want = _their_logits("FlaxGPT2LMHeadModel", "GPT2LMHeadModel", tmp_path, tokens)
   with jax.default_matmul_precision("highest"):
-    want = theirs(tokens).logits
     got = model(jnp.asarray(tokens))
   assert _rel(got, want) < TOL, _rel(got, want)
