@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import re
 import sys
 
@@ -94,13 +93,7 @@ def run(problem: autotune.Problem, variants, iterations: int, ncu: bool) -> list
     row = dict(variant=name)
     try:
       cfg = fit_stages(dataclasses.replace(base, **overrides), problem)
-      kinds = problem.input_kinds
-      fn = jax.jit(lambda a, b, ops, cfg=cfg: g.gemm(
-          a, b, inputs={nm: (kinds[nm], v) for nm, v in ops.items()},
-          epilogue=problem.epilogue, outputs=problem.outputs, trans_a=problem.key.trans_a,
-          trans_b=problem.key.trans_b, in_place=problem.in_place, config=cfg,
-          program_id=problem.program_id, min_epi_tile_n=problem.min_epi_tile_n,
-          num_sms=num_sms))
+      fn = problem.jitted(cfg, num_sms)
       row["config"] = cfg.describe() + (f" sms{num_sms}" if num_sms else "")
       if ncu:
         for _ in range(2):

@@ -252,14 +252,15 @@ class Problem:
     return (_random_like(ks[0], self.a), _random_like(ks[1], self.b),
             {nm: _random_like(kk, v) for kk, (nm, (_, v)) in zip(ks[2:], self.inputs.items())})
 
-  def jitted(self, config: g.GemmConfig) -> Callable:
-    """``jit(f)`` with ``f(a, b, operands)`` this problem's GEMM under ``config``."""
+  def jitted(self, config: g.GemmConfig, num_sms: int | None = None) -> Callable:
+    """``jit(f)`` with ``f(a, b, operands)`` this problem's GEMM under ``config`` (and
+    ``num_sms``, default the device's)."""
     kinds = self.input_kinds
     return jax.jit(lambda a, b, ops: g.gemm(
         a, b, inputs={nm: (kinds[nm], v) for nm, v in ops.items()}, epilogue=self.epilogue,
         outputs=self.outputs, trans_a=self.key.trans_a, trans_b=self.key.trans_b,
         in_place=self.in_place, config=config, program_id=self.program_id,
-        min_epi_tile_n=self.min_epi_tile_n))
+        min_epi_tile_n=self.min_epi_tile_n, num_sms=num_sms))
 
   def default_config(self) -> g.GemmConfig:
     """The heuristic config ``gemm`` falls back to (raises ValueError if none tiles)."""
