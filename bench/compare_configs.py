@@ -65,24 +65,8 @@ def plain_problem(spec: str) -> tuple[str, autotune.Problem]:
   if not m_:
     raise ValueError(f"--plain {spec!r}: expected MxNxK:ORDER, e.g. 8192x8192x8192:nn")
   m, n, k = (int(v) for v in m_.groups()[:3])
-  trans_a, trans_b = m_.group(4) == "t", m_.group(5) == "t"
-  a = jax.ShapeDtypeStruct((k, m) if trans_a else (m, k), "bfloat16")
-  b = jax.ShapeDtypeStruct((n, k) if trans_b else (k, n), "bfloat16")
-  with autotune.recording() as rec:
-    # num_sms only sizes the grid, which the recorded problem does not hold: any will do
-    jax.eval_shape(lambda a, b: g.gemm(a, b, trans_a=trans_a, trans_b=trans_b,
-                                       num_sms=132), a, b)
-  return f"plain {spec}", next(iter(rec.values()))
-
-
-def fit_stages(cfg: g.GemmConfig, problem: autotune.Problem) -> g.GemmConfig:
-  """``cfg`` with at most its stages, the deepest that fits in shared memory."""
-  for stages in range(cfg.stages, 1, -1):
-    c = dataclasses.replace(cfg, stages=stages)
-    if g.smem_bytes(c, problem.a.dtype, problem.input_kinds, problem.input_dtypes,
-                    problem.outputs) <= g.SMEM_LIMIT_BYTES:
-      return c
-  raise ValueError(f"{cfg.describe()}: no stage count fits in shared memory")
+  return f"plain {spec}", autotune.plain_problem(m, n, k, "bfloat16", m_.group(4) == "t",
+                                                 m_.group(5) == "t")
 
 
 def run(problem: autotune.Problem, variants, iterations: int, ncu: bool) -> list[dict]:
@@ -92,7 +76,10 @@ def run(problem: autotune.Problem, variants, iterations: int, ncu: bool) -> list
   for name, overrides, num_sms in [("base", {}, None), *variants]:
     row = dict(variant=name)
     try:
-      cfg = fit_stages(dataclasses.replace(base, **overrides), problem)
+      cfg = g.deepest_fitting(dataclasses.replace(base, **overrides), problem.a.dtype,
+                              problem.input_kinds, problem.input_dtypes, problem.outputs)
+      if cfg is None:
+        raise ValueError("no stage count fits in shared memory")
       fn = problem.jitted(cfg, num_sms)
       row["config"] = cfg.describe() + (f" sms{num_sms}" if num_sms else "")
       if ncu:

@@ -27,11 +27,9 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from bench import common, tune_gemm
 from pallas_kernels import autotune
-from pallas_kernels import gemm_mgpu as g
 
 OUR_KERNEL = "coda_gemm"
 
@@ -49,10 +47,11 @@ def time_problem(problem: autotune.Problem, iterations: int) -> dict:
   a, b, ops = problem.random_inputs(seed=1)
   cfg, source = autotune.chosen_config(problem)
   ours = problem.jitted(cfg)
-  plain = jax.jit(lambda a, b: g.gemm(a, b, trans_a=key.trans_a, trans_b=key.trans_b))
-  with autotune.recording() as rec:  # which config the plain GEMM runs, for the table
-    jax.eval_shape(plain, a, b)
-  plain_cfg, plain_source = autotune.chosen_config(next(iter(rec.values())))
+  plain_problem = autotune.plain_problem(key.m, key.n, key.k, problem.a.dtype, key.trans_a,
+                                         key.trans_b)
+  plain_cfg, plain_source = autotune.chosen_config(plain_problem)
+  plain_jit = plain_problem.jitted(plain_cfg)
+  plain = lambda a, b: plain_jit(a, b, {})
   xla = jax.jit(lambda a, b: xla_dot(a, b, key.trans_a, key.trans_b))
   row = dict(m=key.m, n=key.n, k=key.k,
              order=("t" if key.trans_a else "n") + ("t" if key.trans_b else "n"),

@@ -271,6 +271,19 @@ class Problem:
                             trans_b=k.trans_b)
 
 
+def plain_problem(m: int, n: int, k: int, dtype="bfloat16", trans_a: bool = False,
+                  trans_b: bool = False) -> Problem:
+  """The recorded problem of the plain GEMM (default epilogue: the product stored in
+  ``dtype``) at M, N, K and this operand order."""
+  a = jax.ShapeDtypeStruct((k, m) if trans_a else (m, k), dtype)
+  b = jax.ShapeDtypeStruct((n, k) if trans_b else (k, n), dtype)
+  with recording() as rec:
+    # num_sms only sizes the grid, which a problem does not hold: any will do
+    jax.eval_shape(lambda a, b: g.gemm(a, b, trans_a=trans_a, trans_b=trans_b,
+                                       num_sms=132), a, b)
+  return next(iter(rec.values()))
+
+
 _recorders: list[dict] = []
 
 
@@ -363,20 +376,15 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
     if tn % en or en % min_epi_tile_n:
       why = f"epilogue width {en} does not fit tile_n {tn} and column group {min_epi_tile_n}"
     best = None
-    for stages in range(max_stages, 1, -1):
-      if why:
-        break
+    if not why:
       try:
-        cfg = g.GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=stages, epi_tile_n=en,
+        cfg = g.GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=max_stages, epi_tile_n=en,
                            wg_dim=wg, cluster_dim=cl, grid_minor_dim=minor,
                            grid_tile_width=width, schedule=sched, epi_operand_slots=slots)
         g._check_tiling(m, n, k, cfg, trans_a, trans_b)
+        best = g.deepest_fitting(cfg, dtype, input_kinds, input_dtypes, outputs)
       except ValueError as e:
         why = str(e)
-        break
-      if g.smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs) <= g.SMEM_LIMIT_BYTES:
-        best = cfg
-        break
     if best is not None:
       found.append(best)
     else:
@@ -457,5 +465,5 @@ def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] =
 __all__ = ["CACHE_ENV", "Problem", "ProblemKey", "SHIPPED_CACHE", "candidates",
            "chosen_config", "describe_workload",
            "config_from_dict", "config_to_dict", "lookup", "lookup_with_source", "measure_ms",
-           "problem_key",
+           "plain_problem", "problem_key",
            "record", "recording", "signature", "store", "tune", "user_cache_path"]

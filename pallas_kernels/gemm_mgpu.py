@@ -168,6 +168,17 @@ def smem_bytes(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
   return total + _SMEM_RESERVE_BYTES
 
 
+def deepest_fitting(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
+                    outputs: tuple[epi.EpilogueOutput, ...]) -> GemmConfig | None:
+  """``config`` with the most stages, at most its own, whose shared memory fits; None
+  if not even two stages fit."""
+  for stages in range(config.stages, 1, -1):
+    cfg = dataclasses.replace(config, stages=stages)
+    if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs) <= SMEM_LIMIT_BYTES:
+      return cfg
+  return None
+
+
 def epilogue_bytes_per_element(input_kinds: dict, input_dtypes: dict,
                                outputs: tuple[epi.EpilogueOutput, ...]) -> float:
   """HBM bytes the epilogue reads and writes per accumulator element: its tile operands

@@ -266,3 +266,18 @@ def test_describe_workload_names_each_gemm(cache):
                     pk.gemm(a, b, num_sms=2, program_id="q")), a, b)
   assert lines == [f"256x512x128 nn p: {tuned.describe()} (tuned)",
                    f"256x512x128 nn q: {DEFAULT.describe()} (default)"]
+
+
+def test_deepest_fitting_lowers_stages_until_the_config_fits():
+  outputs = tuple(EpilogueOutput(f"o{i}", dtype=jnp.float32) for i in range(2))
+  cfg = GemmConfig(tile_m=128, tile_n=128, tile_k=64, stages=7, epi_tile_n=32,
+                   cluster_dim=None)
+  fit = gemm_mgpu.deepest_fitting(cfg, jnp.bfloat16, {}, {}, outputs)
+  assert 2 <= fit.stages < 7
+  assert gemm_mgpu.smem_bytes(fit, jnp.bfloat16, {}, {}, outputs) <= gemm_mgpu.SMEM_LIMIT_BYTES
+  deeper = dataclasses.replace(fit, stages=fit.stages + 1)
+  assert gemm_mgpu.smem_bytes(deeper, jnp.bfloat16, {}, {}, outputs) > gemm_mgpu.SMEM_LIMIT_BYTES
+  # three fp32 64x64 output tiles per slot and warpgroup leave no room for two stages
+  wide = tuple(EpilogueOutput(f"o{i}", dtype=jnp.float32) for i in range(3))
+  assert gemm_mgpu.deepest_fitting(dataclasses.replace(cfg, epi_tile_n=64), jnp.bfloat16,
+                                   {}, {}, wide) is None
