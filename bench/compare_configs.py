@@ -4,7 +4,7 @@
     PYTHONPATH=. python -m bench.compare_configs --workloads train-llama-3-8b:4 \\
         --match 'GatedGrad' --plain 14336x4096x16384:tn \\
         --variant 'pp_clN=schedule=PINGPONG,cluster_dim=N,stages=5' \\
-        --variant 'co_tk64=tile_k=64,stages=3,epi_tile_n=32'
+        --variant 'one_slot=epi_operand_slots=1,tile_k=64,stages=3'
 
 Problems: those of ``--workloads`` (``bench.tune_gemm``'s; ``--match`` filters their key
 text) and ``--plain MxNxK:ORDER`` plain GEMMs. Each variant is ``NAME=FIELD=VALUE,...``:

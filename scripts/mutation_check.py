@@ -274,6 +274,27 @@ MUTATIONS = [
         ("tests/test_primitives.py", "-k", "tile_operand_slots"),
         why="with 3 or 8 slots the epilogue would read another sub-tile's residual"),
     Mutation(
+        "tile_operand_refetched_before_read", "pallas_kernels/gemm_mgpu.py",
+        "      tile = self._tile(slot, in_slot, i, j, r0, c0)\n"
+        "      self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])\n"
+        "      missing = {o.name for o in self.outputs} - tile.stored\n"
+        "      if missing:\n"
+        "        raise ValueError(f\"epilogue did not store outputs {sorted(missing)}\")\n"
+        "      plgpu.commit_smem()  # also: every warp is done reading this slot's operands\n"
+        "      if self.tiles_in and s + self.in_slots < len(self.sub_tiles):\n"
+        "        self._fetch_tiles(s + self.in_slots, row_base, col_base)\n",
+        "      if self.tiles_in and s + self.in_slots < len(self.sub_tiles):  # (planted)\n"
+        "        self._fetch_tiles(s + self.in_slots, row_base, col_base)\n"
+        "      tile = self._tile(slot, in_slot, i, j, r0, c0)\n"
+        "      self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])\n"
+        "      missing = {o.name for o in self.outputs} - tile.stored\n"
+        "      if missing:\n"
+        "        raise ValueError(f\"epilogue did not store outputs {sorted(missing)}\")\n"
+        "      plgpu.commit_smem()  # also: every warp is done reading this slot's operands\n",
+        ("tests/test_primitives.py", "-k", "tile_operand_slots"),
+        why="a slot is refilled only once every warp has read it (with one slot, each "
+            "sub-tile's load waits for the previous sub-tile's read)"),
+    Mutation(
         "pingpong_epilogue_at_wrong_tile", "pallas_kernels/gemm_mgpu.py",
         "        t = 2 * i + wg\n        mi, ni = _tile_origin(cluster_id + t * num_clusters,",
         "        t = 2 * i + wg\n        mi, ni = _tile_origin(cluster_id + (t ^ 1) * num_clusters,",

@@ -155,6 +155,30 @@ def test_candidates_respect_the_column_group():
   assert all(c.tile_k == 64 for c in found)  # B stored (K, N): MN-major needs tile_k 64
 
 
+def test_candidates_stage_tile_operands_one_or_two_ahead():
+  """With a tile operand the default search tries one operand slot (which frees shared
+  memory for a deeper pipeline) and two; --extra adds 4 and all; with no tile operand
+  the slot count is moot and stays at the default."""
+  kinds, dtypes = {"x0": InputKind.TILE}, {"x0": jnp.bfloat16}
+  outs = (EpilogueOutput("out"),)
+  found, _ = autotune.candidates(1024, 1024, 256, jnp.bfloat16, kinds, dtypes, outs,
+                                 trans_a=False, trans_b=True)
+  assert {c.epi_operand_slots for c in found} == {1, 2}
+  shape = lambda c: (c.schedule, c.tile_m, c.tile_n, c.tile_k, c.epi_tile_n, c.wg_dim,
+                     c.cluster_dim, c.grid_minor_dim, c.grid_tile_width)
+  one = {shape(c): c.stages for c in found if c.epi_operand_slots == 1}
+  two = {shape(c): c.stages for c in found if c.epi_operand_slots == 2}
+  assert one.keys() == two.keys()
+  # one slot never leaves a shallower pipeline than two
+  assert all(one[s] >= two[s] for s in one)
+  found, _ = autotune.candidates(1024, 1024, 256, jnp.bfloat16, kinds, dtypes, outs,
+                                 trans_a=False, trans_b=True, extra=True)
+  assert {1, 2, 4} <= {c.epi_operand_slots for c in found}
+  found, _ = autotune.candidates(1024, 1024, 256, jnp.bfloat16, {}, {}, outs,
+                                 trans_a=False, trans_b=True)
+  assert {c.epi_operand_slots for c in found} == {2}
+
+
 def _abstract_gemm(program_id=None, k=128, **kw):
   a = jax.ShapeDtypeStruct((256, k), jnp.bfloat16)
   b = jax.ShapeDtypeStruct((k, 512), jnp.bfloat16)

@@ -218,11 +218,12 @@ def test_zero_frequency_block_passes_through(key, kernel_impl):
   assert rel_err(rot[:, ~zero], plain[:, ~zero]) > 0.1  # the other heads did rotate
 
 
-@pytest.mark.parametrize("slots", [2, 3, 8])
+@pytest.mark.parametrize("slots", [1, 2, 3, 8])
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
 def test_tile_operand_slots_race_free(key, race_detector, schedule, slots):
-  """Tile operands staged 2, 3 (not dividing the 8 sub-tiles) or all 8 sub-tiles
-  ahead of the epilogue, over several tiles per SM, under the race detector."""
+  """Tile operands staged 1 (each sub-tile's load waits for the previous one to be
+  read), 2, 3 (not dividing the 8 sub-tiles) or all 8 sub-tiles ahead of the
+  epilogue, over several tiles per SM, under the race detector."""
   program = PROGRAMS["residual_norm"]
   a, b = gemm_inputs(key, 256, 256, K, jnp.bfloat16)
   ops = make_operands(jax.random.fold_in(key, 1), program, 256, 256, a.dtype)
