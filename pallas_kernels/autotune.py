@@ -341,7 +341,9 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
                extra: bool = False) -> tuple[list[g.GemmConfig], list[tuple[str, str]]]:
   """The search space for one problem: both schedules, the tile shapes, clusters and
   grid orders below, each with epilogue sub-tiles of 64 or 32 columns (a multiple of
-  the column group) and the deepest pipeline that fits in shared memory, with tile
+  the column group; a column group of 128, a whole RoPE or QK-norm head, is also tried
+  with its tile outputs stored in 64-column halves) and the deepest pipeline that fits
+  in shared memory, with tile
   operands staged 2 sub-tiles ahead or 1 (one slot frees shared memory for a deeper
   pipeline: the SwiGLU backward at 8B shapes gets 3 stages of 64 instead of 5 of 32,
   4.6% faster); ``extra`` adds bands of 8, tile_k 32 and tile operands staged 4
@@ -363,14 +365,18 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   tile_ks = (64,) if mn_major or not extra else (64, 32)
   has_tiles = any(kind in g._TILE_KINDS for kind in input_kinds.values())
   found, skipped, seen = [], [], set()
-  for (sched, tm, tn, wg, cl, minor, width, ens), tk, en, depth in (
-      (s, tk, en, sl) for s in structures for tk in tile_ks for en in s[-1]
-      for sl in ((1, 2, 4, None) if has_tiles and extra else (1, 2) if has_tiles else (2,))):
+  for (sched, tm, tn, wg, cl, minor, width, ens), tk, en, depth, store_n in (
+      (s, tk, en, sl, st) for s in structures for tk in tile_ks for en in s[-1]
+      for sl in ((1, 2, 4, None) if has_tiles and extra else (1, 2) if has_tiles else (2,))
+      for st in (None, 64)):
     en = max(min(en, tn), min_epi_tile_n)
+    if store_n is not None and en <= store_n:
+      continue  # stores split only sub-tiles wider than 64 (a 128-wide head's)
     subtiles = (tm // 64) * (tn // en)
     slots = subtiles if depth is None else min(depth, max(2, subtiles))
+    store = f"/{store_n}" if store_n else ""
     name = (f"{sched.value} {tm}x{tn}x{tk} wg{wg.name} cl{cl.name if cl else '-'} "
-            f"{minor.name}{width} e64x{en} in{slots}")
+            f"{minor.name}{width} e64x{en}{store} in{slots}")
     if name in seen:
       continue
     seen.add(name)
@@ -382,7 +388,8 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
       try:
         cfg = g.GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=max_stages, epi_tile_n=en,
                            wg_dim=wg, cluster_dim=cl, grid_minor_dim=minor,
-                           grid_tile_width=width, schedule=sched, epi_operand_slots=slots)
+                           grid_tile_width=width, schedule=sched, epi_operand_slots=slots,
+                           epi_store_n=store_n)
         g._check_tiling(m, n, k, cfg, trans_a, trans_b)
         best = g.deepest_fitting(cfg, dtype, input_kinds, input_dtypes, outputs)
       except ValueError as e:

@@ -80,6 +80,12 @@ class GemmConfig:
   # in shared memory ahead of the epilogue. The first ones are loaded while the
   # mainloop runs; as many as a warpgroup tile has sub-tiles loads all of them then.
   epi_operand_slots: int = 2
+  # Columns of each TMA store of a tile output: None stores whole epilogue sub-tiles;
+  # a divisor of epi_tile_n into an even number of parts stages and stores each tile
+  # output in parts this wide. The program still sees epi_tile_n columns at once (a
+  # RoPE or QK-norm head must be whole), but its tile outputs' buffers shrink by that
+  # factor, which leaves room for bigger tiles or a deeper pipeline.
+  epi_store_n: int | None = None
 
   def __post_init__(self):
     self.check()
@@ -106,9 +112,15 @@ class GemmConfig:
     split = "" if self.schedule == Schedule.PINGPONG else f" wg{self.wg_dim.name}"
     cl = f" cl{self.cluster_dim.name}" if self.cluster_dim is not None else ""
     slots = f" in{self.epi_operand_slots}" if self.epi_operand_slots != 2 else ""
+    store = f"/{self.epi_store_n}" if self.epi_store_n is not None else ""
     return (f"{self.schedule.value} {self.tile_m}x{self.tile_n}x{self.tile_k} "
-            f"s{self.stages} e{self.epi_tile_m}x{self.epi_tile_n}{split}{cl} "
+            f"s{self.stages} e{self.epi_tile_m}x{self.epi_tile_n}{store}{split}{cl} "
             f"{self.grid_minor_dim.name}{self.grid_tile_width}{slots}")
+
+  @property
+  def store_parts(self) -> int:
+    """The TMA stores one tile output's epilogue sub-tile takes (1 when whole)."""
+    return 1 if self.epi_store_n is None else self.epi_tile_n // self.epi_store_n
 
   def check(self):
     for name in ("tile_m", "tile_n", "tile_k", "epi_tile_m", "epi_tile_n"):
@@ -134,6 +146,12 @@ class GemmConfig:
     if not 1 <= self.epi_operand_slots <= max(2, subtiles):
       raise ValueError(f"GemmConfig.epi_operand_slots={self.epi_operand_slots}: between 1 "
                        f"and the {max(2, subtiles)} sub-tiles of a warpgroup tile")
+    if self.epi_store_n is not None and (
+        self.epi_store_n <= 0 or self.epi_store_n % 32 or self.epi_tile_n % self.epi_store_n
+        or (self.epi_tile_n // self.epi_store_n) % 2):
+      raise ValueError(f"GemmConfig.epi_store_n={self.epi_store_n}: a multiple of 32 that "
+                       f"splits epi_tile_n={self.epi_tile_n} into an even number of parts, "
+                       "or None to store whole sub-tiles")
     if self.grid_tile_width < 1:
       raise ValueError(f"GemmConfig.grid_tile_width={self.grid_tile_width} must be >= 1")
 
@@ -232,9 +250,12 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
         en = max(min(en, tn), min_epi_tile_n)
         if tn % en or en % min_epi_tile_n:
           continue
-        cfg = dataclasses.replace(probe, epi_tile_n=en, stages=stages)
-        if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs) <= SMEM_LIMIT_BYTES:
-          return cfg
+        # A column group wider than 64 (a 128-wide RoPE or QK-norm head) keeps its
+        # sub-tile whole but may store it in 64-column halves: half the buffers.
+        for store_n in ((None, 64) if en > 64 else (None,)):
+          cfg = dataclasses.replace(probe, epi_tile_n=en, stages=stages, epi_store_n=store_n)
+          if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs) <= SMEM_LIMIT_BYTES:
+            return cfg
   raise ValueError(f"no GEMM tiling divides (M, N, K)=({m}, {n}, {k}) with an epilogue "
                    f"width that is a multiple of {min_epi_tile_n}: M and N must be "
                    "multiples of 64, and one of them of 128 when B is stored (K, N); K of "
@@ -284,6 +305,13 @@ def _check_tiling(m, n, k, config: GemmConfig, trans_a: bool, trans_b: bool):
                      f"({cm}, {cn}, {config.tile_k}) of {config}")
 
 
+def _stored_width(cfg: GemmConfig, o: epi.EpilogueOutput) -> int:
+  """Accumulator columns one TMA store of ``o`` covers: tile outputs are stored in
+  ``cfg.store_parts`` parts, partials whole."""
+  split = cfg.epi_store_n is not None and o.kind == epi.OutputKind.TILE
+  return cfg.epi_store_n if split else cfg.epi_tile_n
+
+
 # Tile operand kinds and their width in accumulator sub-tile widths.
 _TILE_KINDS = {epi.InputKind.TILE: 1, epi.InputKind.WIDE_TILE: 2}
 
@@ -301,13 +329,17 @@ class _Epilogue:
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     self.sub_tiles = [(i, j) for i in range(cfg.tile_m // em) for j in range(cfg.tile_n // en)]
     self.in_slots = cfg.epi_operand_slots
+    # Outputs staged whole, one sub-tile per slot and one store group per sub-tile; the
+    # rest (tile outputs, when the config splits stores) are stored part by part from
+    # inside ``tile.store``.
+    self.whole = [o for o in outputs if _stored_width(cfg, o) == cfg.epi_tile_n]
 
   @staticmethod
   def scratch(cfg, input_kinds, input_dtypes, outputs) -> dict:
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     out = {}
-    for o in outputs:  # [warpgroup, slot, *sub-tile]
-      shape = o.subtile_shape(em, en)
+    for o in outputs:  # [warpgroup, slot, *sub-tile (or the part of it one store takes)]
+      shape = o.subtile_shape(em, _stored_width(cfg, o))
       # 2-D tiles are TMA-stored through swizzled SMEM; 1-D partials need no swizzle.
       transforms = _swizzle_transforms(shape[-1], o.dtype) if len(shape) == 2 else ()
       out["o_" + o.name] = plgpu.SMEM((2, 2, *shape), o.dtype, transforms=transforms)
@@ -397,9 +429,10 @@ class _Epilogue:
       r0, c0 = self._origin(s, row_base, col_base)
       if self.tiles_in:
         plgpu.barrier_wait(self.smem["tile_bar"].at[self.wg * self.in_slots + in_slot])
-      # The stores issued two sub-tiles ago used this slot; at a tile's first sub-tile
-      # the previous tile's last store may have used it too (odd sub-tile counts).
-      plgpu.wait_smem_to_gmem(0 if s == 0 else 1, wait_read_only=True)
+      if self.whole:
+        # The stores issued two sub-tiles ago used this slot; at a tile's first sub-tile
+        # the previous tile's last store may have used it too (odd sub-tile counts).
+        plgpu.wait_smem_to_gmem(0 if s == 0 else 1, wait_read_only=True)
       tile = self._tile(slot, in_slot, i, j, r0, c0)
       self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
       missing = {o.name for o in self.outputs} - tile.stored
@@ -408,10 +441,27 @@ class _Epilogue:
       plgpu.commit_smem()  # also: every warp is done reading this slot's operands
       if self.tiles_in and s + self.in_slots < len(self.sub_tiles):
         self._fetch_tiles(s + self.in_slots, row_base, col_base)
-      for o in self.outputs:
-        plgpu.copy_smem_to_gmem(self.smem["o_" + o.name].at[self.wg, slot],
-                                self._window(o, r0, c0), commit_group=False)
-      plgpu.commit_smem_to_gmem_group()
+      if self.whole:
+        for o in self.whole:
+          plgpu.copy_smem_to_gmem(self.smem["o_" + o.name].at[self.wg, slot],
+                                  self._window(o, r0, c0), commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+
+  def _store_in_parts(self, o, value, r0, c0):
+    """Stores one tile output's sub-tile value in ``store_parts`` TMA stores, each from
+    its own staging slot, alternating between the two. Every store is its own group, so
+    waiting until at most one is in flight frees the slot this one takes: its last
+    store is at least two groups back (the part count is even)."""
+    parts = self.cfg.store_parts
+    width = value.shape[1] // parts
+    for h in range(parts):
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      buf = self.smem["o_" + o.name].at[self.wg, h % 2]
+      buf[...] = value[:, h * width:(h + 1) * width]
+      plgpu.commit_smem()
+      cols = pl.ds(pl.multiple_of(o.scaled(c0) + h * width, width), width)
+      plgpu.copy_smem_to_gmem(buf, self.out_gmem[o.name].at[pl.ds(r0, self.cfg.epi_tile_m),
+                                                            cols])
 
   def _tile(self, slot, in_slot, i, j, r0, c0):
     em, en, smem, wg = self.cfg.epi_tile_m, self.cfg.epi_tile_n, self.smem, self.wg
@@ -425,6 +475,8 @@ class _Epilogue:
       return lambda: epi.load_col(smem["i_" + nm].at[wg, pl.ds(j * en, en)])
 
     def writer(o):
+      if o not in self.whole:
+        return lambda value: self._store_in_parts(o, value, r0, c0)
       def write(value):
         smem["o_" + o.name][wg, slot] = value
       return write

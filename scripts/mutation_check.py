@@ -295,6 +295,25 @@ MUTATIONS = [
         why="a slot is refilled only once every warp has read it (with one slot, each "
             "sub-tile's load waits for the previous sub-tile's read)"),
     Mutation(
+        "split_store_reuses_one_slot", "pallas_kernels/gemm_mgpu.py",
+        "      buf = self.smem[\"o_\" + o.name].at[self.wg, h % 2]\n",
+        "      buf = self.smem[\"o_\" + o.name].at[self.wg, 0]\n",
+        ("tests/test_primitives.py", "-k", "stores_in_parts"),
+        why="a part staged in the slot the previous part's store may still be reading"),
+    Mutation(
+        "split_store_waits_too_little", "pallas_kernels/gemm_mgpu.py",
+        "      plgpu.wait_smem_to_gmem(1, wait_read_only=True)\n      buf =",
+        "      plgpu.wait_smem_to_gmem(2, wait_read_only=True)\n      buf =",
+        ("tests/test_primitives.py", "-k", "stores_in_parts"),
+        why="with two slots a part may reuse its slot only once at most one store is "
+            "in flight"),
+    Mutation(
+        "split_store_every_part_at_column_zero", "pallas_kernels/gemm_mgpu.py",
+        "      cols = pl.ds(pl.multiple_of(o.scaled(c0) + h * width, width), width)\n",
+        "      cols = pl.ds(pl.multiple_of(o.scaled(c0), width), width)\n",
+        ("tests/test_primitives.py", "-k", "stores_in_parts"),
+        why="every part stored over the sub-tile's first columns: the rest unwritten"),
+    Mutation(
         "pingpong_epilogue_at_wrong_tile", "pallas_kernels/gemm_mgpu.py",
         "        t = 2 * i + wg\n        mi, ni = _tile_origin(cluster_id + t * num_clusters,",
         "        t = 2 * i + wg\n        mi, ni = _tile_origin(cluster_id + (t ^ 1) * num_clusters,",

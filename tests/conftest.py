@@ -3,6 +3,7 @@ interpreter elsewhere), the interpreter's race detector, per-test random keys,
 jax.checkpoint over interpreted kernels, and interpreter-state cleanup."""
 import os
 import sys
+import types
 
 # XLA's CPU client deadlocks the Mosaic GPU interpreter on small (2-core) machines
 # unless NPROC is large. This must happen before jax is imported.
@@ -80,6 +81,18 @@ def race_detector(kernel_impl, monkeypatch):
     det = RaceDetector()
   except (ImportError, TypeError) as e:
     pytest.skip(f"this jax's Mosaic GPU interpreter has no race detector: {e}")
+  monkeypatch.setattr(pallas_kernels, "interpret_params", lambda: det.params)
+  return det
+
+
+@pytest.fixture
+def races_checked(kernel_impl, monkeypatch):
+  """For tests that run on both backends: the interpreter with the race detector on
+  (``.races_found()`` reports on the last kernel run), or the compiled kernel on a GPU,
+  where ``.races_found()`` is False and only the values are checked."""
+  if kernel_impl != "interpret":
+    return types.SimpleNamespace(races_found=lambda: False)
+  det = RaceDetector()
   monkeypatch.setattr(pallas_kernels, "interpret_params", lambda: det.params)
   return det
 

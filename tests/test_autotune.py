@@ -155,6 +155,29 @@ def test_candidates_respect_the_column_group():
   assert all(c.tile_k == 64 for c in found)  # B stored (K, N): MN-major needs tile_k 64
 
 
+def test_wide_column_groups_store_in_halves():
+  """A 128-wide column group (a RoPE or QK-norm head) keeps 128-wide sub-tiles; the
+  search also stores their tile outputs in 64-wide halves, which frees shared memory:
+  two bf16 outputs fit 128x128 cooperative tiles only so (Qwen3's QKV projection), and
+  the heuristic picks that over the narrower tiles it fell back to before."""
+  outs = (EpilogueOutput("u"), EpilogueOutput("qkv"))
+  kinds, dtypes = {"r": InputKind.ROW, "f": InputKind.COL}, {"r": jnp.float32, "f": jnp.float32}
+  found, skipped = autotune.candidates(4096, 4096, 2048, jnp.bfloat16, kinds, dtypes, outs,
+                                       trans_a=False, trans_b=False, min_epi_tile_n=128)
+  assert all(c.epi_tile_n == 128 for c in found)
+  assert {c.epi_store_n for c in found} == {None, 64}
+  coop = [c for c in found if c.schedule == Schedule.COOPERATIVE]
+  assert coop and all(c.epi_store_n == 64 for c in coop)
+  assert any("e64x128 in2" in name and "no stage count fits" in why for name, why in skipped)
+  cfg = gemm_mgpu.default_config(4096, 4096, 2048, jnp.bfloat16, input_kinds=kinds,
+                                 input_dtypes=dtypes, outputs=outs, min_epi_tile_n=128)
+  assert (cfg.tile_m, cfg.tile_n, cfg.epi_tile_n, cfg.epi_store_n) == (128, 128, 128, 64)
+  # narrower groups: nothing to split
+  found, _ = autotune.candidates(4096, 4096, 2048, jnp.bfloat16, kinds, dtypes, outs,
+                                 trans_a=False, trans_b=False, min_epi_tile_n=64)
+  assert {c.epi_store_n for c in found} == {None}
+
+
 def test_candidates_stage_tile_operands_one_or_two_ahead():
   """With a tile operand the default search tries one operand slot (which frees shared
   memory for a deeper pipeline) and two; --extra adds 4 and all; with no tile operand

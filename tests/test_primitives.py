@@ -220,17 +220,17 @@ def test_zero_frequency_block_passes_through(key, kernel_impl):
 
 @pytest.mark.parametrize("slots", [1, 2, 3, 8])
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
-def test_tile_operand_slots_race_free(key, race_detector, schedule, slots):
+def test_tile_operand_slots(key, kernel_impl, races_checked, schedule, slots):
   """Tile operands staged 1 (each sub-tile's load waits for the previous one to be
   read), 2, 3 (not dividing the 8 sub-tiles) or all 8 sub-tiles ahead of the
-  epilogue, over several tiles per SM, under the race detector."""
+  epilogue, over several tiles per SM; under the race detector when interpreted."""
   program = PROGRAMS["residual_norm"]
   a, b = gemm_inputs(key, 256, 256, K, jnp.bfloat16)
   ops = make_operands(jax.random.fold_in(key, 1), program, 256, 256, a.dtype)
   config = GemmConfig(tile_m=128, tile_n=128, tile_k=64, stages=2, epi_tile_n=32,
                       cluster_dim=None, schedule=schedule, epi_operand_slots=slots)
-  check_program(a, b, program, ops, "interpret", config=config)
-  assert not race_detector.races_found(), "data race in the kernel (see stdout)"
+  check_program(a, b, program, ops, kernel_impl, config=config)
+  assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 
 
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
@@ -246,6 +246,32 @@ def test_race_free(key, race_detector, name, schedule):
                       wg_dim=MatDim.N, cluster_dim=None, schedule=schedule)
   check_program(a, b, program, ops, "interpret", config=config)
   assert not race_detector.races_found(), "data race in the kernel (see stdout)"
+
+
+SPLIT_STORE_PROGRAMS = {
+    # 128-wide RoPE heads (one sub-tile each) with tile outputs stored in halves, beside
+    # a tile operand and row and column partials, which stay whole
+    "mixed": [cj.AddTile("x0"), cj.Store("x1"), cj.RowSum("ss", square=True), cj.ColSum("c"),
+              cj.ScaleRow("r"), cj.Rotate("pos", "fr64", P64), cj.Store("q")],
+    # a gated pair halves the output: 64-wide sub-tiles stored in 32-wide parts
+    "silu64": PROGRAMS["silu64"],
+}
+
+
+@pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
+@pytest.mark.parametrize("name", SPLIT_STORE_PROGRAMS)
+def test_stores_in_parts(key, kernel_impl, races_checked, name, schedule):
+  """``epi_store_n``: 128-wide epilogue sub-tiles whose tile outputs are staged and
+  stored in 64-wide halves, over several tiles per SM; under the race detector when
+  interpreted."""
+  program = SPLIT_STORE_PROGRAMS[name]
+  m, n = 512, 256
+  a, b = gemm_inputs(key, m, n, K, jnp.bfloat16)
+  ops = make_operands(jax.random.fold_in(key, 1), program, m, n, a.dtype)
+  config = GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=2, epi_tile_n=128,
+                      epi_store_n=64, cluster_dim=None, schedule=schedule)
+  check_program(a, b, program, ops, kernel_impl, config=config)
+  assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 
 
 # ---- independent oracles ---------------------------------------------------------------
