@@ -343,10 +343,9 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   grid orders below, each with epilogue sub-tiles of 64 or 32 columns (a multiple of
   the column group; a column group of 128, a whole RoPE or QK-norm head, is also tried
   with its tile outputs stored in 64-column halves) and the deepest pipeline that fits
-  in shared memory, with tile
-  operands staged 2 sub-tiles ahead or 1 (one slot frees shared memory for a deeper
-  pipeline: the SwiGLU backward at 8B shapes gets 3 stages of 64 instead of 5 of 32,
-  4.6% faster); ``extra`` adds bands of 8, tile_k 32 and tile operands staged 4
+  in shared memory, with tile operands staged 2 sub-tiles ahead or 1 (one slot frees
+  shared memory for a deeper pipeline: the SwiGLU backward at 8B shapes gets 3 stages
+  of 64 instead of 5 of 32, 4.6% faster); ``extra`` adds bands of 8, tile_k 32 and tile operands staged 4
   sub-tiles ahead or all of them during the mainloop. Returns
   (configs, [(description, reason skipped)])."""
   M_, N_ = g.MatDim.M, g.MatDim.N

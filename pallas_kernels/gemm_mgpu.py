@@ -459,9 +459,7 @@ class _Epilogue:
       buf = self.smem["o_" + o.name].at[self.wg, h % 2]
       buf[...] = value[:, h * width:(h + 1) * width]
       plgpu.commit_smem()
-      cols = pl.ds(pl.multiple_of(o.scaled(c0) + h * width, width), width)
-      plgpu.copy_smem_to_gmem(buf, self.out_gmem[o.name].at[pl.ds(r0, self.cfg.epi_tile_m),
-                                                            cols])
+      plgpu.copy_smem_to_gmem(buf, self._window(o, r0, c0, part=h))
 
   def _tile(self, slot, in_slot, i, j, r0, c0):
     em, en, smem, wg = self.cfg.epi_tile_m, self.cfg.epi_tile_n, self.smem, self.wg
@@ -486,13 +484,15 @@ class _Epilogue:
         inputs={nm: (kind, reader(nm)) for nm, kind in self.kinds.items()},
         outputs={o.name: (o, writer(o)) for o in self.outputs})
 
-  def _window(self, o, r0, c0):
+  def _window(self, o, r0, c0, part=0):
+    """Where one store of ``o`` lands: the sub-tile at (r0, c0), or its ``part``-th
+    part when ``o`` is stored in parts."""
     em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
     ref = self.out_gmem[o.name]
     if o.kind == epi.OutputKind.ROW_PARTIAL:
       return ref.at[c0 // en, pl.ds(r0, em)]
-    w = o.subtile_shape(em, en)[-1]
-    cols = pl.ds(pl.multiple_of(o.scaled(c0), w), w)
+    w = o.subtile_shape(em, _stored_width(self.cfg, o))[-1]
+    cols = pl.ds(pl.multiple_of(o.scaled(c0) + part * w, w), w)
     return ref.at[pl.ds(r0, em), cols] if o.kind == epi.OutputKind.TILE else ref.at[r0 // em, cols]
 
 
