@@ -341,12 +341,12 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
                extra: bool = False) -> tuple[list[g.GemmConfig], list[tuple[str, str]]]:
   """The search space for one problem: both schedules, the tile shapes, clusters and
   grid orders below, each with epilogue sub-tiles of 64 or 32 columns (a multiple of
-  the column group; a column group of 128, a whole RoPE or QK-norm head, is also tried
-  with its tile outputs stored in 64-column halves) and the deepest pipeline that fits
+  the column group; wider ones are also tried with their tile outputs stored in halves:
+  ``gemm_mgpu.store_widths``) and the deepest pipeline that fits
   in shared memory, with tile operands staged 2 sub-tiles ahead or 1 (one slot frees
   shared memory for a deeper pipeline: the SwiGLU backward at 8B shapes gets 3 stages
-  of 64 instead of 5 of 32, 4.6% faster); ``extra`` adds bands of 8, tile_k 32 and tile operands staged 4
-  sub-tiles ahead or all of them during the mainloop. Returns
+  of 64 instead of 5 of 32, 4.6% faster); ``extra`` adds bands of 8, tile_k 32 and
+  tile operands staged 4 sub-tiles ahead or all of them during the mainloop. Returns
   (configs, [(description, reason skipped)])."""
   M_, N_ = g.MatDim.M, g.MatDim.N
   PP, CO = g.Schedule.PINGPONG, g.Schedule.COOPERATIVE
@@ -364,39 +364,37 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   tile_ks = (64,) if mn_major or not extra else (64, 32)
   has_tiles = any(kind in g._TILE_KINDS for kind in input_kinds.values())
   found, skipped, seen = [], [], set()
-  for (sched, tm, tn, wg, cl, minor, width, ens), tk, en, depth, store_n in (
-      (s, tk, en, sl, st) for s in structures for tk in tile_ks for en in s[-1]
-      for sl in ((1, 2, 4, None) if has_tiles and extra else (1, 2) if has_tiles else (2,))
-      for st in (None, 64)):
+  for (sched, tm, tn, wg, cl, minor, width, ens), tk, en, depth in (
+      (s, tk, en, sl) for s in structures for tk in tile_ks for en in s[-1]
+      for sl in ((1, 2, 4, None) if has_tiles and extra else (1, 2) if has_tiles else (2,))):
     en = max(min(en, tn), min_epi_tile_n)
-    if store_n is not None and en <= store_n:
-      continue  # stores split only sub-tiles wider than 64 (a 128-wide head's)
     subtiles = (tm // 64) * (tn // en)
     slots = subtiles if depth is None else min(depth, max(2, subtiles))
-    store = f"/{store_n}" if store_n else ""
-    name = (f"{sched.value} {tm}x{tn}x{tk} wg{wg.name} cl{cl.name if cl else '-'} "
-            f"{minor.name}{width} e64x{en}{store} in{slots}")
-    if name in seen:
-      continue
-    seen.add(name)
-    why = None
-    if tn % en or en % min_epi_tile_n:
-      why = f"epilogue width {en} does not fit tile_n {tn} and column group {min_epi_tile_n}"
-    best = None
-    if not why:
-      try:
-        cfg = g.GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=max_stages, epi_tile_n=en,
-                           wg_dim=wg, cluster_dim=cl, grid_minor_dim=minor,
-                           grid_tile_width=width, schedule=sched, epi_operand_slots=slots,
-                           epi_store_n=store_n)
-        g._check_tiling(m, n, k, cfg, trans_a, trans_b)
-        best = g.deepest_fitting(cfg, dtype, input_kinds, input_dtypes, outputs)
-      except ValueError as e:
-        why = str(e)
-    if best is not None:
-      found.append(best)
-    else:
-      skipped.append((name, why or "no stage count fits in shared memory"))
+    for store_n in g.store_widths(en):
+      store = f"/{store_n}" if store_n else ""
+      name = (f"{sched.value} {tm}x{tn}x{tk} wg{wg.name} cl{cl.name if cl else '-'} "
+              f"{minor.name}{width} e64x{en}{store} in{slots}")
+      if name in seen:
+        continue
+      seen.add(name)
+      why = None
+      if tn % en or en % min_epi_tile_n:
+        why = f"epilogue width {en} does not fit tile_n {tn} and column group {min_epi_tile_n}"
+      best = None
+      if not why:
+        try:
+          cfg = g.GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=max_stages,
+                             epi_tile_n=en, wg_dim=wg, cluster_dim=cl, grid_minor_dim=minor,
+                             grid_tile_width=width, schedule=sched, epi_operand_slots=slots,
+                             epi_store_n=store_n)
+          g._check_tiling(m, n, k, cfg, trans_a, trans_b)
+          best = g.deepest_fitting(cfg, dtype, input_kinds, input_dtypes, outputs)
+        except ValueError as e:
+          why = str(e)
+      if best is not None:
+        found.append(best)
+      else:
+        skipped.append((name, why or "no stage count fits in shared memory"))
   return found, skipped
 
 

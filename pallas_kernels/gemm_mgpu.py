@@ -250,9 +250,7 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
         en = max(min(en, tn), min_epi_tile_n)
         if tn % en or en % min_epi_tile_n:
           continue
-        # A column group wider than 64 (a 128-wide RoPE or QK-norm head) keeps its
-        # sub-tile whole but may store it in 64-column halves: half the buffers.
-        for store_n in ((None, 64) if en > 64 else (None,)):
+        for store_n in store_widths(en):
           cfg = dataclasses.replace(probe, epi_tile_n=en, stages=stages, epi_store_n=store_n)
           if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs) <= SMEM_LIMIT_BYTES:
             return cfg
@@ -303,6 +301,13 @@ def _check_tiling(m, n, k, config: GemmConfig, trans_a: bool, trans_b: bool):
   if m % cm or n % cn or k % config.tile_k:
     raise ValueError(f"(M, N, K)=({m}, {n}, {k}) must be multiples of the cluster tile "
                      f"({cm}, {cn}, {config.tile_k}) of {config}")
+
+
+def store_widths(epi_tile_n: int) -> tuple[int | None, ...]:
+  """The ``epi_store_n`` values worth trying for sub-tiles this wide, whole first: a
+  sub-tile wider than 64 (a 128-wide RoPE or QK-norm head, which must stay whole) may
+  also store its tile outputs in 64-column halves, which halves their buffers."""
+  return (None, 64) if epi_tile_n > 64 else (None,)
 
 
 def _stored_width(cfg: GemmConfig, o: epi.EpilogueOutput) -> int:

@@ -69,14 +69,9 @@ class RaceDetector:
     return gpu_callbacks.get_races().races_found
 
 
-@pytest.fixture
-def race_detector(kernel_impl, monkeypatch):
-  """Interpreter-only: ``.params`` for ``pallas_kernels.gemm(interpret=...)``; also makes
-  ``coda_jax.gemm_epilogue(impl="interpret")`` detect races. ``.races_found()`` reports
-  on the last kernel run."""
-  if kernel_impl != "interpret":
-    pytest.skip("race detection needs the Mosaic GPU interpreter (on a GPU, use "
-                "compute-sanitizer --tool racecheck instead)")
+def _detect_races(monkeypatch) -> RaceDetector:
+  """Switches the interpreter's race detector on for this test (skips where this jax
+  has none)."""
   try:
     det = RaceDetector()
   except (ImportError, TypeError) as e:
@@ -86,15 +81,24 @@ def race_detector(kernel_impl, monkeypatch):
 
 
 @pytest.fixture
+def race_detector(kernel_impl, monkeypatch):
+  """Interpreter-only: ``.params`` for ``pallas_kernels.gemm(interpret=...)``; also makes
+  ``coda_jax.gemm_epilogue(impl="interpret")`` detect races. ``.races_found()`` reports
+  on the last kernel run."""
+  if kernel_impl != "interpret":
+    pytest.skip("race detection needs the Mosaic GPU interpreter (on a GPU, use "
+                "compute-sanitizer --tool racecheck instead)")
+  return _detect_races(monkeypatch)
+
+
+@pytest.fixture
 def races_checked(kernel_impl, monkeypatch):
   """For tests that run on both backends: the interpreter with the race detector on
   (``.races_found()`` reports on the last kernel run), or the compiled kernel on a GPU,
   where ``.races_found()`` is False and only the values are checked."""
   if kernel_impl != "interpret":
     return types.SimpleNamespace(races_found=lambda: False)
-  det = RaceDetector()
-  monkeypatch.setattr(pallas_kernels, "interpret_params", lambda: det.params)
-  return det
+  return _detect_races(monkeypatch)
 
 
 @pytest.fixture
