@@ -77,7 +77,8 @@ def run(problem: autotune.Problem, variants, iterations: int, ncu: bool) -> list
     row = dict(variant=name)
     try:
       cfg = g.deepest_fitting(dataclasses.replace(base, **overrides), problem.a.dtype,
-                              problem.input_kinds, problem.input_dtypes, problem.outputs)
+                              problem.input_kinds, problem.input_dtypes, problem.outputs,
+                              mainloop=problem.key.k > 0)
       if cfg is None:
         raise ValueError("no stage count fits in shared memory")
       fn = problem.jitted(cfg, num_sms)

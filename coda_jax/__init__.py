@@ -1,10 +1,12 @@
 """coda-jax: Transformer-block operators run inside Hopper GEMM epilogues.
 
-The public API for writing a fused op of your own (docs/new_fused_op.md): ``gemm_epilogue``,
-the primitives below, ``Primitive`` to subclass, the operand and output kinds, and
-``reduce_like`` for weight gradients under ``jax.shard_map``. Beyond Llama: LayerNorm,
+The public API for writing a fused op of your own (docs/new_fused_op.md): ``gemm_epilogue``
+(and ``epilogue_pass``, the same program with no GEMM), the primitives below,
+``Primitive`` to subclass, the operand and output kinds, and ``reduce_like`` for weight
+gradients under ``jax.shard_map``. Beyond Llama: LayerNorm,
 biases and the GELU MLP (``layernorm_ops``), QK-norm (``qk_norm``)."""
-from coda_jax.ops import IMPLS, gemm_epilogue, kernel_config, reference, scalar_operand
+from coda_jax.ops import (IMPLS, epilogue_pass, gemm_epilogue, kernel_config, reference,
+                          scalar_operand)
 from coda_jax.primitives import (AddBias, AddTile, ColSum, Env, Gated, PickColumn, Primitive,
                                  Rotate, RowLogSumExp, RowSum, ScaleCol, ScaleConst, ScaleRow,
                                  Store, finish_lse)
@@ -14,7 +16,8 @@ from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 __all__ = [
     "IMPLS", "AddBias", "AddTile", "ColSum", "Env", "EpilogueOutput", "Gated", "InputKind",
     "OutputKind", "PickColumn", "Primitive", "Rotate", "RowLogSumExp", "RowSum", "ScaleCol",
-    "ScaleConst", "ScaleRow", "Store", "finish_lse", "gemm_epilogue", "kernel_config",
+    "ScaleConst", "ScaleRow", "Store", "epilogue_pass", "finish_lse", "gemm_epilogue",
+    "kernel_config",
     "reduce_like", "reference", "scalar_operand",
 ]
 
@@ -22,8 +25,9 @@ __all__ = [
 from coda_jax.layernorm_ops import (AddOuter, Gelu, GeluGrad,  # noqa: E402
                                     LayerNormConfig, LayerNormGrad, layernorm_gelu_mlp,
                                     layernorm_matmul, residual_layernorm)
-from coda_jax.qk_norm import HeadRmsNorm, rmsnorm_qkv_qknorm_rope  # noqa: E402
+from coda_jax.qk_norm import (HeadRmsNorm, HeadRmsNormGrad,  # noqa: E402
+                              rmsnorm_qkv_qknorm_rope)
 
-__all__ += ["AddOuter", "Gelu", "GeluGrad", "HeadRmsNorm", "LayerNormConfig",
+__all__ += ["AddOuter", "Gelu", "GeluGrad", "HeadRmsNorm", "HeadRmsNormGrad", "LayerNormConfig",
             "LayerNormGrad", "layernorm_gelu_mlp", "layernorm_matmul", "residual_layernorm",
             "rmsnorm_qkv_qknorm_rope"]

@@ -223,7 +223,8 @@ def _qkv_grad(dqkv, kept, positions, norms, cfg, d_model):
     dz, c = S.rope_grad(dqkv, kept, positions, cfg.freqs(), cfg.head_dim, d_model)
     return dz, c, {}
   du, dweight, udu = Q.qk_norm_grad(dqkv, kept, positions, cfg.freqs(),
-                                    *_qk_operands(norms, cfg), cfg.head_dim, cfg.eps)
+                                    *_qk_operands(norms, cfg), cfg.head_dim, cfg.eps,
+                                    cfg.impl)
   hd, n_q, n_kv = cfg.head_dim, cfg.n_q_heads, cfg.n_kv_heads
   grads = {"g_q_norm": dweight[:n_q * hd].reshape(n_q, hd).sum(axis=0),  # over q heads
            "g_k_norm": dweight[n_q * hd:(n_q + n_kv) * hd].reshape(n_kv, hd).sum(axis=0)}

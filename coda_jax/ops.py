@@ -168,5 +168,48 @@ def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
   return {nm: vary_like(v, a, b, *operands.values()) for nm, v in out.items()}
 
 
-__all__ = ["IMPLS", "gemm_epilogue", "kernel_config", "kernels_available", "program_id",
-           "reference", "scalar_operand"]
+def epilogue_pass(program: Sequence[P.Primitive], operands: dict[str, jax.Array], *,
+                  impl: str | Sequence[str] = "auto", config: pk.GemmConfig | None = None,
+                  in_place: dict[str, str] | None = None) -> dict[str, jax.Array]:
+  """``program`` without a GEMM: on a running value that starts at zero, tile by tile.
+
+  For memory-bound work that no GEMM produces or consumes as its output tile (the
+  QK-norm and RoPE backward: their cotangent comes from attention, and their result is
+  the *input* of the next GEMMs), with the same primitives, partials and kernel
+  epilogue as ``gemm_epilogue``: it is ``gemm_epilogue`` with K = 0, which the kernel
+  runs with no mainloop. Begin the program with an ``AddTile`` of the input.
+
+  Args:
+    program: epilogue steps; it must read at least one (M, N) tile operand, whose shape
+      is the pass's and whose shardings it follows.
+    operands: as ``gemm_epilogue``'s.
+    impl, config, in_place: as ``gemm_epilogue``'s (a config must be cooperative and
+      unclustered: there is no mainloop to hide the epilogue under or to multicast).
+
+  Returns:
+    The finished outputs by name, as ``gemm_epilogue``'s.
+
+  Raises:
+    ValueError: the program reads no tile operand, or as ``gemm_epilogue``.
+  """
+  program = tuple(program)
+  operands = dict(operands or {})
+  tiles = [nm for prim in program for nm, kind in prim.inputs().items()
+           if kind == pk.InputKind.TILE and nm in operands]
+  if not tiles:
+    raise ValueError("epilogue_pass: the program reads no (M, N) tile operand that was "
+                     "passed, so the pass has no shape; start it with AddTile(<input>)")
+  t = operands[tiles[0]]
+  if t.ndim != 2:
+    raise ValueError(f"epilogue_pass: tile operand {tiles[0]!r} has shape {t.shape}, "
+                     "expected (M, N)")
+  # Zero-size operands sliced from the tile carry its row and column shardings to the
+  # per-shard rule; the kernel never reads them. Their dtype picks the implementations
+  # (16-bit for the kernel), not the program's precision.
+  dt = t.dtype if t.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
+  return gemm_epilogue(t[:, :0].astype(dt), t[:0, :].astype(dt), program, operands,
+                       impl=impl, config=config, in_place=in_place)
+
+
+__all__ = ["IMPLS", "epilogue_pass", "gemm_epilogue", "kernel_config", "kernels_available",
+           "program_id", "reference", "scalar_operand"]

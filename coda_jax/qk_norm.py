@@ -11,9 +11,10 @@ Forward, one GEMM: ``[ScaleRow r, Store u, HeadRmsNorm, Rotate, Store qkv]``. Th
 epilogue sub-tile holds whole heads (``HeadRmsNorm.column_group``), so each head's
 statistic is a reduction inside one sub-tile and never leaves the chip.
 
-Backward (derivation: ``docs/qk_norm_math.md``): one elementwise XLA fusion
-(``qk_norm_grad``: RoPE^T, the per-head norm backward, the norm weights' column sums,
-dr) as ``block_gemms.rope_grad`` is, since no GEMM of the backward produces the (M, N)
+Backward (derivation: ``docs/qk_norm_math.md``): one elementwise pass over (M, N)
+tiles, an epilogue program with no GEMM (``qk_norm_grad``, ``ops.epilogue_pass``:
+``[AddTile dqkv, Rotate by -angle, HeadRmsNormGrad, Store du]``, with the norm weights'
+column sums and dr as partials), since no GEMM of the backward produces the (M, N)
 cotangent tile; then the input norm's GEMMs dh = r * (du @ wqkv^T), dwqkv = (r h)^T du.
 """
 from __future__ import annotations
@@ -30,9 +31,9 @@ from coda_jax import jnp_reference as ref
 from coda_jax import layout
 from coda_jax import primitives as P
 from coda_jax.fused_ops import check_act, check_heads, check_rows, check_weight, flat_rows
-from coda_jax.ops import gemm_epilogue
+from coda_jax.ops import epilogue_pass, gemm_epilogue
 from coda_jax.sharding import reduce_like
-from pallas_kernels import InputKind
+from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 
 # The widest epilogue sub-tile the kernel's tilings offer (a warpgroup tile's N): a head
 # must fit in one, whole, so head_dim must divide it.
@@ -81,6 +82,67 @@ class HeadRmsNorm(P.Primitive):
     return P._join(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadRmsNormGrad(P.Primitive):
+  """dy -> du, the backward of ``HeadRmsNorm`` per head (``docs/qk_norm_math.md`` §2):
+  du = rho (dn - n <dn, n> / d) with n = rho u, dn = dy * w on normed heads, du = dy * w
+  on pass-through ones.
+
+  Operands: ``u`` (M, N) tile, the saved pre-norm input; ``weight`` and ``normed`` as
+  the forward's. Stores column partials of dy * n (``dweight``: the norm weights'
+  gradient, per column) and row partials of <du, u> (``udu``: the input norm's dr
+  term)."""
+  _keeps_zero_rows = True  # dy = u = 0 gives du = 0 and zero partials (eps > 0)
+  u: str
+  weight: str
+  normed: str
+  head_dim: int
+  eps: float
+  dweight: str
+  udu: str
+
+  def __post_init__(self):
+    HeadRmsNorm(self.weight, self.normed, self.head_dim, self.eps)  # the same checks
+
+  def inputs(self):
+    return {self.u: InputKind.TILE, self.weight: InputKind.COL, self.normed: InputKind.COL}
+
+  def outputs(self, width):
+    return (EpilogueOutput(self.dweight, OutputKind.COL_PARTIAL, jnp.float32),
+            EpilogueOutput(self.udu, OutputKind.ROW_PARTIAL, jnp.float32))
+
+  def column_group(self):
+    return self.head_dim
+
+  def apply(self, dy, env):
+    u = env.load(self.u).astype(jnp.float32)
+    w = env.load(self.weight).astype(jnp.float32)
+    sel = env.load(self.normed).astype(jnp.float32)
+    d = self.head_dim
+    ns, dus = [], []
+    udu = 0.0
+    for i in range(0, dy.shape[1], d):
+      ub, s = u[:, i:i + d], sel[None, i:i + d]
+      rho = jax.lax.rsqrt(jnp.sum(ub * ub, axis=1) * (1.0 / d) + self.eps)[:, None]
+      us = ub * s  # u on normed heads, 0 on pass-through ones (exact: s is 0 or 1)
+      n = (ub - us) + us * rho
+      dn = dy[:, i:i + d] * w[None, i:i + d]
+      c = jnp.sum(dn * n, axis=1) * (1.0 / d)
+      t = dn - (n * s) * c[:, None]  # the <dn, n> term on normed heads only
+      ts = t * s
+      du = (t - ts) + ts * rho
+      udu = udu + jnp.sum(du * ub, axis=1)
+      ns.append(n)
+      dus.append(du)
+    env.store(self.dweight, jnp.sum(dy * P._join(ns), axis=0))
+    env.store(self.udu, udu)
+    return P._join(dus)
+
+  def finish(self, raw):
+    return {self.dweight: jnp.sum(raw[self.dweight], axis=0),
+            self.udu: jnp.sum(raw[self.udu], axis=0)}
+
+
 def head_norm_columns(q_norm_w, k_norm_w, n_q_heads, n_kv_heads):
   """The (N,) fp32 ``weight`` and ``normed`` operands of ``HeadRmsNorm`` for a fused
   [q | k | v]: q_norm_w tiled over the q heads, k_norm_w over the k heads, 1 on v;
@@ -109,31 +171,33 @@ def norm_qknorm_rope(h, r, w, positions, freqs, weight, normed, head_dim, eps, i
   return out["qkv"], out["u"]
 
 
-def qk_norm_grad(dqkv, u, positions, freqs, weight, normed, head_dim, eps):
-  """The per-head backward (XLA, elementwise per head; ``docs/qk_norm_math.md``).
+def backward_program(head_dim, eps, dtype):
+  """The backward pass's program (no GEMM: ``ops.epilogue_pass``): dqkv in, RoPE^T (a
+  rotation by the negated angle), the per-head norm backward, du stored. Operands:
+  dqkv, pos, neg_freqs, u, qk_w, qk_sel."""
+  return [P.AddTile("dqkv"), P.Rotate("pos", "neg_freqs", head_dim // 2),
+          HeadRmsNormGrad("u", "qk_w", "qk_sel", head_dim, eps, "dweight", "udu"),
+          P.Store("du", dtype)]
+
+
+def qk_norm_grad(dqkv, u, positions, freqs, weight, normed, head_dim, eps, impl):
+  """The per-head backward (``docs/qk_norm_math.md``), one elementwise pass over (M, N)
+  tiles (``backward_program``).
 
   Args:
     dqkv: (M, N) cotangent of the op's output.
     u: (M, N) the saved pre-norm projection r * (h @ wqkv).
     positions, freqs, weight, normed: the forward's operands; head_dim, eps its
       constants.
+    impl: as ``coda_jax.gemm_epilogue``.
 
   Returns:
-    (du (M, N) fp32, dweight (N,) fp32 column sums over rows, <du, u> (M,) fp32).
+    (du (M, N) in u's dtype, dweight (N,) fp32 column sums over rows, <du, u> (M,) fp32).
   """
-  m = u.shape[0]
-  dy = ref.rotate(dqkv.astype(jnp.float32), positions, -freqs, head_dim // 2)  # RoPE^T
-  u3 = u.astype(jnp.float32).reshape(m, -1, head_dim)
-  dy3 = dy.reshape(m, -1, head_dim)
-  sel = normed.reshape(-1, head_dim)[:, :1]  # (H, 1): 1 on q and k heads, 0 on v
-  rstd = jax.lax.rsqrt(jnp.mean(u3 * u3, axis=-1, keepdims=True) + eps)
-  rstd = jnp.where(sel > 0, rstd, 1.0)
-  n = u3 * rstd  # the normalised head (u itself on v heads)
-  dn = dy3 * weight.reshape(-1, head_dim)
-  c = jnp.mean(dn * n, axis=-1, keepdims=True) * sel
-  du = rstd * (dn - n * c)
-  dweight = jnp.sum(dy3 * n, axis=0).reshape(-1)
-  return du.reshape(u.shape), dweight, jnp.sum(du * u3, axis=(1, 2))
+  out = epilogue_pass(backward_program(head_dim, eps, u.dtype),
+                      {"dqkv": dqkv, "pos": positions, "neg_freqs": -freqs, "u": u,
+                       "qk_w": weight, "qk_sel": normed}, impl=impl)
+  return out["du"], out["dweight"], out["udu"]
 
 
 def _check_norm_weight(name, w, head_dim):
@@ -223,7 +287,8 @@ def _qknorm_bwd(heads, impl, saved, dqkv):
   h, r, wqkv, positions, q_norm_w, k_norm_w, u = saved
   n_q, n_kv, hd, _, _, eps = heads
   freqs, weight, normed = _operands(q_norm_w, k_norm_w, heads)
-  du, dweight, udu = qk_norm_grad(dqkv, u, positions, freqs, weight, normed, hd, eps)
+  du, dweight, udu = qk_norm_grad(dqkv, u, positions, freqs, weight, normed, hd, eps,
+                                  impl)
   dq_w = dweight[:n_q * hd].reshape(n_q, hd).sum(axis=0)  # summed over the q heads
   dk_w = dweight[n_q * hd:(n_q + n_kv) * hd].reshape(n_kv, hd).sum(axis=0)  # and k heads
   du = du.astype(h.dtype)
@@ -238,5 +303,6 @@ def _qknorm_bwd(heads, impl, saved, dqkv):
 
 _qknorm.defvjp(_qknorm_fwd, _qknorm_bwd)
 
-__all__ = ["HeadRmsNorm", "KERNEL_MAX_HEAD_DIM", "forward_program", "head_norm_columns",
-           "norm_qknorm_rope", "qk_norm_grad", "rmsnorm_qkv_qknorm_rope"]
+__all__ = ["HeadRmsNorm", "HeadRmsNormGrad", "KERNEL_MAX_HEAD_DIM", "backward_program",
+           "forward_program", "head_norm_columns", "norm_qknorm_rope", "qk_norm_grad",
+           "rmsnorm_qkv_qknorm_rope"]

@@ -59,9 +59,11 @@ class ProblemKey:
   signature: str
 
   def __post_init__(self):
-    for name in ("m", "n", "k"):
+    for name in ("m", "n"):
       if getattr(self, name) < 1:
         raise ValueError(f"ProblemKey.{name}={getattr(self, name)} must be positive")
+    if self.k < 0:  # K = 0: an epilogue pass with no product
+      raise ValueError(f"ProblemKey.k={self.k} must be >= 0")
     if "|" in self.signature:
       raise ValueError(f"ProblemKey.signature={self.signature!r} must not contain '|'")
 
@@ -388,7 +390,8 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
                              grid_tile_width=width, schedule=sched, epi_operand_slots=slots,
                              epi_store_n=store_n)
           g._check_tiling(m, n, k, cfg, trans_a, trans_b)
-          best = g.deepest_fitting(cfg, dtype, input_kinds, input_dtypes, outputs)
+          best = g.deepest_fitting(cfg, dtype, input_kinds, input_dtypes, outputs,
+                                   mainloop=k > 0)
         except ValueError as e:
           why = str(e)
       if best is not None:

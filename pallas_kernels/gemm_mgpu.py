@@ -163,11 +163,12 @@ def _swizzle_transforms(minor_elems: int, dtype) -> tuple:
 
 
 def smem_bytes(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
-               outputs: tuple[epi.EpilogueOutput, ...]) -> int:
+               outputs: tuple[epi.EpilogueOutput, ...], *, mainloop: bool = True) -> int:
   """Shared memory one CTA needs for this config and epilogue program: the pipeline
-  ring plus exactly the buffers the epilogue allocates."""
+  ring (none with ``mainloop=False``, a K = 0 problem) plus exactly the buffers the
+  epilogue allocates."""
   cm, cn = config.cta_tile
-  total = config.stages * (cm + cn) * config.tile_k * jnp.dtype(dtype).itemsize
+  total = config.stages * (cm + cn) * config.tile_k * jnp.dtype(dtype).itemsize * mainloop
   for alloc in _Epilogue.scratch(config, input_kinds, input_dtypes, outputs).values():
     if isinstance(alloc, plgpu.Barrier):
       continue  # counted in the reserve
@@ -179,12 +180,15 @@ def smem_bytes(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
 
 
 def deepest_fitting(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
-                    outputs: tuple[epi.EpilogueOutput, ...]) -> GemmConfig | None:
+                    outputs: tuple[epi.EpilogueOutput, ...], *,
+                    mainloop: bool = True) -> GemmConfig | None:
   """``config`` with the most stages, at most its own, whose shared memory fits; None
-  if not even two stages fit."""
-  for stages in range(config.stages, 1, -1):
+  if not even two stages fit. Without a mainloop (K = 0) stages mean nothing: the
+  config comes back with the fewest (2) if its epilogue fits."""
+  for stages in range(config.stages, 1, -1) if mainloop else (2,):
     cfg = dataclasses.replace(config, stages=stages)
-    if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs) <= SMEM_LIMIT_BYTES:
+    if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs,
+                  mainloop=mainloop) <= SMEM_LIMIT_BYTES:
       return cfg
   return None
 
@@ -217,6 +221,8 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
   """
   input_kinds = input_kinds or {}
   input_dtypes = input_dtypes or {}
+  if k == 0:
+    return _no_product_config(m, n, dtype, input_kinds, input_dtypes, outputs, min_epi_tile_n)
   cooperative = [  # (tile_m, tile_n, wg_dim, cluster_dim), fastest first
       (128, 128, MatDim.M, MatDim.N), (128, 128, MatDim.M, None), (128, 128, MatDim.N, None),
       (128, 64, MatDim.N, None), (64, 128, MatDim.M, None), (64, 64, MatDim.N, None),
@@ -261,6 +267,32 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
                    "in shared memory")
 
 
+def _no_product_config(m, n, dtype, input_kinds, input_dtypes, outputs,
+                       min_epi_tile_n) -> GemmConfig:
+  """K = 0 (``_kernel_no_product``): no ring to share shared memory with and nothing to
+  multicast, so the largest warpgroup tiles whose epilogue buffers fit, unclustered;
+  each warpgroup's tile operands are staged two sub-tiles ahead (a whole 128x128 tile
+  of 128-wide sub-tiles, the QK-norm backward's)."""
+  for tm, tn, wg in ((128, 128, MatDim.M), (128, 128, MatDim.N), (64, 128, MatDim.M),
+                     (128, 64, MatDim.N), (64, 64, MatDim.M), (64, 64, MatDim.N)):
+    for en in (64, 32, 16):
+      en = max(min(en, tn), min_epi_tile_n)
+      if tn % en or en % min_epi_tile_n:
+        continue
+      for store_n in store_widths(en):
+        cfg = GemmConfig(tile_m=tm, tile_n=tn, stages=2, epi_tile_n=en, wg_dim=wg,
+                         cluster_dim=None, epi_store_n=store_n)
+        cm, cn = cfg.cta_tile
+        if m % cm or n % cn:
+          continue
+        if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs,
+                      mainloop=False) <= SMEM_LIMIT_BYTES:
+          return cfg
+  raise ValueError(f"no tiling divides (M, N)=({m}, {n}) of this K = 0 epilogue pass with "
+                   f"an epilogue width that is a multiple of {min_epi_tile_n}: M and N must "
+                   "be multiples of 64 and the epilogue's buffers must fit in shared memory")
+
+
 def interpret_params():
   """Mosaic GPU's CPU interpreter, for tests on machines without a Hopper GPU."""
   return plgpu.InterpretGPUParams()
@@ -297,6 +329,10 @@ def _check_tiling(m, n, k, config: GemmConfig, trans_a: bool, trans_b: bool):
   if (trans_a or not trans_b) and config.tile_k % 64:
     raise ValueError(f"tile_k={config.tile_k}: an operand stored MN-major (A as (K, M) or "
                      "B as (K, N)) needs tile_k to be a multiple of 64 for wgmma")
+  if k == 0 and (config.schedule != Schedule.COOPERATIVE or config.cluster_dim is not None):
+    raise ValueError(f"K=0 runs the epilogue alone (no mainloop, nothing to multicast or "
+                     f"to hide it under): use schedule=cooperative and cluster_dim=None, "
+                     f"not {config.describe()}")
   cm, cn = config.cluster_tile
   if m % cm or n % cn or k % config.tile_k:
     raise ValueError(f"(M, N, K)=({m}, {n}, {k}) must be multiples of the cluster tile "
@@ -593,6 +629,43 @@ def _kernel_cooperative(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a
   )
 
 
+def _kernel_no_product(*refs, cfg: GemmConfig, m, n, input_names, input_kinds, outputs,
+                       epilogue, in_place):
+  """K = 0: the epilogue program alone, on a zero accumulator (an elementwise pass over
+  (M, N) whose first steps add its tile operands). No mainloop and no memory warpgroup:
+  the two warpgroups split each CTA tile as in the cooperative schedule, and each stages
+  its tile operands, runs the program and stores, tile after tile."""
+  in_gmem, out_gmem = _bind_refs(refs, input_names, outputs, in_place)
+  tm, tn = cfg.tile_m, cfg.tile_n
+  cm, cn = cfg.cta_tile
+  m_iters, n_iters = m // cm, n // cn
+
+  def scope(**smem):
+    wg = lax.axis_index("wg")
+    ep = _Epilogue(cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg)
+
+    @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+    def _tile_loop(info):
+      (lin,) = info.index
+      mi, ni = _tile_origin(lin, cfg, m_iters, n_iters)
+      if cfg.wg_dim == MatDim.M:
+        row_base, col_base = mi * cm + wg * tm, ni * cn
+      else:
+        row_base, col_base = mi * cm, ni * cn + wg * tn
+      ep.prefetch(row_base, col_base)
+
+      # An accumulator no wgmma touches: zeros, in the layout the program expects.
+      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+      def _acc_scope(acc_ref):
+        ep.run(acc_ref[...], row_base, col_base)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+  pl.run_scoped(scope, collective_axes="wg",
+                **_Epilogue.scratch(cfg, input_kinds,
+                                    {nm: r.dtype for nm, r in in_gmem.items()}, outputs))
+
+
 def _tile_origin(lin, cfg: GemmConfig, m_iters, n_iters):
   """(mi, ni): the CTA-tile coordinates of linear tile ``lin`` of this cluster."""
   mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), cfg.grid_minor_dim,
@@ -735,7 +808,10 @@ def gemm(a: jax.Array, b: jax.Array, *,
 
   Args:
     a: (M, K), or (K, M) with ``trans_a``. bfloat16 or float16.
-    b: (K, N), or (N, K) with ``trans_b``. Same dtype as ``a``.
+    b: (K, N), or (N, K) with ``trans_b``. Same dtype as ``a``. K may be 0: the product
+      is then zero, and the kernel runs the epilogue alone (``_kernel_no_product``: no
+      mainloop, unclustered cooperative configs only), an elementwise pass over (M, N)
+      tiles whose program starts from zero (e.g. with an ``AddTile``).
     inputs: extra operands, name -> (kind, array); row (M,), col (N,), tile (M, N).
     epilogue: ``fn(tile, acc)``; default stores ``acc`` to the output ``"out"``.
     outputs: declared outputs; default one (M, N) ``"out"`` in ``a.dtype``.
@@ -807,7 +883,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
         and o.subtile_shape(config.epi_tile_m, config.epi_tile_n)[-1] % 8):
       raise ValueError(f"output {o.name!r}: epi_tile_n={config.epi_tile_n} * "
                        f"{o.width} must be a multiple of 8")
-  need = smem_bytes(config, a.dtype, input_kinds, input_dtypes, outputs)
+  mainloop = k > 0
+  need = smem_bytes(config, a.dtype, input_kinds, input_dtypes, outputs, mainloop=mainloop)
   if need > SMEM_LIMIT_BYTES:
     raise ValueError(f"{config} with this epilogue needs {need} bytes of shared memory, "
                      f"over the {SMEM_LIMIT_BYTES}-byte limit: lower stages or tiles")
@@ -820,45 +897,50 @@ def gemm(a: jax.Array, b: jax.Array, *,
     raise ValueError(f"num_sms={num_sms} is smaller than the cluster ({cluster} CTAs) of "
                      f"{config}: pass cluster_dim=None or more SMs")
   grid = min(num_sms // cluster, tiles)
-  body = (_kernel_pingpong if config.schedule == Schedule.PINGPONG
-          else _kernel_cooperative)
+  if not mainloop:  # K = 0: the product is zero; a, b are not passed to the kernel
+    body = functools.partial(_kernel_no_product, cfg=config, m=m, n=n)
+  else:
+    body = functools.partial(
+        _kernel_pingpong if config.schedule == Schedule.PINGPONG else _kernel_cooperative,
+        num_clusters=grid, cfg=config, m=m, n=n, k=k, trans_a=trans_a, trans_b=trans_b)
+  kernel_name = (f"coda_gemm_{config.schedule.name.lower()}" if mainloop
+                 else "coda_gemm_epilogue_only")
 
   def make_kernel(in_place):
     """The kernel, with the outputs in ``in_place`` written into their operands' Refs."""
     return plgpu.kernel(
-        functools.partial(body, num_clusters=grid, cfg=config, m=m, n=n, k=k,
-                          trans_a=trans_a, trans_b=trans_b, input_names=names_in,
-                          input_kinds=input_kinds, outputs=outputs, epilogue=epilogue,
-                          in_place=in_place),
+        functools.partial(body, input_names=names_in, input_kinds=input_kinds,
+                          outputs=outputs, epilogue=epilogue, in_place=in_place),
         out_type=tuple(
             jax.ShapeDtypeStruct(epi.output_shape(o, m, n, config.epi_tile_m,
                                                   config.epi_tile_n), o.dtype)
             for o in outputs if o.name not in in_place),
         grid=(grid,), grid_names=("sm",), cluster=(cluster,), cluster_names=("cluster",),
-        num_threads=3, thread_name="wg",
-        kernel_name=f"coda_gemm_{config.schedule.name.lower()}",  # in profiles
+        num_threads=3 if mainloop else 2, thread_name="wg",
+        kernel_name=kernel_name,  # in profiles
         # approx_math: SFU exp/sin/cos/division in epilogues (inputs are range-reduced
         # where that matters; see coda_jax.primitives.Rotate).
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
         interpret=interpret)
 
+  lead = (a, b) if mainloop else ()
   if not in_place:
-    results = make_kernel({})(a, b, *(inputs[nm][1] for nm in names_in))
+    results = make_kernel({})(*lead, *(inputs[nm][1] for nm in names_in))
     return dict(zip(names, results))
 
-  def run_in_place(a, b, *operands):
+  def run_in_place(*args):  # a and b where there is a product, then the operands
     # Optimization barriers on both sides of the aliased buffer: without them XLA's GPU
     # dynamic-slice fusion folds a slice feeding that operand (a scan's xs, its saved
     # residuals, z[i]) and a dynamic-update-slice taking the result (a scan's stacked
     # ys) into the kernel's custom call, ignoring its operand-output aliasing: the kernel
     # then writes into the caller's sliced array and the result is never written (wrong
     # values or NaN; bench/NOTES.md, issue 4). The barriers copy nothing.
-    ops = dict(zip(names_in, operands))
+    ops = dict(zip(names_in, args[len(lead):]))
     backing = {nm: jax.new_ref(lax.optimization_barrier(ops[nm]))
                for nm in in_place.values()}
-    results = iter(make_kernel(in_place)(a, b, *(backing.get(nm, ops[nm])
-                                                 for nm in names_in)))
+    results = iter(make_kernel(in_place)(*args[:len(lead)], *(backing.get(nm, ops[nm])
+                                                              for nm in names_in)))
     return tuple(lax.optimization_barrier(jax.freeze(backing[in_place[nm]]))
                  if nm in in_place else next(results) for nm in names)
 
@@ -878,4 +960,4 @@ def gemm(a: jax.Array, b: jax.Array, *,
     outs = jax.vmap(lambda *xs: tuple(fresh(*xs)))(*args)
     return outs, tuple(True for _ in outs)
 
-  return dict(zip(names, run(a, b, *(inputs[nm][1] for nm in names_in))))
+  return dict(zip(names, run(*lead, *(inputs[nm][1] for nm in names_in))))

@@ -244,12 +244,12 @@ MUTATIONS = [
         "in_place_without_barriers", "pallas_kernels/gemm_mgpu.py",
         "    backing = {nm: jax.new_ref(lax.optimization_barrier(ops[nm]))\n"
         "               for nm in in_place.values()}\n"
-        "    results = iter(make_kernel(in_place)(a, b, *(backing.get(nm, ops[nm])\n"
-        "                                                 for nm in names_in)))\n"
+        "    results = iter(make_kernel(in_place)(*args[:len(lead)], *(backing.get(nm, ops[nm])\n"
+        "                                                              for nm in names_in)))\n"
         "    return tuple(lax.optimization_barrier(jax.freeze(backing[in_place[nm]]))\n",
         "    backing = {nm: jax.new_ref(ops[nm]) for nm in in_place.values()}\n"
-        "    results = iter(make_kernel(in_place)(a, b, *(backing.get(nm, ops[nm])\n"
-        "                                                 for nm in names_in)))\n"
+        "    results = iter(make_kernel(in_place)(*args[:len(lead)], *(backing.get(nm, ops[nm])\n"
+        "                                                              for nm in names_in)))\n"
         "    return tuple(jax.freeze(backing[in_place[nm]])\n",
         ("tests/test_in_place.py", "-k", "over_slices or custom_vjp"),
         "without the barriers XLA's GPU dynamic-slice fusion ignores the kernel's aliasing "
@@ -319,6 +319,22 @@ MUTATIONS = [
         "        t = 2 * i + wg\n        mi, ni = _tile_origin(cluster_id + (t ^ 1) * num_clusters,",
         ("tests/test_gemm_mainloop.py", "-k", "configs and pingpong"),
         why="each warpgroup must store the tile whose stages it consumed"),
+    # ---- K = 0: the epilogue pass with no mainloop (_kernel_no_product) -----------------
+    Mutation(
+        "no_product_both_warpgroups_on_one_half", "pallas_kernels/gemm_mgpu.py",
+        "        row_base, col_base = mi * cm + wg * tm, ni * cn\n      else:\n"
+        "        row_base, col_base = mi * cm, ni * cn + wg * tn\n      ep.prefetch(",
+        "        row_base, col_base = mi * cm, ni * cn\n      else:\n"
+        "        row_base, col_base = mi * cm, ni * cn\n      ep.prefetch(",
+        ("tests/test_primitives.py", "-k", "no_product"),
+        why="both warpgroups run the CTA tile's first half: the second is never written"),
+    Mutation(
+        "no_product_smem_counts_a_ring", "pallas_kernels/gemm_mgpu.py",
+        "config.tile_k * jnp.dtype(dtype).itemsize * mainloop\n",
+        "config.tile_k * jnp.dtype(dtype).itemsize\n",
+        ("tests/test_autotune.py", "-k", "no_product"),
+        why="a K = 0 pass is sized as if it had a pipeline ring: its heuristic config "
+            "shrinks for shared memory it never allocates"),
     # ---- the per-shard rule (coda_jax/partitioning.py) -----------------------------------
     Mutation(
         "shard_lse_summed", "coda_jax/partitioning.py",
@@ -488,11 +504,17 @@ MUTATIONS = [
         ("tests/test_qk_norm.py", "-k", "forward_against_float64"),
         "HeadRmsNorm's mean runs over the whole sub-tile, not the head's head_dim columns"),
     Mutation(
-        "qk_norm_grad_projection_wrong_axis", "coda_jax/qk_norm.py",
-        "c = jnp.mean(dn * n, axis=-1, keepdims=True) * sel",
-        "c = jnp.mean(dn * n, axis=1, keepdims=True) * sel",
+        "qk_norm_grad_projection_wrong_width", "coda_jax/qk_norm.py",
+        "c = jnp.sum(dn * n, axis=1) * (1.0 / d)",
+        "c = jnp.sum(dn * n, axis=1) * (1.0 / dy.shape[1])",
         ("tests/test_qk_norm.py", "-k", "op_and_grads_xla and hq4_hkv2_hd32"),
-        "the norm backward's <dn, n> term averaged over heads instead of head_dim"),
+        "the norm backward's <dn, n> term averaged over the whole value's width instead of "
+        "head_dim"),
+    Mutation(
+        "qk_norm_grad_normalises_v_heads", "coda_jax/qk_norm.py",
+        "us = ub * s  # u on normed heads", "us = ub  # u on normed heads",
+        ("tests/test_qk_norm.py", "-k", "backward_pass and default"),
+        "the backward treats the pass-through v heads as normalised"),
     Mutation(
         "qk_norm_k_heads_get_q_weight", "coda_jax/qk_norm.py",
         "jnp.tile(k_norm_w.astype(jnp.float32), n_kv_heads)",
@@ -507,7 +529,7 @@ MUTATIONS = [
         "k_norm's gradient summed over q heads' columns"),
     Mutation(
         "qk_norm_grad_drops_projection", "coda_jax/qk_norm.py",
-        "du = rstd * (dn - n * c)", "du = rstd * dn",
+        "t = dn - (n * s) * c[:, None]", "t = dn",
         ("tests/test_qk_norm.py", "-k", "op_and_grads_xla and hq4_hkv2_hd32"),
         "the per-head norm backward loses its projection term -n <dn, n> / hd"),
     Mutation(
@@ -517,14 +539,15 @@ MUTATIONS = [
         "the forward takes its eps from the wrong slot of the heads tuple (theta)"),
     Mutation(
         "qk_norm_eps_dropped_forward", "coda_jax/qk_norm.py",
-        "* (1.0 / d) + self.eps)", "* (1.0 / d))",
+        "rstd = jax.lax.rsqrt(jnp.sum(xb * xb, axis=1) * (1.0 / d) + self.eps)",
+        "rstd = jax.lax.rsqrt(jnp.sum(xb * xb, axis=1) * (1.0 / d))",
         ("tests/test_qk_norm.py", "-k", "near_and_at_zero and xla"),
         "the per-head norm forgets eps: a zero head gives 0 * inf = NaN, a head with mean "
         "square near eps moves by ~40% (missed until test_heads_near_and_at_zero)"),
     Mutation(
         "qk_norm_eps_dropped_backward", "coda_jax/qk_norm.py",
-        "rstd = jax.lax.rsqrt(jnp.mean(u3 * u3, axis=-1, keepdims=True) + eps)",
-        "rstd = jax.lax.rsqrt(jnp.mean(u3 * u3, axis=-1, keepdims=True))",
+        "rho = jax.lax.rsqrt(jnp.sum(ub * ub, axis=1) * (1.0 / d) + self.eps)",
+        "rho = jax.lax.rsqrt(jnp.sum(ub * ub, axis=1) * (1.0 / d))",
         ("tests/test_qk_norm.py", "-k", "near_and_at_zero and xla"),
         "the per-head norm's backward forgets eps (missed until "
         "test_heads_near_and_at_zero)"),
@@ -638,8 +661,8 @@ MUTATIONS = [
         "the 3-GEMM head's column sums (the final norm's dg) keep only the last chunk"),
     Mutation(
         "in_place_ref_outside_custom_vmap", "pallas_kernels/gemm_mgpu.py",
-        "  return dict(zip(names, run(a, b, *(inputs[nm][1] for nm in names_in))))",
-        "  return dict(zip(names, run_in_place(a, b, *(inputs[nm][1] for nm in names_in))))",
+        "  return dict(zip(names, run(*lead, *(inputs[nm][1] for nm in names_in))))",
+        "  return dict(zip(names, run_in_place(*lead, *(inputs[nm][1] for nm in names_in))))",
         ("tests/test_in_place.py", "-k", "checkpointed"),
         "the in-place kernel's Ref is made and frozen in the caller's trace, not inside a "
         "pure wrapper: under jax.checkpoint the re-run forward reads an unwritten Ref (dW "

@@ -8,7 +8,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import autotune, gemm_mgpu
-from pallas_kernels import EpilogueOutput, GemmConfig, InputKind, MatDim, Schedule
+from pallas_kernels import EpilogueOutput, GemmConfig, InputKind, MatDim, OutputKind, Schedule
 
 PINGPONG = GemmConfig(tile_m=128, tile_n=64, tile_k=32, stages=6, epi_tile_n=32,
                       cluster_dim=None, grid_minor_dim=MatDim.M, grid_tile_width=8,
@@ -121,8 +121,11 @@ def test_problem_key_text_round_trip(key):
 
 
 def test_problem_key_checks():
-  with pytest.raises(ValueError, match="ProblemKey.k=0 must be positive"):
-    _key(k=0)
+  with pytest.raises(ValueError, match="ProblemKey.m=0 must be positive"):
+    _key(m=0)
+  with pytest.raises(ValueError, match="ProblemKey.k=-1 must be >= 0"):
+    _key(k=-1)
+  assert autotune.ProblemKey.from_text(_key(k=0).text()).k == 0  # an epilogue pass
   with pytest.raises(ValueError, match="must not contain '|'"):
     _key(sig="a|b")
 
@@ -328,3 +331,29 @@ def test_deepest_fitting_lowers_stages_until_the_config_fits():
   wide = tuple(EpilogueOutput(f"o{i}", dtype=jnp.float32) for i in range(3))
   assert gemm_mgpu.deepest_fitting(dataclasses.replace(cfg, epi_tile_n=64), jnp.bfloat16,
                                    {}, {}, wide) is None
+
+
+def test_no_product_configs():
+  """K = 0 (an epilogue pass): the heuristic and the search offer only unclustered
+  cooperative configs, sized without a pipeline ring. The QK-norm backward's buffers
+  (two bf16 tile operands and a bf16 output in 128-wide sub-tiles, 192 KiB with two
+  slots) fit 128x128 warpgroup tiles only so: with a ring of even two 64-deep stages
+  they would not."""
+  kinds = {"dqkv": InputKind.TILE, "u": InputKind.TILE, "pos": InputKind.ROW,
+           "f": InputKind.COL}
+  dtypes = {"dqkv": jnp.bfloat16, "u": jnp.bfloat16, "pos": jnp.int32, "f": jnp.float32}
+  outs = (EpilogueOutput("du"), EpilogueOutput("dw", OutputKind.COL_PARTIAL, jnp.float32),
+          EpilogueOutput("udu", OutputKind.ROW_PARTIAL, jnp.float32))
+  cfg = gemm_mgpu.default_config(16384, 4096, 0, jnp.bfloat16, input_kinds=kinds,
+                                 input_dtypes=dtypes, outputs=outs, min_epi_tile_n=128)
+  assert (cfg.schedule, cfg.cluster_dim) == (Schedule.COOPERATIVE, None)
+  assert (cfg.tile_m, cfg.tile_n, cfg.epi_tile_n, cfg.epi_store_n) == (128, 128, 128, None)
+  ring = gemm_mgpu.smem_bytes(cfg, jnp.bfloat16, kinds, dtypes, outs)
+  assert ring > gemm_mgpu.SMEM_LIMIT_BYTES >= gemm_mgpu.smem_bytes(
+      cfg, jnp.bfloat16, kinds, dtypes, outs, mainloop=False)
+  found, skipped = autotune.candidates(16384, 4096, 0, jnp.bfloat16, kinds, dtypes, outs,
+                                       trans_a=False, trans_b=False, min_epi_tile_n=128)
+  assert found and all(c.schedule == Schedule.COOPERATIVE and c.cluster_dim is None
+                       for c in found)
+  assert any(c.epi_store_n is None and c.epi_operand_slots == 2 for c in found)
+  assert any("K=0 runs the epilogue alone" in why for _, why in skipped)

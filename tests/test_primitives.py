@@ -399,3 +399,60 @@ def test_bitwise_deterministic(key, kernel_impl, config):
   for name in first:
     np.testing.assert_array_equal(np.asarray(first[name]).view(np.uint8),
                                   np.asarray(second[name]).view(np.uint8), err_msg=name)
+
+
+# ---- K = 0: the epilogue without a product (coda_jax.epilogue_pass) ----------------------
+NO_PRODUCT_PROGRAMS = {
+    "add_tile": PROGRAMS["add_tile"],
+    "everything": [cj.AddTile("x0"), cj.ScaleConst(0.125), cj.ScaleCol("g"), cj.Store("y"),
+                   cj.ColSum("c"), cj.RowSum("s")],
+    "rope_rowsum": [cj.AddTile("x0"), cj.ScaleRow("r"), cj.Rotate("pos", "fr32", P32),
+                    cj.RowSum("ss", square=True), cj.Store("q")],
+}
+NO_PRODUCT_CONFIGS = {
+    "default": None,
+    # warpgroups split N, two (64, 64) sub-tiles each, one operand slot: 4 CTA tiles
+    "wgN_one_slot": GemmConfig(tile_m=128, tile_n=64, epi_tile_n=64, wg_dim=MatDim.N,
+                               cluster_dim=None, epi_operand_slots=1, stages=2),
+    # 128-wide sub-tiles whose tile outputs are stored in halves
+    "split_store": GemmConfig(tile_m=64, tile_n=128, epi_tile_n=128, epi_store_n=64,
+                              cluster_dim=None, stages=2),
+}
+
+
+@pytest.mark.parametrize("config", NO_PRODUCT_CONFIGS)
+@pytest.mark.parametrize("name", NO_PRODUCT_PROGRAMS)
+def test_no_product(key, kernel_impl, races_checked, name, config):
+  """K = 0 (``epilogue_pass``): the program on a zero accumulator with no mainloop, over
+  several tiles per SM, every output against the truth; under the race detector when
+  interpreted. Every true value is nonzero, so an unwritten element shows."""
+  program = NO_PRODUCT_PROGRAMS[name]
+  m, n = 256, 256
+  ops = make_operands(key, program, m, n, jnp.bfloat16)
+  cfg = NO_PRODUCT_CONFIGS[config]
+  a, b = jnp.zeros((m, 0), jnp.bfloat16), jnp.zeros((0, n), jnp.bfloat16)
+  got, _ = check_program(a, b, program, ops, kernel_impl, config=cfg)
+  via_pass = cj.epilogue_pass(program, ops, impl=kernel_impl, config=cfg)
+  for nm in got:
+    np.testing.assert_array_equal(f64(via_pass[nm]), f64(got[nm]), err_msg=nm)
+  assert not races_checked.races_found(), "data race in the kernel (see stdout)"
+
+
+@pytest.mark.parametrize("m", [1, 63, 100])
+def test_no_product_pads_odd_rows(key, kernel_impl, m):
+  """Row counts that do not tile: the pass pads M (the program keeps zero rows zero), and
+  the padded rows reach neither the column sums nor the outputs."""
+  program = NO_PRODUCT_PROGRAMS["everything"]
+  ops = make_operands(key, program, m, 128, jnp.bfloat16)
+  a, b = jnp.zeros((m, 0), jnp.bfloat16), jnp.zeros((0, 128), jnp.bfloat16)
+  check_program(a, b, program, ops, kernel_impl)
+
+
+def test_no_product_refuses_what_it_cannot_run(key):
+  ops = make_operands(key, PROGRAMS["add_tile"], 128, 128, jnp.bfloat16)
+  with pytest.raises(ValueError, match="no \\(M, N\\) tile operand"):
+    cj.epilogue_pass([cj.ScaleRow("r"), cj.Store("y")], {"r": jnp.ones((128,))})
+  for bad in (GemmConfig(cluster_dim=MatDim.N), GemmConfig(cluster_dim=None,
+                                                            schedule=Schedule.PINGPONG)):
+    with pytest.raises(ValueError, match="K=0 runs the epilogue alone"):
+      cj.epilogue_pass(PROGRAMS["add_tile"], ops, impl="interpret", config=bad)

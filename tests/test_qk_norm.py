@@ -12,12 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from coda_jax import dispatch
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as R
 from coda_jax import qk_norm as Q
-from coda_jax.ops import gemm_epilogue, kernel_config
-from coda_jax.primitives import Store
-from helpers import assert_within_baseline, f32_tree, normal, spread_rows
+from coda_jax.ops import epilogue_pass, gemm_epilogue, kernel_config, reference
+from coda_jax.primitives import Rotate, Store
+from helpers import assert_within_baseline, f32_tree, normal, rel_err, spread_rows
+from pallas_kernels import GemmConfig
 
 EPS, THETA = 1e-6, 1e6  # Qwen3's
 DIFF = ("h", "r", "wqkv", "qw", "kw")
@@ -167,6 +169,49 @@ def test_v_rides_through_and_batched_layout(key):
                                       x["kw"], **_heads(hq, hkv, hd), impl="xla")
   np.testing.assert_array_equal(np.asarray(batched.reshape(got.shape), np.float32),
                                 np.asarray(got, np.float32))
+
+
+@pytest.mark.parametrize("config", [
+    None,
+    # one operand slot, 64-row warpgroup tiles, du stored in 64-wide halves: 8 CTA tiles
+    GemmConfig(tile_m=64, tile_n=128, epi_tile_n=128, epi_store_n=64, cluster_dim=None,
+               stages=2, epi_operand_slots=1)], ids=["default", "one_slot_split"])
+def test_backward_pass_against_vjp(key, kernel_impl, races_checked, config):
+  """The per-head backward (``backward_program``, an epilogue pass with no GEMM) at
+  Qwen3's head_dim of 128, against ``jax.vjp`` of the forward's definition (HeadRmsNorm,
+  then RoPE) in fp32: du under the tolerance rule (baseline: the program run unfused in
+  bf16), the norm weights' column sums and <du, u> in fp32 from the same inputs. Under
+  the race detector when interpreted."""
+  hq, hkv, hd, m = 2, 1, 128, 256
+  n = (hq + 2 * hkv) * hd
+  ks = jax.random.split(key, 5)
+  scale = jnp.repeat(jnp.array([0.3, 2.0, 1.0, 0.7]), hd)  # a different RMS per head
+  u = (normal(ks[0], (m, n)) * scale).astype(jnp.bfloat16)
+  dqkv = normal(ks[1], (m, n), jnp.bfloat16)
+  pos = jax.random.randint(ks[2], (m,), 0, 8192, jnp.int32)
+  qw, kw = 1 + 0.3 * normal(ks[3], (hd,)), 1 + 0.3 * normal(ks[4], (hd,))
+  freqs = R.qkv_freqs(hq, hkv, hd, THETA, None)
+  weight, normed = Q.head_norm_columns(qw, kw, hq, hkv)
+
+  def forward(u32, w):  # the forward epilogue's steps after Store u, on whole matrices
+    env = dispatch._MatrixEnv({"w": w, "sel": normed, "pos": pos, "freqs": freqs}, u32.shape)
+    y = Q.HeadRmsNorm("w", "sel", hd, EPS).apply(u32, env)
+    return Rotate("pos", "freqs", hd // 2).apply(y, env)
+
+  u32 = u.astype(jnp.float32)
+  _, vjp = jax.vjp(forward, u32, weight)
+  du_t, dw_t = vjp(dqkv.astype(jnp.float32))
+  program = Q.backward_program(hd, EPS, jnp.bfloat16)
+  ops = {"dqkv": dqkv, "pos": pos, "neg_freqs": -freqs, "u": u, "qk_w": weight,
+         "qk_sel": normed}
+  got = epilogue_pass(program, ops, impl=kernel_impl, config=config)
+  unfused = reference(u[:, :0], u[:0, :], program, ops, round_to=jnp.bfloat16)
+  assert got["du"].dtype == jnp.bfloat16
+  assert_within_baseline(got["du"], du_t, unfused["du"], "du")
+  for name, want in (("dweight", dw_t), ("udu", jnp.sum(du_t * u32, axis=1))):
+    e = rel_err(got[name], want)
+    assert e < 1e-4, f"{name}: rel err {e:.3g}"
+  assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 
 
 def test_head_rms_norm_primitive_keeps_heads_whole():
