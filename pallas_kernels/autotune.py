@@ -360,6 +360,10 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
       (CO, 128, 128, M_, N_, N_, 16, (64, 32)), (CO, 128, 128, M_, None, N_, 16, (64, 32)),
       (PP, 128, 128, M_, N_, N_, 16, (64, 32)), (PP, 128, 128, M_, M_, M_, 16, (64, 32)),
       (PP, 128, 128, M_, N_, M_, 16, (32,)), (PP, 128, 128, M_, M_, N_, 16, (32,))]
+  if k == 0:  # an epilogue pass: unclustered cooperative tiles (gemm_mgpu._no_product_config)
+    structures = [(CO, 128, 128, M_, None, N_, 16, (64, 32)),
+                  (CO, 64, 128, M_, None, N_, 16, (64, 32)),
+                  (CO, 128, 128, N_, None, N_, 16, (64, 32))]
   if extra:
     structures += [(s, tm, tn, wg, cl, mi, 8, ens) for s, tm, tn, wg, cl, mi, _, ens in structures]
   mn_major = trans_a or not trans_b
