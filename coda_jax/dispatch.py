@@ -143,6 +143,9 @@ class _MatrixEnv:
   def store(self, name, value):
     self.stored[name] = value
 
+  def column_sum(self, x):
+    return jnp.sum(x, axis=0)
+
 
 def finish(program, raw: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """The user-facing outputs from raw kernel outputs (partials reduced)."""
@@ -269,7 +272,8 @@ def _kernel_run(call, a, b, operands, interpret=None):
                 trans_b=call.trans_b, config=call.config, in_place=in_place,
                 program_id=call.program_id, min_epi_tile_n=call.column_group,
                 num_sms=None if interpret is not None else device.core_count,
-                device_kind=device.device_kind, interpret=interpret)
+                device_kind=device.device_kind, interpret=interpret,
+                column_sum_turns=all(p.column_sums_via_env() for p in call.program))
   out = finish(call.program, raw)
   if pm != m:
     kinds = finished_kinds(call)

@@ -34,6 +34,7 @@ class RmsNormGrad(Primitive):
   Operands: ``x`` (M, N) tile (the norm's input), ``r`` (M,) reciprocal RMS, ``c`` (M,)
   the zdz term <dz, z> / D, ``g`` (N,) norm weight."""
   _keeps_zero_rows = True
+  _column_sums_via_env = True
   x: str
   r: str
   c: str
@@ -55,7 +56,7 @@ class RmsNormGrad(Primitive):
     c = env.load(self.c).astype(jnp.float32)[:, None]
     g = env.load(self.g).astype(jnp.float32)[None, :]
     xhat = r * env.load(self.x).astype(jnp.float32)
-    env.store(self.dg, jnp.sum(dn * xhat, axis=0))
+    env.store(self.dg, env.column_sum(dn * xhat))
     env.store(self.n, xhat * g)
     return r * (g * dn - xhat * c)
 
@@ -71,6 +72,7 @@ class GatedGrad(Primitive):
   (accumulator column block i of width ``block`` pairs with z's block i of 2 * block).
   Stores y = act(a) * b (``y``, width N) and row partials of <dz, z> (``zdz``)."""
   _keeps_zero_rows = True
+  _column_sums_via_env = True
   z: str
   block: int
   y: str
@@ -137,6 +139,7 @@ class SoftmaxXentGrad(Primitive):
   so the recomputing backward patches the target column afterwards instead
   (``block_gemms.target_column_from_stats``)."""
   _keeps_zero_rows = True
+  _column_sums_via_env = True
   lse: str
   targets: str
   weight: str
@@ -195,6 +198,7 @@ class ExpShifted(Primitive):
   there is its exact dlogit -(1 - p_t) w (``block_gemms.lm_head_exp_safe``,
   ``docs/lm_head_exp_store.md``). It does not claim ``keeps_zero_rows``: a zero row
   stores exp(-shift), so a call with column partials would not pad its rows."""
+  _column_sums_via_env = True
   shift: str
 
   def inputs(self):

@@ -65,6 +65,7 @@ class AddOuter(Primitive):
   """x + sign * u[m] * v[n]: a rank-1 update; ``row`` an (M,), ``col`` an (N,) operand,
   ``sign`` +1 or -1 (LayerNorm's mean term is ``AddOuter("r_mu", "gw", -1)``)."""
   _keeps_zero_rows = True  # u = 0 on a zero row
+  _column_sums_via_env = True
   row: str
   col: str
   sign: float = 1.0
@@ -87,6 +88,7 @@ class AddOuter(Primitive):
 class Gelu(Primitive):
   """gelu(x), tanh form (GPT-2's); the same definition as ``Gated``'s "gelu"."""
   _keeps_zero_rows = True
+  _column_sums_via_env = True
 
   def apply(self, x, env):
     return ACTIVATIONS["gelu"][0](x)
@@ -98,6 +100,7 @@ class GeluGrad(Primitive):
   Stores the recomputed a = gelu(z) as ``a`` (the A operand of the next weight
   gradient), so the forward need not keep it."""
   _keeps_zero_rows = True  # da = 0 and z = 0 give dz = 0 and a = gelu(0) = 0
+  _column_sums_via_env = True
   z: str
   a: str
   a_dtype: Any = jnp.bfloat16
@@ -131,6 +134,7 @@ class LayerNormGrad(Primitive):
   with r = 0 (only a zero-padded row: r = 1/sqrt(var + eps) > 0 otherwise) stores n = 0,
   so a zero row stays zero in every output."""
   _keeps_zero_rows = True
+  _column_sums_via_env = True
   h: str
   mu: str
   r: str
@@ -164,8 +168,8 @@ class LayerNormGrad(Primitive):
     dh_stored = dh.astype(self.dtype).astype(_F32)
     env.store(self.dr, jnp.sum(dn * hc, axis=1))
     env.store(self.dmu, -r * jnp.sum(dn * g, axis=1))
-    env.store(self.dbeta, jnp.sum(dn, axis=0))
-    env.store(self.dg, -jnp.sum(mu[:, None] * dh_stored, axis=0))
+    env.store(self.dbeta, env.column_sum(dn))
+    env.store(self.dg, -env.column_sum(mu[:, None] * dh_stored))
     live = (r > 0).astype(_F32)[:, None]
     env.store(self.n, r[:, None] * hc + live * beta)
     return dh

@@ -28,6 +28,7 @@ class Env(Protocol):
   def column_ids(self) -> jax.Array: ...  # global column of each accumulator element
   def load(self, name: str) -> jax.Array: ...
   def store(self, name: str, value: jax.Array) -> None: ...
+  def column_sum(self, x: jax.Array) -> jax.Array: ...  # over rows: (rows, w) -> (w,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,17 @@ class Primitive:
 
   _keeps_zero_rows = False  # a class attribute (not a dataclass field): set True to claim
 
+  def column_sums_via_env(self) -> bool:
+    """True when ``apply`` sums over rows only through ``env.column_sum``, never with
+    ``jnp.sum(x, axis=0)`` itself. In the kernel such sums share one scratch buffer
+    across the two compute warpgroups: when every step of a program says True, the
+    warpgroups take turns around each sum and run the rest of their epilogues at once;
+    otherwise around the whole epilogue. Default False (always correct); the library's
+    primitives say True."""
+    return self._column_sums_via_env
+
+  _column_sums_via_env = False  # a class attribute: set True to claim
+
   def combine_over_shards(self) -> dict[str, str]:
     """How each finished output of a call split over shards combines into the whole:
     "sum" for a partial sum (row sums over column shards, column sums over row shards),
@@ -79,6 +91,7 @@ class Primitive:
 class ScaleConst(Primitive):
   """x * c for a Python constant c (folded into the kernel)."""
   _keeps_zero_rows = True
+  _column_sums_via_env = True
   value: float
 
   def apply(self, x, env):
@@ -89,6 +102,7 @@ class ScaleConst(Primitive):
 class ScaleRow(Primitive):
   """x * r[m]; ``name`` is an (M,) operand (e.g. RMSNorm's reciprocal RMS)."""
   _keeps_zero_rows = True
+  _column_sums_via_env = True
   name: str
 
   def inputs(self):
@@ -103,6 +117,7 @@ class ScaleCol(Primitive):
   """x * g[n]; ``name`` is an (N,) operand. A runtime scalar is passed as a
   broadcast (N,) operand (see ``ops.scalar_operand``)."""
   _keeps_zero_rows = True
+  _column_sums_via_env = True
   name: str
 
   def inputs(self):
@@ -121,6 +136,7 @@ class AddBias(Primitive):
   Its gradient is the column sum of the output's cotangent (a ``ColSum`` in the GEMM that
   produces the cotangent). A bias moves a zero row, so it does not claim
   ``keeps_zero_rows`` (rows padded onto M would add b to column sums)."""
+  _column_sums_via_env = True
   name: str
 
   def inputs(self):
@@ -135,6 +151,7 @@ class AddTile(Primitive):
   """x + t[m, n]; ``name`` is an (M, N) operand (a residual, or the previous value of
   an output being accumulated into)."""
   _keeps_zero_rows = True
+  _column_sums_via_env = True
   name: str
 
   def inputs(self):
@@ -182,6 +199,7 @@ ACTIVATIONS = {
 class Gated(Primitive):
   """(a, b) -> act(a) * b per column pair; halves the width. act: silu or gelu."""
   _keeps_zero_rows = True
+  _column_sums_via_env = True
   block: int
   activation: str = "silu"
 
@@ -215,6 +233,7 @@ class Rotate(Primitive):
   which is how V heads ride through a fused QKV).
   """
   _keeps_zero_rows = True
+  _column_sums_via_env = True
   positions: str
   freqs: str
   block: int
@@ -250,6 +269,7 @@ class Rotate(Primitive):
 class RowSum(Primitive):
   """Per-row partial sums of x (or x**2 with ``square``) -> output ``name``."""
   _keeps_zero_rows = True
+  _column_sums_via_env = True
   name: str
   square: bool = False
 
@@ -275,6 +295,7 @@ class RowLogSumExp(Primitive):
   -(1 - p_t) = -exp(rest - lse) keeps its digits, where exp(z_t - lse) - 1 loses them
   to the rounding of lse once 1 - p_t is below lse's last bit (|lse| 2^-24)."""
   _keeps_zero_rows = True
+  _column_sums_via_env = True
   name: str
   exclude: str | None = None
   rest: str | None = None
@@ -323,13 +344,14 @@ class RowLogSumExp(Primitive):
 class ColSum(Primitive):
   """Per-column partial sums of x over the sub-tile's rows -> output ``name``."""
   _keeps_zero_rows = True
+  _column_sums_via_env = True
   name: str
 
   def outputs(self, width):
     return (EpilogueOutput(self.name, OutputKind.COL_PARTIAL, jnp.float32, width),)
 
   def apply(self, x, env):
-    env.store(self.name, jnp.sum(x, axis=0))
+    env.store(self.name, env.column_sum(x))
     return x
 
   def finish(self, raw):
@@ -343,6 +365,7 @@ class PickColumn(Primitive):
   outside [0, N), e.g. an ignored target). ``index`` is an (M,) int32 operand. Must run
   before any step that changes the width."""
   _keeps_zero_rows = True
+  _column_sums_via_env = True
   index: str
   name: str
 
@@ -369,6 +392,7 @@ class PickColumn(Primitive):
 class Store(Primitive):
   """Writes the running value to output ``name`` (M, N / narrowing) in ``dtype``."""
   _keeps_zero_rows = True
+  _column_sums_via_env = True
   name: str
   dtype: Any = jnp.bfloat16
 

@@ -50,6 +50,7 @@ class HeadRmsNorm(P.Primitive):
   same across a head. The mean runs over the head's columns, which one sub-tile holds
   whole (``column_group``)."""
   _keeps_zero_rows = True  # a zero head stays zero (eps > 0 keeps rsqrt finite)
+  _column_sums_via_env = True
   weight: str
   normed: str
   head_dim: int
@@ -93,6 +94,7 @@ class HeadRmsNormGrad(P.Primitive):
   gradient, per column) and row partials of <du, u> (``udu``: the input norm's dr
   term)."""
   _keeps_zero_rows = True  # dy = u = 0 gives du = 0 and zero partials (eps > 0)
+  _column_sums_via_env = True
   u: str
   weight: str
   normed: str
@@ -134,7 +136,7 @@ class HeadRmsNormGrad(P.Primitive):
       udu = udu + jnp.sum(du * ub, axis=1)
       ns.append(n)
       dus.append(du)
-    env.store(self.dweight, jnp.sum(dy * P._join(ns), axis=0))
+    env.store(self.dweight, env.column_sum(dy * P._join(ns)))
     env.store(self.udu, udu)
     return P._join(dus)
 

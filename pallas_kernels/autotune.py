@@ -238,6 +238,7 @@ class Problem:
   in_place: dict
   program_id: str | None
   min_epi_tile_n: int
+  column_sum_turns: bool = False
 
   @property
   def input_kinds(self) -> dict:
@@ -262,7 +263,8 @@ class Problem:
         a, b, inputs={nm: (kinds[nm], v) for nm, v in ops.items()}, epilogue=self.epilogue,
         outputs=self.outputs, trans_a=self.key.trans_a, trans_b=self.key.trans_b,
         in_place=self.in_place, config=config, program_id=self.program_id,
-        min_epi_tile_n=self.min_epi_tile_n, num_sms=num_sms))
+        min_epi_tile_n=self.min_epi_tile_n, num_sms=num_sms,
+        column_sum_turns=self.column_sum_turns))
 
   def default_config(self) -> g.GemmConfig:
     """The heuristic config ``gemm`` falls back to (raises ValueError if none tiles)."""

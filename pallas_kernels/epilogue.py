@@ -100,13 +100,23 @@ class EpilogueTile:
   """What an epilogue closure sees of one sub-tile. Built by the kernel."""
 
   def __init__(self, *, row0, col0, shape, inputs: dict[str, tuple[InputKind, Callable]],
-               outputs: dict[str, tuple[EpilogueOutput, Callable]]):
+               outputs: dict[str, tuple[EpilogueOutput, Callable]],
+               column_sum: Callable | None = None):
     self.row0 = row0  # global row of the sub-tile's first element (traced int32)
     self.col0 = col0  # global column likewise
     self.shape = shape  # (epi_tile_m, epi_tile_n)
     self._inputs = inputs
     self._outputs = outputs
+    self._column_sum = column_sum or (lambda x: jnp.sum(x, axis=0))
     self.stored: set[str] = set()
+
+  def column_sum(self, x: jax.Array) -> jax.Array:
+    """(epi_m, w) -> (w,): the sum over the sub-tile's rows. A sum across the
+    warpgroup's warps goes through shared scratch that both compute warpgroups share;
+    an epilogue that sums over rows only through this call lets the kernel make them
+    take turns around each sum instead of around the whole epilogue (``gemm``'s
+    ``column_sum_turns``)."""
+    return self._column_sum(x)
 
   def column_ids(self) -> jax.Array:
     """(epi_m, epi_n) int32: the global output column of each accumulator element."""

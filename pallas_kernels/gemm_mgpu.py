@@ -361,7 +361,8 @@ class _Epilogue:
   """One compute warpgroup's epilogue machinery: staging of extra
   operands, the sub-tile walk that calls the closure, and the TMA stores."""
 
-  def __init__(self, cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg):
+  def __init__(self, cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg,
+               column_sum_turns=False):
     self.cfg, self.in_gmem, self.out_gmem = cfg, in_gmem, out_gmem
     self.kinds, self.outputs, self.fn, self.smem, self.wg = (
         input_kinds, outputs, epilogue, smem, wg)
@@ -374,6 +375,12 @@ class _Epilogue:
     # rest (tile outputs, when the config splits stores) are stored part by part from
     # inside ``tile.store``.
     self.whole = [o for o in outputs if _stored_width(cfg, o) == cfg.epi_tile_n]
+    # Column sums use compiler-placed shared scratch at one offset, the same for both
+    # warpgroups. Cooperative epilogues run at once, so they take turns: around each
+    # sum when the epilogue sums only through tile.column_sum, else around the whole
+    # epilogue. (Ping-pong epilogues alternate anyway: ``run``.)
+    self.sum_turns = (column_sum_turns and "turn" in smem
+                      and cfg.schedule == Schedule.COOPERATIVE)
 
   @staticmethod
   def scratch(cfg, input_kinds, input_dtypes, outputs) -> dict:
@@ -437,12 +444,41 @@ class _Epilogue:
     for s in range(min(self.in_slots, len(self.sub_tiles)) if self.tiles_in else 0):
       self._fetch_tiles(s, row_base, col_base)
 
+  def begin(self):
+    """Before the first tile. With turns per column sum, warpgroup 1 hands warpgroup 0
+    the first one."""
+    if self.sum_turns:
+      pl.when(self.wg == 1)(lambda: plgpu.barrier_arrive(self.smem["turn"].at[1]))
+
+  def end(self):
+    """After the last tile: warpgroup 0 observes the turn warpgroup 1 handed back after
+    the last sum (no barrier phase goes unobserved)."""
+    if self.sum_turns:
+      pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(self.smem["turn"].at[1]))
+
+  def _column_sum_in_turn(self, x):
+    """A column sum between this warpgroup's turn and the other's: wait for the other
+    to finish its sum, sum, hand the turn back. The two run the same sums in the same
+    order (the same program on the same number of sub-tiles), so turns alternate."""
+    turn = self.smem["turn"]
+    plgpu.barrier_wait(turn.at[1 - self.wg])
+    total = jnp.sum(x, axis=0)
+    plgpu.commit_smem()  # ends with a warpgroup barrier: every warp is done with the scratch
+    plgpu.barrier_arrive(turn.at[self.wg])
+    return total
+
+  @staticmethod
+  def _no_column_sums(x):
+    raise ValueError("the epilogue sums over rows (tile.column_sum) but declares no "
+                     "column-partial output, so the kernel has no turns for its "
+                     "warpgroups' shared scratch; declare the sum as a col_partial output")
+
   def run(self, acc, row_base, col_base, *, first_tile=None):
     """The epilogue of one tile. ``first_tile`` (ping-pong only): whether this is the
     CTA's first tile, whose epilogue waits for no earlier one."""
     if self.vecs_in:
       plgpu.barrier_wait(self.smem["vec_bar"].at[self.wg])
-    if "turn" not in self.smem:
+    if "turn" not in self.smem or self.sum_turns:
       self._subtiles(acc, row_base, col_base)
       return
     # Column (cross-warp) reductions use compiler-placed SMEM scratch at one static
@@ -523,7 +559,9 @@ class _Epilogue:
     return epi.EpilogueTile(
         row0=r0, col0=c0, shape=(em, en),
         inputs={nm: (kind, reader(nm)) for nm, kind in self.kinds.items()},
-        outputs={o.name: (o, writer(o)) for o in self.outputs})
+        outputs={o.name: (o, writer(o)) for o in self.outputs},
+        column_sum=(self._column_sum_in_turn if self.sum_turns
+                    else None if "turn" in self.smem else self._no_column_sums))
 
   def _window(self, o, r0, c0, part=0):
     """Where one store of ``o`` lands: the sub-tile at (r0, c0), or its ``part``-th
@@ -556,7 +594,7 @@ def _operand_views(a_smem, b_smem, trans_a, trans_b, wg_m, wg_n):
 
 def _kernel_cooperative(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, trans_b,
                         input_names, input_kinds, outputs, epilogue, in_place,
-                        num_clusters):
+                        num_clusters, column_sum_turns):
   """Both compute warpgroups share each CTA tile and each pipeline stage."""
   del num_clusters  # nd_loop spreads the tiles over the grid
   in_gmem, out_gmem = _bind_refs(refs, input_names, outputs, in_place)
@@ -584,7 +622,9 @@ def _kernel_cooperative(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a
 
   def scope(pipeline_allocs, **smem):
     wg = lax.axis_index("wg")
-    ep = _Epilogue(cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg)
+    ep = _Epilogue(cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg,
+                   column_sum_turns)
+    ep.begin()
 
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
     def _tile_loop(info):
@@ -617,6 +657,7 @@ def _kernel_cooperative(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a
       b_cta = b_gmem.at[pl.ds(ni * cn, cn)] if trans_b else b_gmem.at[:, pl.ds(ni * cn, cn)]
       pipeline(mma_body, compute_context)(a_cta, b_cta, allocations=pipeline_allocs)
 
+    ep.end()
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
   ignore = lambda *_, **__: None
@@ -630,7 +671,7 @@ def _kernel_cooperative(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a
 
 
 def _kernel_no_product(*refs, cfg: GemmConfig, m, n, input_names, input_kinds, outputs,
-                       epilogue, in_place):
+                       epilogue, in_place, column_sum_turns):
   """K = 0: the epilogue program alone, on a zero accumulator (an elementwise pass over
   (M, N) whose first steps add its tile operands). No mainloop and no memory warpgroup:
   the two warpgroups split each CTA tile as in the cooperative schedule, and each stages
@@ -642,7 +683,9 @@ def _kernel_no_product(*refs, cfg: GemmConfig, m, n, input_names, input_kinds, o
 
   def scope(**smem):
     wg = lax.axis_index("wg")
-    ep = _Epilogue(cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg)
+    ep = _Epilogue(cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg,
+                   column_sum_turns)
+    ep.begin()
 
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
     def _tile_loop(info):
@@ -659,6 +702,7 @@ def _kernel_no_product(*refs, cfg: GemmConfig, m, n, input_names, input_kinds, o
       def _acc_scope(acc_ref):
         ep.run(acc_ref[...], row_base, col_base)
 
+    ep.end()
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
   pl.run_scoped(scope, collective_axes="wg",
@@ -678,7 +722,9 @@ def _tile_origin(lin, cfg: GemmConfig, m_iters, n_iters):
 
 
 def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, trans_b,
-                     input_names, input_kinds, outputs, epilogue, in_place, num_clusters):
+                     input_names, input_kinds, outputs, epilogue, in_place, num_clusters,
+                     column_sum_turns):
+  del column_sum_turns  # ping-pong epilogues alternate whole (``_Epilogue.run``)
   """Ping-pong: warpgroups 0 and 1 take the CTA's tiles in turn, each a whole
   (tile_m, tile_n) tile; warpgroup 2 streams every tile's A and B stages, in tile order,
   through one ring. Stage ``g`` (counted over the CTA's whole run) sits in slot
@@ -803,7 +849,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
          in_place: dict[str, str] | None = None,
          config: GemmConfig | None = None, num_sms: int | None = None,
          interpret=None, program_id: str | None = None,
-         min_epi_tile_n: int = 1, device_kind: str | None = None) -> dict[str, jax.Array]:
+         min_epi_tile_n: int = 1, device_kind: str | None = None,
+         column_sum_turns: bool = False) -> dict[str, jax.Array]:
   """Runs ``a @ b`` (operands optionally transposed) with an epilogue program.
 
   Args:
@@ -828,6 +875,10 @@ def gemm(a: jax.Array, b: jax.Array, *,
     min_epi_tile_n: the epilogue sub-tile width must be a multiple of this (a pairwise
       epilogue's pair block); used where ``config`` is chosen here.
     device_kind: the tuning cache's device key; default that of ``jax.devices()[0]``.
+    column_sum_turns: the epilogue sums over rows only through ``tile.column_sum``
+      (never ``jnp.sum(x, axis=0)`` itself): the cooperative schedule's warpgroups then
+      take turns around each such sum, whose shared scratch they share, instead of
+      around the whole epilogue, and run the rest of their epilogues at once.
   Returns:
     dict of output name to array, shapes per ``epilogue.output_shape``.
   """
@@ -867,7 +918,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
           inputs={nm: (kind, jax.ShapeDtypeStruct(v.shape, v.dtype))
                   for nm, (kind, v) in inputs.items()},
           epilogue=epilogue, outputs=outputs, trans_a=trans_a, trans_b=trans_b,
-          in_place=in_place, program_id=program_id, min_epi_tile_n=min_epi_tile_n))
+          in_place=in_place, program_id=program_id, min_epi_tile_n=min_epi_tile_n,
+          column_sum_turns=column_sum_turns))
     if config is None:
       config = autotune.lookup(key)
   if config is None:
@@ -903,6 +955,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
     body = functools.partial(
         _kernel_pingpong if config.schedule == Schedule.PINGPONG else _kernel_cooperative,
         num_clusters=grid, cfg=config, m=m, n=n, k=k, trans_a=trans_a, trans_b=trans_b)
+  body = functools.partial(body, column_sum_turns=column_sum_turns)
   kernel_name = (f"coda_gemm_{config.schedule.name.lower()}" if mainloop
                  else "coda_gemm_epilogue_only")
 

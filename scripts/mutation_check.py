@@ -191,9 +191,9 @@ MUTATIONS = [
         ("tests/test_primitives.py", "-k", "independent_formula"),
         "a row scale applied along columns"),
     Mutation(
-        "colsum_wrong_axis", "coda_jax/primitives.py",
-        "env.store(self.name, jnp.sum(x, axis=0))", "env.store(self.name, jnp.sum(x, axis=1))",
-        ("tests/test_primitives.py", "-k", "independent_formula"), "ColSum sums rows"),
+        "colsum_of_squares", "coda_jax/primitives.py",
+        "env.store(self.name, env.column_sum(x))", "env.store(self.name, env.column_sum(x * x))",
+        ("tests/test_primitives.py", "-k", "independent_formula"), "ColSum sums squares"),
     Mutation(
         "pick_column_off_by_one", "coda_jax/primitives.py",
         "hit = env.column_ids() == env.load(self.index)[:, None]",
@@ -335,6 +335,21 @@ MUTATIONS = [
         ("tests/test_autotune.py", "-k", "no_product"),
         why="a K = 0 pass is sized as if it had a pipeline ring: its heuristic config "
             "shrinks for shared memory it never allocates"),
+    Mutation(
+        "column_sum_turn_not_waited", "pallas_kernels/gemm_mgpu.py",
+        "    plgpu.barrier_wait(turn.at[1 - self.wg])\n    total = jnp.sum(x, axis=0)\n",
+        "    total = jnp.sum(x, axis=0)\n",
+        ("tests/test_primitives.py", "-k", "colsum"),
+        why="a warpgroup sums its columns without waiting for the other's turn: both "
+            "use the same shared scratch"),
+    Mutation(
+        "column_sums_via_env_ignored", "coda_jax/dispatch.py",
+        "                column_sum_turns=all(p.column_sums_via_env() for p in call.program))",
+        "                column_sum_turns=True)",
+        ("tests/test_example_new_op.py",),
+        why="a program with a step that sums rows itself (not through env.column_sum) "
+            "gets per-sum turns: its own sums race",
+        gpu_only=True),
     # ---- the per-shard rule (coda_jax/partitioning.py) -----------------------------------
     Mutation(
         "shard_lse_summed", "coda_jax/partitioning.py",

@@ -456,3 +456,20 @@ def test_no_product_refuses_what_it_cannot_run(key):
                                                             schedule=Schedule.PINGPONG)):
     with pytest.raises(ValueError, match="K=0 runs the epilogue alone"):
       cj.epilogue_pass(PROGRAMS["add_tile"], ops, impl="interpret", config=bad)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScaleByColumnSums(cj.Primitive):
+  """Sums over rows through env.column_sum but declares no column-partial output."""
+  _column_sums_via_env = True
+
+  def apply(self, x, env):
+    return x * env.column_sum(x)[None, :]
+
+
+def test_column_sum_needs_a_declared_partial(key):
+  """A sum over rows shares the warpgroups' scratch; with no column-partial output the
+  kernel has no turns to guard it, and says so instead of racing."""
+  a, b = gemm_inputs(key, 128, 128, 64, jnp.bfloat16)
+  with pytest.raises(Exception, match="declares no column-partial output"):
+    cj.gemm_epilogue(a, b, [_ScaleByColumnSums(), cj.Store("y")], {}, impl="interpret")
