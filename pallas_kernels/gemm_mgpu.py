@@ -629,12 +629,10 @@ def _kernel_cooperative(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
     def _tile_loop(info):
       (lin,) = info.index
-      mi, ni = _tile_origin(lin, cfg, m_iters, n_iters)
+      mi, ni, row_base, col_base = _warpgroup_origin(lin, cfg, m_iters, n_iters, wg)
       if cfg.wg_dim == MatDim.M:
-        row_base, col_base = mi * cm + wg * tm, ni * cn
         wg_m, wg_n = pl.ds(wg * tm, tm), slice(None)
       else:
-        row_base, col_base = mi * cm, ni * cn + wg * tn
         wg_m, wg_n = slice(None), pl.ds(wg * tn, tn)
 
       def compute_context(run_mainloop):
@@ -690,11 +688,7 @@ def _kernel_no_product(*refs, cfg: GemmConfig, m, n, input_names, input_kinds, o
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
     def _tile_loop(info):
       (lin,) = info.index
-      mi, ni = _tile_origin(lin, cfg, m_iters, n_iters)
-      if cfg.wg_dim == MatDim.M:
-        row_base, col_base = mi * cm + wg * tm, ni * cn
-      else:
-        row_base, col_base = mi * cm, ni * cn + wg * tn
+      _, _, row_base, col_base = _warpgroup_origin(lin, cfg, m_iters, n_iters, wg)
       ep.prefetch(row_base, col_base)
 
       # An accumulator no wgmma touches: zeros, in the layout the program expects.
@@ -708,6 +702,16 @@ def _kernel_no_product(*refs, cfg: GemmConfig, m, n, input_names, input_kinds, o
   pl.run_scoped(scope, collective_axes="wg",
                 **_Epilogue.scratch(cfg, input_kinds,
                                     {nm: r.dtype for nm, r in in_gmem.items()}, outputs))
+
+
+def _warpgroup_origin(lin, cfg: GemmConfig, m_iters, n_iters, wg):
+  """(mi, ni, row_base, col_base) of cooperative tile ``lin``: its CTA-tile coordinates
+  and the first row and column of warpgroup ``wg``'s half of it."""
+  mi, ni = _tile_origin(lin, cfg, m_iters, n_iters)
+  cm, cn = cfg.cta_tile
+  if cfg.wg_dim == MatDim.M:
+    return mi, ni, mi * cm + wg * cfg.tile_m, ni * cn
+  return mi, ni, mi * cm, ni * cn + wg * cfg.tile_n
 
 
 def _tile_origin(lin, cfg: GemmConfig, m_iters, n_iters):

@@ -322,10 +322,8 @@ MUTATIONS = [
     # ---- K = 0: the epilogue pass with no mainloop (_kernel_no_product) -----------------
     Mutation(
         "no_product_both_warpgroups_on_one_half", "pallas_kernels/gemm_mgpu.py",
-        "        row_base, col_base = mi * cm + wg * tm, ni * cn\n      else:\n"
-        "        row_base, col_base = mi * cm, ni * cn + wg * tn\n      ep.prefetch(",
-        "        row_base, col_base = mi * cm, ni * cn\n      else:\n"
-        "        row_base, col_base = mi * cm, ni * cn\n      ep.prefetch(",
+        "    return mi, ni, mi * cm + wg * cfg.tile_m, ni * cn\n",
+        "    return mi, ni, mi * cm, ni * cn\n",
         ("tests/test_primitives.py", "-k", "no_product"),
         why="both warpgroups run the CTA tile's first half: the second is never written"),
     Mutation(
