@@ -30,6 +30,7 @@ import coda_jax as cj
 @dataclasses.dataclass(frozen=True)
 class AddBias(cj.Primitive):
   """x + b[n]: ``name`` is an (N,) column operand."""
+  _column_sums_via_env = True  # sums no rows itself (docs/new_fused_op.md, step 2)
   name: str
 
   def inputs(self):
@@ -42,6 +43,7 @@ class AddBias(cj.Primitive):
 @dataclasses.dataclass(frozen=True)
 class SquaredRelu(cj.Primitive):
   """relu(x)^2."""
+  _column_sums_via_env = True
 
   def apply(self, x, env):
     r = jnp.maximum(x, 0.0)
@@ -51,6 +53,7 @@ class SquaredRelu(cj.Primitive):
 @dataclasses.dataclass(frozen=True)
 class SquaredReluGrad(cj.Primitive):
   """dh -> dz = dh * 2 relu(z), with z an (M, N) tile operand."""
+  _column_sums_via_env = True
   z: str
 
   def inputs(self):

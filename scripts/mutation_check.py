@@ -344,10 +344,9 @@ MUTATIONS = [
         "column_sums_via_env_ignored", "coda_jax/dispatch.py",
         "                column_sum_turns=all(p.column_sums_via_env() for p in call.program))",
         "                column_sum_turns=True)",
-        ("tests/test_example_new_op.py",),
+        ("tests/test_primitives.py", "-k", "every_step_says_so"),
         why="a program with a step that sums rows itself (not through env.column_sum) "
-            "gets per-sum turns: its own sums race",
-        gpu_only=True),
+            "gets per-sum turns: its own sums race for the shared scratch on the GPU"),
     # ---- the per-shard rule (coda_jax/partitioning.py) -----------------------------------
     Mutation(
         "shard_lse_summed", "coda_jax/partitioning.py",

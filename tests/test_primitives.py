@@ -473,3 +473,37 @@ def test_column_sum_needs_a_declared_partial(key):
   a, b = gemm_inputs(key, 128, 128, 64, jnp.bfloat16)
   with pytest.raises(Exception, match="declares no column-partial output"):
     cj.gemm_epilogue(a, b, [_ScaleByColumnSums(), cj.Store("y")], {}, impl="interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnColumnSum(cj.Primitive):
+  """A column partial summed with jnp.sum itself, not through env.column_sum (and so not
+  claiming ``column_sums_via_env``)."""
+  name: str
+
+  def outputs(self, width):
+    return (cj.EpilogueOutput(self.name, cj.OutputKind.COL_PARTIAL, jnp.float32),)
+
+  def apply(self, x, env):
+    env.store(self.name, jnp.sum(x, axis=0))
+    return x
+
+  def finish(self, raw):
+    return {self.name: jnp.sum(raw[self.name], axis=0)}
+
+
+def test_column_sum_turns_only_when_every_step_says_so(key, monkeypatch):
+  """The kernel's warpgroups take turns per column sum only when every step of the
+  program sums rows through env.column_sum; a step that sums them itself keeps the
+  whole-epilogue turns (its sum would otherwise race for the shared scratch). Values
+  are right either way."""
+  seen = []
+  real = pallas_kernels.gemm
+  monkeypatch.setattr(pallas_kernels, "gemm", lambda *a, **kw: (
+      seen.append(kw["column_sum_turns"]), real(*a, **kw))[1])
+  a, b = gemm_inputs(key, 128, 128, 64, jnp.bfloat16)
+  for program, per_sum in (([cj.ColSum("c"), cj.Store("y")], True),
+                           ([_OwnColumnSum("c"), cj.Store("y")], False),
+                           ([_OwnColumnSum("c"), cj.ColSum("d"), cj.Store("y")], False)):
+    check_program(a, b, program, {}, "interpret")
+    assert seen[-1] is per_sum, program
