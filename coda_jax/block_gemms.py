@@ -244,7 +244,9 @@ def weight_grad(a, dout, impl, dtype=jnp.float32, accumulate=None):
     dtype = jnp.float32
   if accumulate is None:
     return gemm_epilogue(a, dout, [P.Store("dw", dtype)], trans_a=True, impl=impl)["dw"]
-  return gemm_epilogue(a, dout, [P.AddTile("acc"), P.Store("dw", jnp.float32)],
+  # The kernel's TMA store adds n^T dout into the accumulator's buffer: no tile of it
+  # is staged or read by the SMs (an AddTile would read it in the epilogue).
+  return gemm_epilogue(a, dout, [P.Store("dw", jnp.float32, add_to="acc")],
                        {"acc": accumulate}, trans_a=True, impl=impl,
                        in_place={"dw": "acc"})["dw"]
 

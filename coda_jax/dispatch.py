@@ -129,9 +129,10 @@ class Call:
 class _MatrixEnv:
   """``primitives.Env`` over whole matrices, for the XLA implementation."""
 
-  def __init__(self, operands, shape):
+  def __init__(self, operands, shape, adds=None):
     self.operands = operands
     self.shape = shape
+    self.adds = adds or {}  # output -> the operand its stored values add to
     self.stored: dict[str, jax.Array] = {}
 
   def column_ids(self):
@@ -141,6 +142,8 @@ class _MatrixEnv:
     return self.operands[name]
 
   def store(self, name, value):
+    if name in self.adds:
+      value = value + self.operands[self.adds[name]].astype(jnp.float32)
     self.stored[name] = value
 
   def column_sum(self, x):
@@ -156,7 +159,7 @@ def apply_program(x: jax.Array, program, operands: dict[str, jax.Array], outputs
                   round_to=None) -> dict[str, jax.Array]:
   """``program`` on a whole fp32 matrix ``x``: the finished outputs. ``round_to`` rounds
   every intermediate as an unfused XLA graph in that dtype would."""
-  env = _MatrixEnv(operands, x.shape)
+  env = _MatrixEnv(operands, x.shape, {o.name: o.adds_to for o in outputs if o.adds_to})
   P.run_program(program, x, env, round_to=round_to)
   return finish(program, {o.name: env.stored[o.name][None] if o.kind != pk.OutputKind.TILE
                           else env.stored[o.name].astype(o.dtype) for o in outputs})
@@ -265,7 +268,8 @@ def _kernel_run(call, a, b, operands, interpret=None):
     kinds = dict(call.inputs)
     operands = {nm: v if kinds[nm] == pk.InputKind.COL else _pad_rows(v, pm)
                 for nm, v in operands.items()}
-    in_place = {}  # the padded copy is not the caller's buffer
+    if pm != m:
+      in_place = {}  # the operands' padded copies are not the caller's buffers
   device = target_device()
   raw = pk.gemm(a, b, inputs={nm: (kind, operands[nm]) for nm, kind in call.inputs},
                 epilogue=epilogue, outputs=call.outputs, trans_a=call.trans_a,

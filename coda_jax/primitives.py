@@ -390,14 +390,34 @@ class PickColumn(Primitive):
 # ---- store -----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Store(Primitive):
-  """Writes the running value to output ``name`` (M, N / narrowing) in ``dtype``."""
+  """Writes the running value to output ``name`` (M, N / narrowing) in ``dtype``.
+
+  With ``add_to``, a float32 (M, N) tile operand: the output is that operand plus the
+  value (an accumulator, e.g. a weight gradient summed over row chunks). Pass
+  ``in_place={name: add_to}`` too and the compiled kernel never reads the operand: its
+  TMA store adds to the buffer (``pallas_kernels.EpilogueOutput.adds_to``).
+  """
   _keeps_zero_rows = True
   _column_sums_via_env = True
   name: str
   dtype: Any = jnp.bfloat16
+  add_to: str | None = None
+
+  def __post_init__(self):
+    if self.add_to is not None and jnp.dtype(self.dtype) != jnp.float32:
+      raise ValueError(f"Store({self.name!r}, add_to={self.add_to!r}): an output that adds "
+                       f"to an operand is float32, got dtype={jnp.dtype(self.dtype)}")
+
+  def __repr__(self):  # without add_to when unset: the tuning cache's program names
+    add = "" if self.add_to is None else f", add_to={self.add_to!r}"
+    return f"Store(name={self.name!r}, dtype={self.dtype!r}{add})"
+
+  def inputs(self):
+    return {} if self.add_to is None else {self.add_to: InputKind.TILE}
 
   def outputs(self, width):
-    return (EpilogueOutput(self.name, OutputKind.TILE, jnp.dtype(self.dtype), width),)
+    return (EpilogueOutput(self.name, OutputKind.TILE, jnp.dtype(self.dtype), width,
+                           adds_to=self.add_to),)
 
   def apply(self, x, env):
     env.store(self.name, x)

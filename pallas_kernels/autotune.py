@@ -89,7 +89,7 @@ def signature(program_id: str | None, input_kinds: dict, input_dtypes: dict,
   ins = ",".join(f"{nm}:{kind.value}:{jnp.dtype(input_dtypes[nm]).name}"
                  for nm, kind in input_kinds.items())
   outs = ",".join(f"{o.name}:{o.kind.value}:{jnp.dtype(o.dtype).name}:{o.width}"
-                  for o in outputs)
+                  + (f"+{o.adds_to}" if o.adds_to else "") for o in outputs)
   places = ",".join(f"{o}<{i}" for o, i in sorted(in_place.items()))
   return (f"{program_id or 'anonymous'};in={ins};out={outs};in_place={places};"
           f"group={min_epi_tile_n}").replace("|", "/")
@@ -245,6 +245,11 @@ class Problem:
     return {nm: kind for nm, (kind, _) in self.inputs.items()}
 
   @property
+  def staged_kinds(self) -> dict:
+    """The operands the compiled kernel stages (what its shared memory holds)."""
+    return g.staged_inputs(self.input_kinds, self.outputs, self.in_place)
+
+  @property
   def input_dtypes(self) -> dict:
     return {nm: v.dtype for nm, (_, v) in self.inputs.items()}
 
@@ -269,7 +274,7 @@ class Problem:
   def default_config(self) -> g.GemmConfig:
     """The heuristic config ``gemm`` falls back to (raises ValueError if none tiles)."""
     k = self.key
-    return g.default_config(k.m, k.n, k.k, self.a.dtype, input_kinds=self.input_kinds,
+    return g.default_config(k.m, k.n, k.k, self.a.dtype, input_kinds=self.staged_kinds,
                             input_dtypes=self.input_dtypes, outputs=self.outputs,
                             min_epi_tile_n=self.min_epi_tile_n, trans_a=k.trans_a,
                             trans_b=k.trans_b)
@@ -430,10 +435,10 @@ def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] =
   """Times every candidate config of ``problem`` on the device; returns the cache
   record: the best config, its time, the heuristic default's time and what was
   skipped and why."""
-  kinds, key = problem.input_kinds, problem.key
+  key = problem.key
   skipped = []
   if configs is None:
-    configs, skipped = candidates(key.m, key.n, key.k, problem.a.dtype, kinds,
+    configs, skipped = candidates(key.m, key.n, key.k, problem.a.dtype, problem.staged_kinds,
                                   problem.input_dtypes,
                                   problem.outputs, trans_a=key.trans_a, trans_b=key.trans_b,
                                   min_epi_tile_n=problem.min_epi_tile_n, extra=extra)

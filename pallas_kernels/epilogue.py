@@ -22,6 +22,14 @@ pair halved the value or a gated backward doubled it):
                row and epilogue column block, finished by a reduction over axis 0.
   col_partial  (M // epi_tile_m, N * width) fp32; ``tile.store`` takes (epi_n * width,).
 
+A tile output may name ``adds_to``, a tile operand of its shape and dtype (float32): the
+kernel adds that operand's values to what the epilogue stores (an accumulator, e.g. a
+weight gradient summed over row chunks), and the epilogue cannot ``tile.load`` it.
+Written in place into that operand's buffer, the add is the TMA store's own
+(``cp.reduce.async.bulk`` add: the operand is never staged or read by the SM);
+otherwise (a fresh output, vmap, the interpreter, which has no TMA reductions) the
+kernel stages the operand like any tile operand and adds it before a plain store.
+
 Every declared output must be stored exactly once per sub-tile: the kernel checks this
 at trace time, so an unwritten output is an error, not garbage.
 """
@@ -56,10 +64,16 @@ class EpilogueOutput:
   kind: OutputKind = OutputKind.TILE
   dtype: Any = jnp.bfloat16
   width: float = 1  # relative to N: 0.5 after a gated pair, 2 after a gated backward
+  adds_to: str | None = None  # a tile operand whose values the stored ones are added to
 
   def __post_init__(self):
     if self.width not in (0.5, 1, 2):
       raise ValueError(f"output {self.name!r}: width must be 0.5, 1 or 2, got {self.width}")
+    if self.adds_to is not None and (self.kind != OutputKind.TILE
+                                     or jnp.dtype(self.dtype) != jnp.float32):
+      raise ValueError(f"output {self.name!r}: adds_to={self.adds_to!r} needs a float32 "
+                       f"tile output (an accumulator), got a {self.kind.value} output of "
+                       f"{jnp.dtype(self.dtype)}")
     if self.kind != OutputKind.TILE and jnp.dtype(self.dtype) != jnp.float32:
       raise ValueError(f"output {self.name!r}: partial reductions are fp32")
     if self.kind == OutputKind.ROW_PARTIAL and self.width != 1:

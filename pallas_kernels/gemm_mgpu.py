@@ -353,6 +353,15 @@ def _stored_width(cfg: GemmConfig, o: epi.EpilogueOutput) -> int:
   return cfg.epi_store_n if split else cfg.epi_tile_n
 
 
+def staged_inputs(input_kinds: dict, outputs, in_place: dict, compiled: bool = True) -> dict:
+  """The operands (name -> kind) the kernel stages in shared memory for its epilogue:
+  all but those that an output adds to in place (``EpilogueOutput.adds_to``), where the
+  compiled kernel's TMA store does the add (the interpreter has no TMA reductions)."""
+  by_store = {o.adds_to for o in outputs if o.adds_to and compiled
+              and in_place.get(o.name) == o.adds_to}
+  return {nm: kind for nm, kind in input_kinds.items() if nm not in by_store}
+
+
 # Tile operand kinds and their width in accumulator sub-tile widths.
 _TILE_KINDS = {epi.InputKind.TILE: 1, epi.InputKind.WIDE_TILE: 2}
 
@@ -381,6 +390,13 @@ class _Epilogue:
     # epilogue. (Ping-pong epilogues alternate anyway: ``run``.)
     self.sum_turns = (column_sum_turns and "turn" in smem
                       and cfg.schedule == Schedule.COOPERATIVE)
+    # Outputs that add to an operand (``EpilogueOutput.adds_to``): where the operand is
+    # staged, its sub-tile is added in registers before the store; where it is not (the
+    # output is written in place into it), the TMA store itself adds.
+    self.adds = {o.name: o.adds_to for o in outputs if o.adds_to in input_kinds}
+    self.reduces = {o.name for o in outputs if o.adds_to and o.adds_to not in input_kinds}
+    self.readable = {nm: kd for nm, kd in input_kinds.items()
+                     if nm not in {o.adds_to for o in outputs}}
 
   @staticmethod
   def scratch(cfg, input_kinds, input_dtypes, outputs) -> dict:
@@ -521,7 +537,8 @@ class _Epilogue:
       if self.whole:
         for o in self.whole:
           plgpu.copy_smem_to_gmem(self.smem["o_" + o.name].at[self.wg, slot],
-                                  self._window(o, r0, c0), commit_group=False)
+                                  self._window(o, r0, c0), commit_group=False,
+                                  reduction_op=self._reduction(o))
         plgpu.commit_smem_to_gmem_group()
 
   def _store_in_parts(self, o, value, r0, c0):
@@ -536,7 +553,13 @@ class _Epilogue:
       buf = self.smem["o_" + o.name].at[self.wg, h % 2]
       buf[...] = value[:, h * width:(h + 1) * width]
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(buf, self._window(o, r0, c0, part=h))
+      plgpu.copy_smem_to_gmem(buf, self._window(o, r0, c0, part=h),
+                              reduction_op=self._reduction(o))
+
+  def _reduction(self, o):
+    """The TMA store's reduction for output ``o``: "add" where it adds to its operand
+    in place, None (overwrite) otherwise."""
+    return "add" if o.name in self.reduces else None
 
   def _tile(self, slot, in_slot, i, j, r0, c0):
     em, en, smem, wg = self.cfg.epi_tile_m, self.cfg.epi_tile_n, self.smem, self.wg
@@ -550,15 +573,18 @@ class _Epilogue:
       return lambda: epi.load_col(smem["i_" + nm].at[wg, pl.ds(j * en, en)])
 
     def writer(o):
-      if o not in self.whole:
-        return lambda value: self._store_in_parts(o, value, r0, c0)
       def write(value):
-        smem["o_" + o.name][wg, slot] = value
+        if o.name in self.adds:  # the staged operand's sub-tile, added in registers
+          value = value + reader(self.adds[o.name])()
+        if o not in self.whole:
+          self._store_in_parts(o, value, r0, c0)
+        else:
+          smem["o_" + o.name][wg, slot] = value
       return write
 
     return epi.EpilogueTile(
         row0=r0, col0=c0, shape=(em, en),
-        inputs={nm: (kind, reader(nm)) for nm, kind in self.kinds.items()},
+        inputs={nm: (kind, reader(nm)) for nm, kind in self.readable.items()},
         outputs={o.name: (o, writer(o)) for o in self.outputs},
         column_sum=(self._column_sum_in_turn if self.sum_turns
                     else None if "turn" in self.smem else self._no_column_sums))
@@ -865,11 +891,15 @@ def gemm(a: jax.Array, b: jax.Array, *,
       tiles whose program starts from zero (e.g. with an ``AddTile``).
     inputs: extra operands, name -> (kind, array); row (M,), col (N,), tile (M, N).
     epilogue: ``fn(tile, acc)``; default stores ``acc`` to the output ``"out"``.
-    outputs: declared outputs; default one (M, N) ``"out"`` in ``a.dtype``.
+    outputs: declared outputs; default one (M, N) ``"out"`` in ``a.dtype``. A tile
+      output with ``adds_to`` is the named float32 tile operand plus what the epilogue
+      stores; the epilogue cannot read that operand.
     in_place: output name -> tile operand name: the output is written into that
       operand's buffer (a mutable ``jax.Ref`` inside; XLA reuses the buffer when the
       caller donates it), e.g. accumulating a gradient into its previous value. Each
-      element is read before it is written, by the same CTA.
+      element is read before it is written, by the same CTA; where the output adds to
+      that very operand (``EpilogueOutput.adds_to``), nothing reads it: the TMA store
+      adds to the buffer (compiled kernels; the interpreter stages and adds).
     config: tuning; default the tuned config for this problem from the on-disk cache
       (``autotune.lookup``), else ``default_config``'s heuristic.
     num_sms: size of the persistent grid; default the device's SM count.
@@ -910,6 +940,17 @@ def gemm(a: jax.Array, b: jax.Array, *,
                        f"shape and dtype, got {o} and a {kind.value} operand of {v.dtype}")
   if len(set(in_place.values())) != len(in_place):
     raise ValueError(f"in_place={in_place}: an operand can back one output only")
+  for o in outputs:
+    if o.adds_to is None:
+      continue
+    kind, v = inputs.get(o.adds_to, (None, None))
+    if kind not in _TILE_KINDS or o.width != _TILE_KINDS[kind] or v.dtype != jnp.float32:
+      raise ValueError(f"output {o.name!r} adds to {o.adds_to!r}, which must be a passed "
+                       f"float32 tile operand of the output's shape, got "
+                       f"{'nothing' if v is None else f'a {kind.value} operand of {v.dtype}'}")
+
+  staged = lambda in_place: staged_inputs(input_kinds, outputs, in_place,
+                                          compiled=interpret is None)
   from pallas_kernels import autotune  # it imports this module
   if interpret is None and (config is None or autotune.is_recording()):
     key = autotune.problem_key(m, n, k, a.dtype, trans_a, trans_b, autotune.signature(
@@ -927,7 +968,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
     if config is None:
       config = autotune.lookup(key)
   if config is None:
-    config = default_config(m, n, k, a.dtype, input_kinds=input_kinds,
+    config = default_config(m, n, k, a.dtype, input_kinds=staged(in_place),
                             input_dtypes=input_dtypes, outputs=outputs, trans_a=trans_a,
                             trans_b=trans_b, min_epi_tile_n=min_epi_tile_n)
   if config.epi_tile_n % min_epi_tile_n:
@@ -940,10 +981,13 @@ def gemm(a: jax.Array, b: jax.Array, *,
       raise ValueError(f"output {o.name!r}: epi_tile_n={config.epi_tile_n} * "
                        f"{o.width} must be a multiple of 8")
   mainloop = k > 0
-  need = smem_bytes(config, a.dtype, input_kinds, input_dtypes, outputs, mainloop=mainloop)
-  if need > SMEM_LIMIT_BYTES:
-    raise ValueError(f"{config} with this epilogue needs {need} bytes of shared memory, "
-                     f"over the {SMEM_LIMIT_BYTES}-byte limit: lower stages or tiles")
+
+  def check_smem(kinds):
+    need = smem_bytes(config, a.dtype, kinds, input_dtypes, outputs, mainloop=mainloop)
+    if need > SMEM_LIMIT_BYTES:
+      raise ValueError(f"{config} with this epilogue needs {need} bytes of shared memory, "
+                       f"over the {SMEM_LIMIT_BYTES}-byte limit: lower stages or tiles")
+  check_smem(staged(in_place))
   if num_sms is None:
     num_sms = jax.devices()[0].core_count if interpret is None else 2
   tiles = (m // config.cluster_tile[0]) * (n // config.cluster_tile[1])
@@ -966,7 +1010,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
   def make_kernel(in_place):
     """The kernel, with the outputs in ``in_place`` written into their operands' Refs."""
     return plgpu.kernel(
-        functools.partial(body, input_names=names_in, input_kinds=input_kinds,
+        functools.partial(body, input_names=names_in, input_kinds=staged(in_place),
                           outputs=outputs, epilogue=epilogue, in_place=in_place),
         out_type=tuple(
             jax.ShapeDtypeStruct(epi.output_shape(o, m, n, config.epi_tile_m,
@@ -1011,6 +1055,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
 
   @run.def_vmap
   def _batched(axis_size, in_batched, *args):
+    check_smem(staged({}))  # fresh outputs stage every operand, added-to ones included
     fresh = make_kernel({})
     args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
             for x, batched in zip(args, in_batched)]

@@ -21,6 +21,12 @@ from helpers import (assert_within_baseline, gated_pairs, gemm_inputs, matmul_f3
                      rel_err)
 
 PROGRAM = [cj.AddTile("g"), cj.Store("g_new", jnp.float32)]
+# the same sum with the add in the output (``Store(add_to=...)``): in place on the GPU,
+# the TMA store adds into g's buffer and nothing reads g; elsewhere (fresh output,
+# vmap, the interpreter) the kernel stages g and adds it before a plain store
+STORE_ADDS = [cj.Store("g_new", jnp.float32, add_to="g")]
+PROGRAMS = pytest.mark.parametrize("program", [PROGRAM, STORE_ADDS],
+                                   ids=["add_tile", "store_adds"])
 # several tiles per CTA, so that in-place reads and writes of neighbouring tiles interleave
 CONFIG = GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=3, epi_tile_n=32,
                     wg_dim=MatDim.N, cluster_dim=None)
@@ -40,9 +46,10 @@ def _temp_bytes(fn, donate, *args) -> int:
   return stats.temp_size_in_bytes
 
 
+@PROGRAMS
 @pytest.mark.parametrize("config", [CONFIG, PINGPONG_CONFIG], ids=["cooperative", "pingpong"])
 @pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False)], ids=["nn", "tn"])
-def test_accumulate_in_place(key, kernel_impl, trans_a, trans_b, config):
+def test_accumulate_in_place(key, kernel_impl, trans_a, trans_b, config, program):
   """g + A^T B, the weight-gradient form, written over g; under jit with g donated."""
   ka, kg = jax.random.split(key)
   a, b = gemm_inputs(ka, 256, 256, 128, jnp.bfloat16, trans_a, trans_b)
@@ -50,14 +57,15 @@ def test_accumulate_in_place(key, kernel_impl, trans_a, trans_b, config):
   want = matmul_f32(a, b, trans_a, trans_b) + g
 
   def step(a, b, g):
-    return cj.gemm_epilogue(a, b, PROGRAM, {"g": g}, trans_a=trans_a, trans_b=trans_b,
+    return cj.gemm_epilogue(a, b, program, {"g": g}, trans_a=trans_a, trans_b=trans_b,
                             impl=kernel_impl, config=config, in_place={"g_new": "g"})
   got = jax.jit(step, donate_argnums=2)(a, b, g + 0)["g_new"]
   # fp32 accumulator and fp32 output: the only error is the fp32 summation order
   assert rel_err(got, want) < 1e-5
 
 
-def test_in_place_reuses_the_donated_buffer(key, kernel_impl):
+@PROGRAMS
+def test_in_place_reuses_the_donated_buffer(key, kernel_impl, program):
   """Under jit with the accumulated operand donated, the in-place kernel writes into
   that buffer: the compiled program holds no (M, N) temporary, where the same call
   without ``in_place`` needs one (the kernel's fresh output, then copied into the
@@ -69,7 +77,7 @@ def test_in_place_reuses_the_donated_buffer(key, kernel_impl):
 
   def accumulate(in_place):
     return lambda a, b, g: cj.gemm_epilogue(
-        a, b, PROGRAM, {"g": g}, impl=kernel_impl, config=CONFIG, in_place=in_place)["g_new"]
+        a, b, program, {"g": g}, impl=kernel_impl, config=CONFIG, in_place=in_place)["g_new"]
   out_bytes = m * n * 4
   reused = _temp_bytes(accumulate({"g_new": "g"}), 2, a, b, g)
   fresh = _temp_bytes(accumulate(None), 2, a, b, g)
@@ -77,19 +85,20 @@ def test_in_place_reuses_the_donated_buffer(key, kernel_impl):
   assert fresh >= reused + out_bytes, (fresh, reused)  # the control: the check can see it
 
 
-def _scan_accumulate(in_place, impl):
+def _scan_accumulate(in_place, impl, program=PROGRAM):
   """dW = acc0 + sum_s A_s^T B_s, one in-place kernel per scan step (the LM head's dW
   over row chunks, coda_jax.fused_ops._lm_bwd)."""
   def run(a, b, acc0):
     def step(acc, ab):
-      out = cj.gemm_epilogue(ab[0], ab[1], PROGRAM, {"g": acc}, trans_a=True, impl=impl,
+      out = cj.gemm_epilogue(ab[0], ab[1], program, {"g": acc}, trans_a=True, impl=impl,
                              config=SCAN_CONFIG, in_place=in_place)
       return out["g_new"], None
     return jax.lax.scan(step, acc0, (a, b))[0]
   return run
 
 
-def test_accumulate_in_place_across_scan(key, kernel_impl):
+@PROGRAMS
+def test_accumulate_in_place_across_scan(key, kernel_impl, program):
   """An fp32 accumulator carried through a scan of 4 steps, each adding A_s^T B_s in
   place, with the initial accumulator donated: every step's sum is in the result
   (against the fp32 truth), and the loop saves the (M, N) temporary that the same scan
@@ -105,11 +114,11 @@ def test_accumulate_in_place_across_scan(key, kernel_impl):
   unfused = acc0
   for s in range(STEPS):
     unfused = unfused + jnp.matmul(a[s].T, b[s], preferred_element_type=jnp.float32)
-  run = _scan_accumulate({"g_new": "g"}, kernel_impl)
+  run = _scan_accumulate({"g_new": "g"}, kernel_impl, program)
   got = jax.jit(run, donate_argnums=2)(a, b, acc0 + 0)
   assert_within_baseline(got, truth, unfused, "scanned accumulator")
   reused = _temp_bytes(run, 2, a, b, acc0)
-  fresh = _temp_bytes(_scan_accumulate(None, kernel_impl), 2, a, b, acc0)
+  fresh = _temp_bytes(_scan_accumulate(None, kernel_impl, program), 2, a, b, acc0)
   # about one (M, N) fp32 buffer less (the loop's small temporaries pack differently)
   assert fresh - reused > m * n * 4 // 2, (fresh, reused)
 
@@ -259,14 +268,15 @@ def test_in_place_in_checkpointed_custom_vjp_forward(key, kernel_impl, remat_ker
     assert abs(got - want) <= 1e-2 * abs(want) and abs(want) > 1, (name, got, want)
 
 
-def test_in_place_under_vmap(key, kernel_impl):
+@PROGRAMS
+def test_in_place_under_vmap(key, kernel_impl, program):
   """vmap over an in-place call: each example's g + A^T B (written fresh under vmap, as
   in-place only saves memory), with an unbatched B broadcast."""
   ka, kb, kg = jax.random.split(key, 3)
   a = normal(ka, (2, 128, 64), jnp.bfloat16)
   b = normal(kb, (128, 128), jnp.bfloat16)
   g = normal(kg, (2, 64, 128))
-  step = lambda a, g: cj.gemm_epilogue(a, b, PROGRAM, {"g": g}, trans_a=True,
+  step = lambda a, g: cj.gemm_epilogue(a, b, program, {"g": g}, trans_a=True,
                                        impl=kernel_impl, config=SCAN_CONFIG,
                                        in_place={"g_new": "g"})["g_new"]
   got = jax.jit(jax.vmap(step))(a, g)
@@ -286,3 +296,60 @@ def test_in_place_needs_matching_tile(key, interpret):
     pk.gemm(a, b, inputs={"g": (pk.InputKind.TILE, g16)},
             epilogue=lambda t, acc: t.store("out", acc + t.load("g")),
             in_place={"nope": "g"}, interpret=interpret)
+
+
+# 128-wide sub-tiles stored in 64-wide parts: a store that adds, part by part
+PARTS_CONFIG = GemmConfig(tile_m=64, tile_n=128, tile_k=32, stages=2, epi_tile_n=128,
+                          epi_store_n=64, wg_dim=MatDim.N, cluster_dim=None,
+                          epi_operand_slots=1)
+
+
+@pytest.mark.parametrize("config", [CONFIG, PARTS_CONFIG], ids=["whole", "parts"])
+@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "fresh"])
+def test_store_adds_to(key, kernel_impl, config, in_place):
+  """``Store(add_to=g)`` beside other outputs: g + A B as a fresh output (g staged and
+  added in registers) and in place (on the GPU the TMA store adds, g never read), with
+  sub-tiles stored whole and in parts; a bf16 output and a row sum of the same tile are
+  unaffected by the add (they see A B alone). g's own buffer keeps its values when
+  the output is fresh."""
+  ka, kg = jax.random.split(key)
+  m, n = 128, 256
+  a, b = gemm_inputs(ka, m, n, 128, jnp.bfloat16, trans_b=True)
+  g = normal(kg, (m, n))
+  g_before = np.asarray(g)
+  program = [cj.Store("y", jnp.bfloat16), cj.RowSum("s"), cj.Store("g_new", jnp.float32,
+                                                                   add_to="g")]
+  out = jax.jit(lambda a, b, g: cj.gemm_epilogue(
+      a, b, program, {"g": g}, trans_b=True, impl=kernel_impl, config=config,
+      in_place={"g_new": "g"} if in_place else None))(a, b, g)
+  prod = matmul_f32(a, b, False, True)
+  assert rel_err(out["g_new"], prod + g) < 1e-5
+  assert rel_err(out["y"], prod) < 1e-2
+  assert rel_err(out["s"], jnp.sum(prod, axis=1)) < 1e-4
+  np.testing.assert_array_equal(np.asarray(g), g_before)
+  # the XLA program agrees: the add belongs to the output in both implementations
+  xla = cj.gemm_epilogue(a, b, program, {"g": g}, trans_b=True, impl="xla")
+  assert rel_err(xla["g_new"], prod + g) < 1e-5
+
+
+def test_store_adds_to_refuses_what_it_cannot_add(key, interpret):
+  """An output that adds is an fp32 tile of a passed fp32 tile operand of its shape, and
+  the epilogue cannot read that operand (on the GPU it is never staged)."""
+  a, b = gemm_inputs(key, 128, 256, 64, jnp.bfloat16)
+  g = normal(key, (128, 256))
+  with pytest.raises(ValueError, match="float32"):
+    cj.Store("o", jnp.bfloat16, add_to="g")
+  with pytest.raises(ValueError, match="float32 tile output"):
+    pk.EpilogueOutput("o", pk.OutputKind.COL_PARTIAL, jnp.float32, adds_to="g")
+  for inputs, why in (({}, "nothing"), ({"g": (pk.InputKind.TILE, g.astype(jnp.bfloat16))},
+                                        "bfloat16"),
+                      ({"g": (pk.InputKind.ROW, g[:, 0])}, "row")):
+    with pytest.raises(ValueError, match=f"adds to 'g'.*{why}"):
+      pk.gemm(a, b, inputs=inputs, epilogue=lambda t, acc: t.store("o", acc),
+              outputs=(pk.EpilogueOutput("o", dtype=jnp.float32, adds_to="g"),),
+              config=CONFIG, interpret=interpret)
+  with pytest.raises(KeyError, match="only"):
+    pk.gemm(a, b, inputs={"g": (pk.InputKind.TILE, g)},
+            epilogue=lambda t, acc: t.store("o", acc + t.load("g")),
+            outputs=(pk.EpilogueOutput("o", dtype=jnp.float32, adds_to="g"),),
+            config=CONFIG, interpret=interpret)
