@@ -8,14 +8,15 @@ biases and the GELU MLP (``layernorm_ops``), QK-norm (``qk_norm``)."""
 from coda_jax.ops import (IMPLS, epilogue_pass, gemm_epilogue, kernel_config, reference,
                           scalar_operand)
 from coda_jax.primitives import (AddBias, AddTile, ColSum, Env, Gated, PickColumn, Primitive,
-                                 Rotate, RowLogSumExp, RowSum, ScaleCol, ScaleConst, ScaleRow,
+                                 Rotate, RowDot, RowLogSumExp, RowSum, ScaleCol, ScaleConst, ScaleRow,
                                  Store, finish_lse)
 from coda_jax.sharding import reduce_like
 from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 
 __all__ = [
     "IMPLS", "AddBias", "AddTile", "ColSum", "Env", "EpilogueOutput", "Gated", "InputKind",
-    "OutputKind", "PickColumn", "Primitive", "Rotate", "RowLogSumExp", "RowSum", "ScaleCol",
+    "OutputKind", "PickColumn", "Primitive", "Rotate", "RowDot", "RowLogSumExp", "RowSum",
+    "ScaleCol",
     "ScaleConst", "ScaleRow", "Store", "epilogue_pass", "finish_lse", "gemm_epilogue",
     "kernel_config",
     "reduce_like", "reference", "scalar_operand",

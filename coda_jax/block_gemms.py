@@ -12,7 +12,7 @@ from coda_jax import dispatch
 from coda_jax import primitives as P
 from coda_jax import jnp_reference as ref
 from coda_jax.grad_primitives import ExpShifted, GatedGrad, RmsNormGrad, SoftmaxXentGrad
-from coda_jax.ops import gemm_epilogue
+from coda_jax.ops import epilogue_pass, gemm_epilogue
 from coda_jax.partitioning import set_row_columns
 from coda_jax.sharding import varying_axes
 
@@ -156,12 +156,32 @@ def xent_grad_from_logits(z, lse, tgt, lse_rest, targets, weight, dt):
   return out["dlogits"], out["zdz"]
 
 
-def rope_grad(dqkv, qkv, positions, freqs, head_dim, d_model):
-  """B1 (XLA, elementwise): dz = RoPE^T(dqkv) and c = <dqkv, qkv> / D (a rotation
-  keeps inner products, so this is the zdz term of the norm before the GEMM)."""
-  dz = ref.rotate(dqkv, positions, -freqs, head_dim // 2)
-  c = jnp.sum(dqkv.astype(jnp.float32) * qkv.astype(jnp.float32), axis=1) / d_model
-  return dz, c
+def rope_backward_program(head_dim, dtype):
+  """B1's program, with no GEMM (``ops.epilogue_pass``): dqkv in, c's row partials
+  <dqkv, qkv> (``RowDot``; a rotation keeps inner products, so this is <dz, z>), RoPE^T
+  (a rotation by the negated angle), dz stored. Operands: dqkv, qkv, pos, neg_freqs."""
+  return [P.AddTile("dqkv"), P.RowDot("qkv", "c"),
+          P.Rotate("pos", "neg_freqs", head_dim // 2), P.Store("dz", dtype)]
+
+
+def rope_grad(dqkv, qkv, positions, freqs, head_dim, d_model, impl):
+  """B1, one elementwise pass over (M, N) tiles (``rope_backward_program``).
+
+  Args:
+    dqkv: (M, N) cotangent of the RoPE'd projection.
+    qkv: (M, N) the forward's output (after RoPE).
+    positions: (M,) token positions; freqs: (N,) per-column frequencies (0 on v).
+    head_dim: columns per head; d_model: the divisor of c (the norm's width).
+    impl: as ``coda_jax.gemm_epilogue``.
+
+  Returns:
+    (dz (M, N) in dqkv's dtype: the cotangent of the projection before RoPE,
+    c = <dqkv, qkv> / d_model (M,) fp32: the zdz term of the norm before the GEMM).
+  """
+  out = epilogue_pass(rope_backward_program(head_dim, dqkv.dtype),
+                      {"dqkv": dqkv, "qkv": qkv, "pos": positions, "neg_freqs": -freqs},
+                      impl=impl)
+  return out["dz"], out["c"] / d_model
 
 
 def norm_input_grad(dz, w, x, r, c, g, d_residual, impl, w_nk=False, dx_dtype=None):

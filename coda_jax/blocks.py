@@ -220,7 +220,8 @@ def _qkv_grad(dqkv, kept, positions, norms, cfg, d_model):
   """B1: dz (the cotangent of r * (h @ wqkv), x's dtype), c = <dz, z> / D per row, and
   the QK-norm weights' gradients ({} without QK-norm)."""
   if not cfg.qk_norm:
-    dz, c = S.rope_grad(dqkv, kept, positions, cfg.freqs(), cfg.head_dim, d_model)
+    dz, c = S.rope_grad(dqkv, kept, positions, cfg.freqs(), cfg.head_dim, d_model,
+                        cfg.impl)
     return dz, c, {}
   du, dweight, udu = Q.qk_norm_grad(dqkv, kept, positions, cfg.freqs(),
                                     *_qk_operands(norms, cfg), cfg.head_dim, cfg.eps,

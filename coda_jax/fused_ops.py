@@ -262,7 +262,7 @@ def _qkv_fwd(h, r, wqkv, positions, heads, impl):
 
 def _qkv_bwd(heads, impl, saved, dqkv):
   h, r, wqkv, positions, qkv = saved
-  dz, c = S.rope_grad(dqkv, qkv, positions, ref.qkv_freqs(*heads), heads[2], 1)
+  dz, c = S.rope_grad(dqkv, qkv, positions, ref.qkv_freqs(*heads), heads[2], 1, impl)
   dh, dr, dw = _norm_gemm_grads(h, r, wqkv, dz, c / r, impl)
   return dh, dr, dw, None
 

@@ -285,6 +285,30 @@ class RowSum(Primitive):
 
 
 @dataclasses.dataclass(frozen=True)
+class RowDot(Primitive):
+  """Per-row partial inner products <x[m, :], t[m, :]> with an (M, N) tile operand
+  ``other`` -> output ``name`` (the cotangent's projection on a saved activation, as a
+  norm's backward needs it). The value passes on unchanged."""
+  _keeps_zero_rows = True
+  _column_sums_via_env = True
+  other: str
+  name: str
+
+  def inputs(self):
+    return {self.other: InputKind.TILE}
+
+  def outputs(self, width):
+    return (EpilogueOutput(self.name, OutputKind.ROW_PARTIAL, jnp.float32),)
+
+  def apply(self, x, env):
+    env.store(self.name, jnp.sum(x * env.load(self.other).astype(jnp.float32), axis=1))
+    return x
+
+  def finish(self, raw):
+    return {self.name: jnp.sum(raw[self.name], axis=0)}
+
+
+@dataclasses.dataclass(frozen=True)
 class RowLogSumExp(Primitive):
   """Per-row partial (max, sum exp(x - max)) -> outputs ``name``_max, ``name``_sumexp,
   finished into the row's log-sum-exp ``name``.

@@ -61,9 +61,10 @@ MUTATIONS = [
         "ignore_index=0 the hidden-state gradient is 52% wrong"),
     Mutation(
         "in_place_dropped", "pallas_kernels/gemm_mgpu.py",
-        "  if config is None:\n    config = default_config(m, n, k, a.dtype, input_kinds=input_kinds,",
+        "  if config is None:\n    config = default_config(m, n, k, a.dtype, "
+        "input_kinds=staged(in_place),",
         "  in_place = {}\n  if config is None:\n    config = default_config(m, n, k, a.dtype, "
-        "input_kinds=input_kinds,",
+        "input_kinds=staged(in_place),",
         ("tests/test_in_place.py",),
         "gemm validates in_place and then drops it: values right, buffer not reused"),
     Mutation(
@@ -93,9 +94,9 @@ MUTATIONS = [
         "the LM-head backward loses the last row chunk's gradient"),
     Mutation(
         "rope_bwd_sign", "coda_jax/block_gemms.py",
-        "dz = ref.rotate(dqkv, positions, -freqs, head_dim // 2)",
-        "dz = ref.rotate(dqkv, positions, freqs, head_dim // 2)",
-        ("tests/test_fused_ops.py", "-k", "qkv_rope"),
+        '"pos": positions, "neg_freqs": -freqs},',
+        '"pos": positions, "neg_freqs": freqs},',
+        ("tests/test_fused_ops.py", "-k", "qkv_rope or rope_backward"),
         "RoPE backward rotates forward instead of back"),
     Mutation(
         "gelu_derivative", "coda_jax/primitives.py",
@@ -309,8 +310,8 @@ MUTATIONS = [
             "in flight"),
     Mutation(
         "split_store_every_part_at_column_zero", "pallas_kernels/gemm_mgpu.py",
-        "      plgpu.copy_smem_to_gmem(buf, self._window(o, r0, c0, part=h))\n",
-        "      plgpu.copy_smem_to_gmem(buf, self._window(o, r0, c0))\n",
+        "      plgpu.copy_smem_to_gmem(buf, self._window(o, r0, c0, part=h),\n",
+        "      plgpu.copy_smem_to_gmem(buf, self._window(o, r0, c0),\n",
         ("tests/test_primitives.py", "-k", "stores_in_parts"),
         why="every part stored over the sub-tile's first columns: the rest unwritten"),
     Mutation(
@@ -781,6 +782,34 @@ MUTATIONS = [
         "          ):",
         ("tests/test_autotune.py", "-k", "nearby"),
         "a config tuned at any M serves, however far from this one"),
+    # ---- Store(add_to): the dW accumulation written by the TMA store itself -------------
+    Mutation(
+        "store_adds_staged_add_dropped", "pallas_kernels/gemm_mgpu.py",
+        "          value = value + reader(self.adds[o.name])()",
+        "          value = value",
+        ("tests/test_in_place.py", "-k", "store_adds or accumulate"),
+        "where the added-to operand is staged (interpreter, fresh output) it is never added"),
+    Mutation(
+        "store_adds_reduction_dropped", "pallas_kernels/gemm_mgpu.py",
+        '    return "add" if o.name in self.reduces else None',
+        "    return None",
+        ("tests/test_in_place.py", "-k", "store_adds or accumulate"),
+        "the in-place TMA store overwrites where it should add (compiled kernels only: the "
+        "interpreter has no TMA reductions and always stages the operand)", gpu_only=True),
+    # ---- the RoPE backward as an epilogue pass --------------------------------------------
+    Mutation(
+        "row_dot_squares", "coda_jax/primitives.py",
+        "    env.store(self.name, jnp.sum(x * env.load(self.other).astype(jnp.float32), axis=1))",
+        "    env.store(self.name, jnp.sum(x * x, axis=1))",
+        ("tests/test_primitives.py", "tests/test_fused_ops.py", "-k",
+         "rowdot or rope_backward"),
+        "RowDot sums x^2 instead of x * other"),
+    Mutation(
+        "rope_grad_c_not_over_d", "coda_jax/block_gemms.py",
+        '  return out["dz"], out["c"] / d_model',
+        '  return out["dz"], out["c"]',
+        ("tests/test_fused_ops.py", "-k", "rope_backward"),
+        "c = <dqkv, qkv> not divided by the norm's width"),
 ]
 
 

@@ -14,8 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from coda_jax import block_gemms as S
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as R
+from coda_jax import ops as O
 from helpers import (assert_within_baseline, f32_tree, normal, projected, rel_err, spread_rows,
                      worst_row_err)
 
@@ -211,6 +213,35 @@ def test_rope_long_positions(key, kernel_impl):
   assert int(x["pos"][0]) == 8192 and int(x["pos"][-1]) == 131072
   got, _, base = check_op("rmsnorm_qkv_rope", x, kernel_impl, key=key)
   assert_within_baseline(got, _rope_truth_f64(x, HEADS), base, "qkv vs fp64 RoPE")
+
+
+@pytest.mark.parametrize("m,head_dim", [(256, 64), (100, 128), (1, 64)])
+def test_rope_backward_pass_against_vjp(key, kernel_impl, races_checked, m, head_dim):
+  """B1 as an epilogue pass (``block_gemms.rope_grad``: RowDot, RoPE^T, no GEMM) against
+  ``jax.vjp`` of the forward RoPE in fp32: dz under the tolerance rule (baseline: the
+  program run unfused in bf16), c = <dqkv, qkv> / D against fp32 sums of the same
+  inputs. M = 100 and 1 leave rows padded onto the tile (they must not reach c). Under
+  the race detector when interpreted."""
+  hq, hkv, d = 2, 1, 320
+  n = (hq + 2 * hkv) * head_dim
+  ks = jax.random.split(key, 3)
+  qkv = normal(ks[0], (m, n), jnp.bfloat16)
+  dqkv = normal(ks[1], (m, n), jnp.bfloat16)
+  pos = jax.random.randint(ks[2], (m,), 0, 8192, jnp.int32)
+  freqs = R.qkv_freqs(hq, hkv, head_dim, 5e5, None)
+  _, vjp = jax.vjp(lambda z: R.rotate(z, pos, freqs, head_dim // 2),
+                   jnp.zeros((m, n), jnp.float32))
+  dz_t, = vjp(dqkv.astype(jnp.float32))
+  c_t = jnp.sum(dqkv.astype(jnp.float32) * qkv.astype(jnp.float32), axis=1) / d
+  dz, c = S.rope_grad(dqkv, qkv, pos, freqs, head_dim, d, kernel_impl)
+  program = S.rope_backward_program(head_dim, jnp.bfloat16)
+  ops = {"dqkv": dqkv, "qkv": qkv, "pos": pos, "neg_freqs": -freqs}
+  unfused = O.reference(dqkv[:, :0], dqkv[:0, :], program, ops, round_to=jnp.bfloat16)
+  assert dz.dtype == jnp.bfloat16 and dz.shape == (m, n) and c.shape == (m,)
+  assert_within_baseline(dz, dz_t, unfused["dz"], "dz")
+  e = rel_err(c, c_t)
+  assert e < 1e-5, f"c: rel err {e:.3g}"
+  assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 
 
 # ---- fp16 range: what the fp32 epilogue buys, and what it cannot -------------------------

@@ -38,6 +38,7 @@ PROGRAMS = {
     "rowsum_sq": [cj.RowSum("s", square=True)],
     "lse": [cj.RowLogSumExp("lse")],
     "colsum": [cj.ColSum("c")],
+    "rowdot": [cj.RowDot("x0", "s")],
     # compositions
     "residual_norm": [cj.AddTile("x0"), cj.Store("x1"), cj.RowSum("ss", square=True),
                       cj.ScaleCol("g"), cj.Store("h")],
@@ -341,6 +342,7 @@ ORACLES = {
     "rowsum_sq": ([cj.RowSum("s", square=True)], lambda x, o, q: {"s": (x * x).sum(axis=1)}),
     "lse": ([cj.RowLogSumExp("l")], lambda x, o, q: {"l": _lse(x)}),
     "colsum": ([cj.ColSum("c")], lambda x, o, q: {"c": x.sum(axis=0)}),
+    "rowdot": ([cj.RowDot("x0", "s")], lambda x, o, q: {"s": (x * o["x0"]).sum(axis=1)}),
     "pick": ([PickColumn("idx", "p")], lambda x, o, q: {"p": _picked(x, o["idx"])}),
 }
 
