@@ -127,11 +127,13 @@ def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
     impl: implementations to try in order (``coda_jax.dispatch``): "auto", "mosaic",
       "interpret", "xla", or a sequence of these.
     config: kernel tuning; default the tuning cache's, else the heuristic's.
-    in_place: maps a ``Store`` output to the ``AddTile`` operand whose buffer it
-      overwrites (gradient accumulation: ``[AddTile("g"), Store("g_new", jnp.float32)]``
-      with ``in_place={"g_new": "g"}``); donate that operand under ``jit`` to reuse its
-      memory. The values are the same with or without it (it is dropped on hosts with
-      several devices and inside ``shard_map``).
+    in_place: maps a ``Store`` output to the tile operand whose buffer it overwrites
+      (gradient accumulation: ``[Store("g_new", jnp.float32, add_to="g")]`` with
+      ``in_place={"g_new": "g"}``: the kernel's TMA store adds to g and never reads it;
+      or ``[AddTile("g"), Store("g_new", jnp.float32)]``, which stages g); donate that
+      operand under ``jit`` to reuse its memory. The values are the same with or
+      without it (it is dropped on hosts with several devices and inside
+      ``shard_map``, and where M is padded to the tile).
 
   Returns:
     The finished outputs by name: ``Store``s as stored, row sums (M,), column sums
