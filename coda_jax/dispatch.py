@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -179,14 +179,15 @@ def _xla_run(call, a, b, operands, round_to=None):
   return apply_program(x, call.program, operands, call.outputs, round_to=round_to)
 
 
-def kernel_config(call, a, b, operands, m=None, k=None) -> pk.GemmConfig:
+def kernel_config(call, a, b, operands, m=None, k=None, clip_m=False) -> pk.GemmConfig:
   """The heuristic tuning of the kernel for ``call`` (ValueError if it cannot tile), at
-  the operands' shape or with M and K replaced by padded sizes."""
+  the operands' shape or with M and K replaced by padded sizes; ``clip_m`` as
+  ``pallas_kernels.gemm``'s (M need not be a multiple of the tile)."""
   m0, n, k0 = pk.check_operands(a, b, call.trans_a, call.trans_b)
   return pk.default_config(m or m0, n, k or k0, a.dtype, input_kinds=dict(call.inputs),
                            input_dtypes={nm: operands[nm].dtype for nm, _ in call.inputs},
                            outputs=call.outputs, min_epi_tile_n=call.column_group,
-                           trans_a=call.trans_a, trans_b=call.trans_b)
+                           trans_a=call.trans_a, trans_b=call.trans_b, clip_m=clip_m)
 
 
 def _round_up(x, multiple):
@@ -205,25 +206,37 @@ def finished_kinds(call: Call) -> dict[str, tuple[str, float]]:
   return kinds
 
 
-def padded_shape(call: Call, a, b, operands) -> tuple[int, int]:
+class KernelShape(NamedTuple):
+  """How the kernel runs a call: at M rows and K (zero-padded from the operands' own
+  where they differ), with ``clip_m`` when M is not a multiple of the tile and the
+  compiled kernel's TMA clips the last row of tiles instead (``pallas_kernels.gemm``)."""
+  m: int
+  k: int
+  clip_m: bool
+
+
+def padded_shape(call: Call, a, b, operands, compiled: bool = False) -> KernelShape:
   """The (M, K) the kernel runs at: the operands' own when they tile, else the smallest
-  zero-padded sizes that do (ValueError when none does).
+  zero-padded sizes that do (ValueError when none does). ``compiled`` (a GPU, not the
+  interpreter): an M that is a multiple of ``pallas_kernels.CLIP_M_MULTIPLE`` is not
+  padded; TMA fills the rows past it with zeros on load and drops them on store.
 
   Zero rows appended to A (and, for K, to B) change nothing a caller sees: padded K
-  adds 0 to every product; padded M rows are sliced off the tile and row outputs, and
-  add nothing to column partial sums as long as every step maps a zero row to zero
-  (``Primitive.keeps_zero_rows``; else M is not padded)."""
+  adds 0 to every product; padded (or clipped) M rows are sliced off (or never stored
+  to) the tile and row outputs, and add nothing to column partial sums as long as every
+  step maps a zero row to zero (``Primitive.keeps_zero_rows``; else M is not padded)."""
   m, _, k = pk.check_operands(a, b, call.trans_a, call.trans_b, dtypes=(a.dtype,))
   has_cols = any(kind == "col" for kind, _ in finished_kinds(call).values())
   pad_m_ok = not has_cols or all(p.keeps_zero_rows() for p in call.program)
+  clip = compiled and pad_m_ok and m % pk.CLIP_M_MULTIPLE == 0
   ms = dict.fromkeys([m] + ([_round_up(m, q) for q in (64, 128, 256)] if pad_m_ok else []))
   ks = dict.fromkeys([k] + [_round_up(k, q) for q in (16, 64)])
   error = None
   for pm, pk_ in sorted(((pm, pk_) for pm in ms for pk_ in ks),
                         key=lambda s: (s[0] * s[1], s)):
     try:
-      kernel_config(call, a, b, operands, m=pm, k=pk_)
-      return pm, pk_
+      kernel_config(call, a, b, operands, m=pm, k=pk_, clip_m=clip and pm == m)
+      return KernelShape(pm, pk_, clip and pm == m)
     except ValueError as e:
       error = error or e
   raise ValueError(f"shape ({m}, {b.shape[0] if call.trans_b else b.shape[1]}, {k}) does "
@@ -245,7 +258,7 @@ def _mosaic_check(call, a, b, operands):
     raise Unsupported(f"{a.dtype} operands (the kernel takes bfloat16 or float16)")
   if call.config is None:
     try:
-      padded_shape(call, a, b, operands)
+      padded_shape(call, a, b, operands, compiled=True)
     except ValueError as e:
       raise Unsupported(str(e)) from None
 
@@ -259,7 +272,8 @@ def _kernel_run(call, a, b, operands, interpret=None):
   def epilogue(tile, acc):
     P.run_program(call.program, acc, tile)
   m, _, k = pk.check_operands(a, b, call.trans_a, call.trans_b, dtypes=(a.dtype,))
-  pm, pk_ = (m, k) if call.config is not None else padded_shape(call, a, b, operands)
+  pm, pk_, clip_m = (KernelShape(m, k, False) if call.config is not None else
+                     padded_shape(call, a, b, operands, compiled=interpret is None))
   in_place = dict(call.in_place)
   if (pm, pk_) != (m, k):  # zero rows to the tile; sliced off below
     announce(f"padding (M, K) = ({m}, {k}) to ({pm}, {pk_}) so the kernel tiles")
@@ -277,7 +291,8 @@ def _kernel_run(call, a, b, operands, interpret=None):
                 program_id=call.program_id, min_epi_tile_n=call.column_group,
                 num_sms=None if interpret is not None else device.core_count,
                 device_kind=device.device_kind, interpret=interpret,
-                column_sum_turns=all(p.column_sums_via_env() for p in call.program))
+                column_sum_turns=all(p.column_sums_via_env() for p in call.program),
+                clip_m=clip_m)
   out = finish(call.program, raw)
   if pm != m:
     kinds = finished_kinds(call)
@@ -329,4 +344,4 @@ def run(call: Call, a, b, operands, impl) -> dict[str, jax.Array]:
 
 __all__ = ["AUTO", "Call", "IMPLEMENTATIONS", "Implementation", "NAMES", "Unsupported",
            "announce", "apply_program", "choose", "finish", "finished_kinds", "kernel_config",
-           "kernels_available", "padded_shape", "resolve", "run", "target_device"]
+           "kernels_available", "KernelShape", "padded_shape", "resolve", "run", "target_device"]

@@ -170,10 +170,12 @@ def cache_paths() -> list[Path]:
 NEARBY_M_FACTOR = 2
 
 
-def lookup_with_source(key: ProblemKey) -> tuple[g.GemmConfig | None, str | None]:
+def lookup_with_source(key: ProblemKey, clip_m: bool = False
+                       ) -> tuple[g.GemmConfig | None, str | None]:
   """The cached config for this problem and where it came from: ``"tuned"`` (this key),
   ``"tuned at M=<m>"`` (the same problem at the nearest cached M within a factor
-  ``NEARBY_M_FACTOR``, whose config tiles this M; the larger M on a tie), or
+  ``NEARBY_M_FACTOR``, whose config tiles this M, or with ``clip_m`` (``gemm``'s) need
+  not; the larger M on a tie), or
   ``(None, None)``. The first cache in ``cache_paths`` that has the key wins; a nearby
   M is looked for only where no cache has the key itself."""
   text = key.text()
@@ -191,17 +193,17 @@ def lookup_with_source(key: ProblemKey) -> tuple[g.GemmConfig | None, str | None
   for _, neg_m, cfg_dict in sorted(near, key=lambda t: t[:2]):
     cfg = config_from_dict(cfg_dict)
     try:
-      g._check_tiling(key.m, key.n, key.k, cfg, key.trans_a, key.trans_b)
+      g._check_tiling(key.m, key.n, key.k, cfg, key.trans_a, key.trans_b, clip_m)
     except ValueError:
       continue  # e.g. M not a multiple of that config's cluster tile
     return cfg, f"tuned at M={-neg_m}"
   return None, None
 
 
-def lookup(key: ProblemKey) -> g.GemmConfig | None:
+def lookup(key: ProblemKey, clip_m: bool = False) -> g.GemmConfig | None:
   """The cached config for this problem (or for it at a nearby M: ``lookup_with_source``),
   or None."""
-  return lookup_with_source(key)[0]
+  return lookup_with_source(key, clip_m)[0]
 
 
 def store(key: ProblemKey, record: dict, path: Path | None = None) -> Path:
@@ -239,6 +241,7 @@ class Problem:
   program_id: str | None
   min_epi_tile_n: int
   column_sum_turns: bool = False
+  clip_m: bool = False  # gemm's: M need not be a multiple of the cluster tile
 
   @property
   def input_kinds(self) -> dict:
@@ -269,7 +272,7 @@ class Problem:
         outputs=self.outputs, trans_a=self.key.trans_a, trans_b=self.key.trans_b,
         in_place=self.in_place, config=config, program_id=self.program_id,
         min_epi_tile_n=self.min_epi_tile_n, num_sms=num_sms,
-        column_sum_turns=self.column_sum_turns))
+        column_sum_turns=self.column_sum_turns, clip_m=self.clip_m))
 
   def default_config(self) -> g.GemmConfig:
     """The heuristic config ``gemm`` falls back to (raises ValueError if none tiles)."""
@@ -277,7 +280,7 @@ class Problem:
     return g.default_config(k.m, k.n, k.k, self.a.dtype, input_kinds=self.staged_kinds,
                             input_dtypes=self.input_dtypes, outputs=self.outputs,
                             min_epi_tile_n=self.min_epi_tile_n, trans_a=k.trans_a,
-                            trans_b=k.trans_b)
+                            trans_b=k.trans_b, clip_m=self.clip_m)
 
 
 def plain_problem(m: int, n: int, k: int, dtype="bfloat16", trans_a: bool = False,
@@ -320,7 +323,7 @@ def record(problem: Problem) -> None:
 def chosen_config(problem: Problem) -> tuple[g.GemmConfig, str]:
   """What ``gemm(config=None)`` runs for a recorded problem, and where it came from
   ("tuned", "tuned at M=<m>" or "default"): for benchmark tables."""
-  tuned, source = lookup_with_source(problem.key)
+  tuned, source = lookup_with_source(problem.key, problem.clip_m)
   if tuned is not None:
     return tuned, source
   return problem.default_config(), "default"
@@ -346,8 +349,8 @@ def describe_workload(fn: Callable, *args) -> list[str]:
 
 def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: dict,
                outputs: tuple, *, trans_a: bool, trans_b: bool, min_epi_tile_n: int = 1,
-               max_stages: int = 7,
-               extra: bool = False) -> tuple[list[g.GemmConfig], list[tuple[str, str]]]:
+               max_stages: int = 7, extra: bool = False,
+               clip_m: bool = False) -> tuple[list[g.GemmConfig], list[tuple[str, str]]]:
   """The search space for one problem: both schedules, the tile shapes, clusters and
   grid orders below, each with epilogue sub-tiles of 64 or 32 columns (a multiple of
   the column group; wider ones are also tried with their tile outputs stored in halves:
@@ -400,7 +403,7 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
                              epi_tile_n=en, wg_dim=wg, cluster_dim=cl, grid_minor_dim=minor,
                              grid_tile_width=width, schedule=sched, epi_operand_slots=slots,
                              epi_store_n=store_n)
-          g._check_tiling(m, n, k, cfg, trans_a, trans_b)
+          g._check_tiling(m, n, k, cfg, trans_a, trans_b, clip_m)
           best = g.deepest_fitting(cfg, dtype, input_kinds, input_dtypes, outputs,
                                    mainloop=k > 0)
         except ValueError as e:
@@ -441,7 +444,8 @@ def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] =
     configs, skipped = candidates(key.m, key.n, key.k, problem.a.dtype, problem.staged_kinds,
                                   problem.input_dtypes,
                                   problem.outputs, trans_a=key.trans_a, trans_b=key.trans_b,
-                                  min_epi_tile_n=problem.min_epi_tile_n, extra=extra)
+                                  min_epi_tile_n=problem.min_epi_tile_n, extra=extra,
+                                  clip_m=problem.clip_m)
   try:
     default = problem.default_config()
     if default not in configs:

@@ -205,7 +205,8 @@ def epilogue_bytes_per_element(input_kinds: dict, input_dtypes: dict,
 
 def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=None,
                    input_dtypes=None, outputs=(), min_epi_tile_n: int = 1,
-                   trans_a: bool = False, trans_b: bool = False) -> GemmConfig:
+                   trans_a: bool = False, trans_b: bool = False,
+                   clip_m: bool = False) -> GemmConfig:
   """Per-shape defaults: the largest tiles that divide the problem and fit in SMEM.
 
   Tuned on H100 (bench/tune_gemm.py, results in bench/results/): 256x128 CTA tiles (the
@@ -217,12 +218,16 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
   ``trans_a`` / ``not trans_b`` (MN-major operands) need tile_k a multiple of 64.
 
   ``min_epi_tile_n``: the epilogue sub-tile width must be a multiple of this (the
-  pair block of a pairwise epilogue).
+  pair block of a pairwise epilogue). ``clip_m``: M need not be a multiple of the tile
+  (``gemm``'s ``clip_m``).
   """
   input_kinds = input_kinds or {}
   input_dtypes = input_dtypes or {}
+  if clip_m and m % CLIP_M_MULTIPLE:
+    raise ValueError(f"M={m}: clip_m needs M to be a multiple of {CLIP_M_MULTIPLE}")
   if k == 0:
-    return _no_product_config(m, n, dtype, input_kinds, input_dtypes, outputs, min_epi_tile_n)
+    return _no_product_config(m, n, dtype, input_kinds, input_dtypes, outputs, min_epi_tile_n,
+                              clip_m)
   cooperative = [  # (tile_m, tile_n, wg_dim, cluster_dim), fastest first
       (128, 128, MatDim.M, MatDim.N), (128, 128, MatDim.M, None), (128, 128, MatDim.N, None),
       (128, 64, MatDim.N, None), (64, 128, MatDim.M, None), (64, 64, MatDim.N, None),
@@ -248,7 +253,7 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
       probe = GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, wg_dim=wg, cluster_dim=cl,
                          epi_tile_n=min(64, tn), schedule=schedule)
       cm, cn = probe.cluster_tile
-      if _split_b_too_narrow(probe, trans_b) or k % tk or m % cm or n % cn:
+      if _split_b_too_narrow(probe, trans_b) or k % tk or (m % cm and not clip_m) or n % cn:
         continue
       # Pipeline depth matters more than epilogue sub-tile width: try narrower sub-tiles
       # (smaller epilogue buffers) before fewer stages.
@@ -268,7 +273,7 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
 
 
 def _no_product_config(m, n, dtype, input_kinds, input_dtypes, outputs,
-                       min_epi_tile_n) -> GemmConfig:
+                       min_epi_tile_n, clip_m=False) -> GemmConfig:
   """K = 0 (``_kernel_no_product``): no ring to share shared memory with and nothing to
   multicast, so the largest warpgroup tiles whose epilogue buffers fit, unclustered;
   each warpgroup's tile operands are staged two sub-tiles ahead (a whole 128x128 tile
@@ -283,7 +288,7 @@ def _no_product_config(m, n, dtype, input_kinds, input_dtypes, outputs,
         cfg = GemmConfig(tile_m=tm, tile_n=tn, stages=2, epi_tile_n=en, wg_dim=wg,
                          cluster_dim=None, epi_store_n=store_n)
         cm, cn = cfg.cta_tile
-        if m % cm or n % cn:
+        if (m % cm and not clip_m) or n % cn:
           continue
         if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs,
                       mainloop=False) <= SMEM_LIMIT_BYTES:
@@ -322,7 +327,13 @@ def _split_b_too_narrow(config: GemmConfig, trans_b: bool) -> bool:
           and not trans_b and config.tile_n % 64 != 0)
 
 
-def _check_tiling(m, n, k, config: GemmConfig, trans_a: bool, trans_b: bool):
+CLIP_M_MULTIPLE = 8  # rows: M * 2 bytes (A stored (K, M)) must be a 16-byte stride for TMA
+
+
+def _check_tiling(m, n, k, config: GemmConfig, trans_a: bool, trans_b: bool,
+                  clip_m: bool = False):
+  """Raises ValueError unless ``config`` tiles (M, N, K). With ``clip_m`` M need not be
+  a multiple of the cluster tile (``gemm``'s ``clip_m``), only of ``CLIP_M_MULTIPLE``."""
   if _split_b_too_narrow(config, trans_b):
     raise ValueError(f"tile_n={config.tile_n} with wg_dim=N and B stored (K, N): the "
                      "warpgroups' halves of B must be multiples of 64 columns")
@@ -334,9 +345,13 @@ def _check_tiling(m, n, k, config: GemmConfig, trans_a: bool, trans_b: bool):
                      f"to hide it under): use schedule=cooperative and cluster_dim=None, "
                      f"not {config.describe()}")
   cm, cn = config.cluster_tile
-  if m % cm or n % cn or k % config.tile_k:
+  if clip_m and m % CLIP_M_MULTIPLE:
+    raise ValueError(f"M={m}: clip_m needs M to be a multiple of {CLIP_M_MULTIPLE} (TMA's "
+                     "16-byte strides); pad M to one")
+  if (m % cm and not clip_m) or n % cn or k % config.tile_k:
     raise ValueError(f"(M, N, K)=({m}, {n}, {k}) must be multiples of the cluster tile "
-                     f"({cm}, {cn}, {config.tile_k}) of {config}")
+                     f"({cm}, {cn}, {config.tile_k}) of {config}"
+                     + ("" if clip_m else " (M need not be with clip_m)"))
 
 
 def store_widths(epi_tile_n: int) -> tuple[int | None, ...]:
@@ -628,7 +643,7 @@ def _kernel_cooperative(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a
   tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
   cm, cn = cfg.cta_tile
   cluster_tile_m, cluster_tile_n = cfg.cluster_tile
-  m_iters, n_iters, k_iters = m // cluster_tile_m, n // cluster_tile_n, k // tk
+  m_iters, n_iters, k_iters = -(-m // cluster_tile_m), n // cluster_tile_n, k // tk
   share_a = ("cluster",) if cfg.cluster_dim == MatDim.N else ()
   share_b = ("cluster",) if cfg.cluster_dim == MatDim.M else ()
   a_block = (tk, cm) if trans_a else (cm, tk)
@@ -703,7 +718,7 @@ def _kernel_no_product(*refs, cfg: GemmConfig, m, n, input_names, input_kinds, o
   in_gmem, out_gmem = _bind_refs(refs, input_names, outputs, in_place)
   tm, tn = cfg.tile_m, cfg.tile_n
   cm, cn = cfg.cta_tile
-  m_iters, n_iters = m // cm, n // cn
+  m_iters, n_iters = -(-m // cm), n // cn
 
   def scope(**smem):
     wg = lax.axis_index("wg")
@@ -766,7 +781,7 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
   dtype = a_gmem.dtype
   tm, tn, tk, stages = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.stages
   cluster_tile_m, cluster_tile_n = cfg.cluster_tile
-  m_iters, n_iters, k_iters = m // cluster_tile_m, n // cluster_tile_n, k // tk
+  m_iters, n_iters, k_iters = -(-m // cluster_tile_m), n // cluster_tile_n, k // tk
   num_tiles = m_iters * n_iters
   multicast_a = ("cluster",) if cfg.cluster_dim == MatDim.N else None
   multicast_b = ("cluster",) if cfg.cluster_dim == MatDim.M else None
@@ -880,7 +895,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
          config: GemmConfig | None = None, num_sms: int | None = None,
          interpret=None, program_id: str | None = None,
          min_epi_tile_n: int = 1, device_kind: str | None = None,
-         column_sum_turns: bool = False) -> dict[str, jax.Array]:
+         column_sum_turns: bool = False, clip_m: bool = False) -> dict[str, jax.Array]:
   """Runs ``a @ b`` (operands optionally transposed) with an epilogue program.
 
   Args:
@@ -913,6 +928,12 @@ def gemm(a: jax.Array, b: jax.Array, *,
       (never ``jnp.sum(x, axis=0)`` itself): the cooperative schedule's warpgroups then
       take turns around each such sum, whose shared scratch they share, instead of
       around the whole epilogue, and run the rest of their epilogues at once.
+    clip_m: M need not be a multiple of the cluster tile (only of ``CLIP_M_MULTIPLE``):
+      the last row of tiles reaches past M, TMA fills what it loads there (rows of A,
+      row and tile operands) with zeros and drops what it stores there. The rows past M
+      do reach column partials: the caller's epilogue must map a zero accumulator row
+      with zero operands to zero (or declare no column partials). Compiled kernels
+      only (the interpreter clamps out-of-range slices instead of filling zeros).
   Returns:
     dict of output name to array, shapes per ``epilogue.output_shape``.
   """
@@ -949,6 +970,9 @@ def gemm(a: jax.Array, b: jax.Array, *,
                        f"float32 tile operand of the output's shape, got "
                        f"{'nothing' if v is None else f'a {kind.value} operand of {v.dtype}'}")
 
+  if clip_m and interpret is not None:
+    raise ValueError("clip_m=True needs the compiled kernel: the interpreter clamps "
+                     "out-of-range slices instead of filling zeros; pad M to the tile")
   staged = lambda in_place: staged_inputs(input_kinds, outputs, in_place,
                                           compiled=interpret is None)
   from pallas_kernels import autotune  # it imports this module
@@ -964,17 +988,17 @@ def gemm(a: jax.Array, b: jax.Array, *,
                   for nm, (kind, v) in inputs.items()},
           epilogue=epilogue, outputs=outputs, trans_a=trans_a, trans_b=trans_b,
           in_place=in_place, program_id=program_id, min_epi_tile_n=min_epi_tile_n,
-          column_sum_turns=column_sum_turns))
+          column_sum_turns=column_sum_turns, clip_m=clip_m))
     if config is None:
-      config = autotune.lookup(key)
+      config = autotune.lookup(key, clip_m=clip_m)
   if config is None:
     config = default_config(m, n, k, a.dtype, input_kinds=staged(in_place),
                             input_dtypes=input_dtypes, outputs=outputs, trans_a=trans_a,
-                            trans_b=trans_b, min_epi_tile_n=min_epi_tile_n)
+                            trans_b=trans_b, min_epi_tile_n=min_epi_tile_n, clip_m=clip_m)
   if config.epi_tile_n % min_epi_tile_n:
     raise ValueError(f"config.epi_tile_n={config.epi_tile_n} must be a multiple of the "
                      f"program's column group (pair block) {min_epi_tile_n}")
-  _check_tiling(m, n, k, config, trans_a, trans_b)
+  _check_tiling(m, n, k, config, trans_a, trans_b, clip_m)
   for o in outputs:
     if (o.kind == epi.OutputKind.TILE
         and o.subtile_shape(config.epi_tile_m, config.epi_tile_n)[-1] % 8):
@@ -990,7 +1014,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
   check_smem(staged(in_place))
   if num_sms is None:
     num_sms = jax.devices()[0].core_count if interpret is None else 2
-  tiles = (m // config.cluster_tile[0]) * (n // config.cluster_tile[1])
+  tiles = -(-m // config.cluster_tile[0]) * (n // config.cluster_tile[1])
   cluster = 1 if config.cluster_dim is None else 2
   names_in = tuple(inputs)
   if num_sms < cluster:

@@ -151,11 +151,13 @@ PAD_PROGRAM = [cj.ScaleRow("r"), cj.AddTile("res"), cj.RowSum("ss", square=True)
                cj.ColSum("cs"), cj.Store("y")]
 
 
-@pytest.mark.parametrize("m", [1, 63, 65, 300])
+@pytest.mark.parametrize("m", [1, 63, 65, 300, 200, 328])
 def test_rows_that_do_not_tile_are_padded(key, kernel_calls, kernel_impl, m):
   """M = 1, 63, 65, 300: the kernel runs on zero-padded rows (poisoned operands would
-  show: the padding is fresh zeros), and every output, column sums included, equals the
-  reference on the real rows within the tolerance rule."""
+  show: the padding is fresh zeros). M = 200, 328 (multiples of 8, not of the tile): on
+  the GPU nothing is padded, TMA clips the last row of tiles (``clip_m``); the
+  interpreter pads them. Every output, column sums included, equals the reference on
+  the real rows within the tolerance rule."""
   a, b = gemm_inputs(key, m, 256, 128, jnp.bfloat16)
   ks = jax.random.split(key, 2)
   ops_ = {"r": normal(ks[0], (m,)), "res": normal(ks[1], (m, 256), jnp.bfloat16)}
@@ -168,6 +170,40 @@ def test_rows_that_do_not_tile_are_padded(key, kernel_calls, kernel_impl, m):
   assert_within_baseline(got["y"], truth["y"], unfused["y"], "y")
   for name in ("ss", "cs"):
     assert rel_err(got[name], truth[name]) < 1e-4, name
+
+
+def test_clipped_rows_where_the_compiled_kernel_can():
+  """Which M the compiled kernel clips instead of padding: multiples of 8 whose program
+  keeps zero rows; never in the interpreter; never M = 65 (not a 16-byte TMA stride);
+  never under a step that moves zero rows when column sums are taken."""
+  def shape(m, program, compiled):
+    a, b = jnp.zeros((m, 128), jnp.bfloat16), jnp.zeros((128, 256), jnp.bfloat16)
+    ops_ = {"r": jnp.zeros((m,)), "res": jnp.zeros((m, 256), jnp.bfloat16)}
+    call = dispatch.Call(program=tuple(program), inputs=tuple(
+        (nm, kind) for nm, kind in ops._declared(tuple(program), m, 256)[0].items()),
+        outputs=ops._declared(tuple(program), m, 256)[1], column_group=1)
+    return dispatch.padded_shape(call, a, b, {k: v for k, v in ops_.items()
+                                              if k in dict(call.inputs)}, compiled=compiled)
+  assert shape(200, PAD_PROGRAM, True) == (200, 128, True)
+  assert shape(200, PAD_PROGRAM, False) == (256, 128, False)
+  assert shape(65, PAD_PROGRAM, True) == (128, 128, False)
+  assert shape(256, PAD_PROGRAM, True).m == 256
+  with pytest.raises(ValueError, match="does not tile, even with M and K padded"):
+    shape(200, [_AddOne(), cj.ColSum("cs"), cj.Store("y")], True)
+  assert shape(200, [_AddOne(), cj.Store("y")], True) == (200, 128, True)  # no column sums
+
+
+def test_clip_m_is_checked():
+  """``clip_m``: M a multiple of 8 (TMA strides), and the compiled kernel only."""
+  cfg = pallas_kernels.default_config(200, 256, 128, clip_m=True)
+  assert cfg.cluster_tile[0] > 200 or 200 % cfg.cluster_tile[0]  # the fastest, unclipped
+  with pytest.raises(ValueError, match="multiple of 8"):
+    pallas_kernels.default_config(196, 256, 128, clip_m=True)
+  a, b = jnp.zeros((200, 128), jnp.bfloat16), jnp.zeros((128, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match="clip_m=True needs the compiled kernel"):
+    pallas_kernels.gemm(a, b, clip_m=True, interpret=pallas_kernels.interpret_params())
+  with pytest.raises(ValueError, match="M need not be with clip_m"):
+    pallas_kernels.gemm(a, b, config=cfg, interpret=pallas_kernels.interpret_params())
 
 
 def test_contraction_that_does_not_tile_is_padded(key, kernel_calls, kernel_impl):
