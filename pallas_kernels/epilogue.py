@@ -107,7 +107,7 @@ def output_shape(out: EpilogueOutput, m: int, n: int, epi_m: int, epi_n: int):
     return (m, out.scaled(n))
   if out.kind == OutputKind.ROW_PARTIAL:
     return (n // epi_n, m)
-  return (-(-m // epi_m), out.scaled(n))  # a sub-tile row each (the last may be clipped)
+  return (m // epi_m, out.scaled(n))
 
 
 class EpilogueTile:

@@ -1031,13 +1031,25 @@ def gemm(a: jax.Array, b: jax.Array, *,
   kernel_name = (f"coda_gemm_{config.schedule.name.lower()}" if mainloop
                  else "coda_gemm_epilogue_only")
 
+  # Partial outputs span every row of tiles, past M where clip_m leaves the last row of
+  # tiles reaching beyond it: a (tiles, M) row partial's rows are contiguous, and Mosaic
+  # GPU merges contiguous dimensions of a TMA store, so a store past M would land in the
+  # next row instead of being dropped. Row partials are sliced back to M; column
+  # partials keep their extra rows, which the caller's zero rows leave zero.
+  rows_m = -(-m // config.cluster_tile[0]) * config.cluster_tile[0]
+  partial_m = lambda o: m if o.kind == epi.OutputKind.TILE else rows_m
+
+  def unclip(results):
+    return {nm: v[:, :m] if specs[nm].kind == epi.OutputKind.ROW_PARTIAL and rows_m != m
+            else v for nm, v in results.items()}
+
   def make_kernel(in_place):
     """The kernel, with the outputs in ``in_place`` written into their operands' Refs."""
     return plgpu.kernel(
         functools.partial(body, input_names=names_in, input_kinds=staged(in_place),
                           outputs=outputs, epilogue=epilogue, in_place=in_place),
         out_type=tuple(
-            jax.ShapeDtypeStruct(epi.output_shape(o, m, n, config.epi_tile_m,
+            jax.ShapeDtypeStruct(epi.output_shape(o, partial_m(o), n, config.epi_tile_m,
                                                   config.epi_tile_n), o.dtype)
             for o in outputs if o.name not in in_place),
         grid=(grid,), grid_names=("sm",), cluster=(cluster,), cluster_names=("cluster",),
@@ -1052,7 +1064,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
   lead = (a, b) if mainloop else ()
   if not in_place:
     results = make_kernel({})(*lead, *(inputs[nm][1] for nm in names_in))
-    return dict(zip(names, results))
+    return unclip(dict(zip(names, results)))
 
   def run_in_place(*args):  # a and b where there is a product, then the operands
     # Optimization barriers on both sides of the aliased buffer: without them XLA's GPU
@@ -1086,4 +1098,4 @@ def gemm(a: jax.Array, b: jax.Array, *,
     outs = jax.vmap(lambda *xs: tuple(fresh(*xs)))(*args)
     return outs, tuple(True for _ in outs)
 
-  return dict(zip(names, run(*lead, *(inputs[nm][1] for nm in names_in))))
+  return unclip(dict(zip(names, run(*lead, *(inputs[nm][1] for nm in names_in)))))

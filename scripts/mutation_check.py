@@ -343,8 +343,8 @@ MUTATIONS = [
             "use the same shared scratch"),
     Mutation(
         "column_sums_via_env_ignored", "coda_jax/dispatch.py",
-        "                column_sum_turns=all(p.column_sums_via_env() for p in call.program))",
-        "                column_sum_turns=True)",
+        "                column_sum_turns=all(p.column_sums_via_env() for p in call.program),\n",
+        "                column_sum_turns=True,\n",
         ("tests/test_primitives.py", "-k", "every_step_says_so"),
         why="a program with a step that sums rows itself (not through env.column_sum) "
             "gets per-sum turns: its own sums race for the shared scratch on the GPU"),
@@ -810,6 +810,23 @@ MUTATIONS = [
         '  return out["dz"], out["c"]',
         ("tests/test_fused_ops.py", "-k", "rope_backward"),
         "c = <dqkv, qkv> not divided by the norm's width"),
+    # ---- M clipped by TMA instead of padded ------------------------------------------------
+    Mutation(
+        "clip_m_floor_tiles", "pallas_kernels/gemm_mgpu.py",
+        "  m_iters, n_iters, k_iters = -(-m // cluster_tile_m), n // cluster_tile_n, k // tk\n"
+        "  share_a",
+        "  m_iters, n_iters, k_iters = m // cluster_tile_m, n // cluster_tile_n, k // tk\n"
+        "  share_a",
+        ("tests/test_dispatch.py", "tests/test_fused_ops.py", "-k",
+         "padded or token_counts"),
+        "the cooperative kernel drops the clipped last row of tiles (GPU only: the "
+        "interpreter pads instead)", gpu_only=True),
+    Mutation(
+        "clip_m_under_a_step_that_moves_zero", "coda_jax/dispatch.py",
+        "  clip = compiled and pad_m_ok and m % pk.CLIP_M_MULTIPLE == 0",
+        "  clip = compiled and m % pk.CLIP_M_MULTIPLE == 0",
+        ("tests/test_dispatch.py", "-k", "clip"),
+        "M clipped where the rows past it would reach column sums with nonzero values"),
 ]
 
 
