@@ -92,7 +92,8 @@ def main():
   prov = common.provenance()
   rows = []
   for i, name in enumerate(args.shapes.split(",")):
-    rows += run_shape(name, *SHAPES[name], args.iterations, jax.random.key(i))
+    rows += [dict(r, **prov) for r in run_shape(name, *SHAPES[name], args.iterations,
+                                                jax.random.key(i))]
   md = markdown(rows, prov)
   out = common.write_results("accumulate_store", rows, md, out=args.out)
   print(f"wrote {out / 'accumulate_store.md'}\n")
