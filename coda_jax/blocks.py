@@ -97,8 +97,9 @@ POST_KEYS = ("wo", "g_mlp", "w13", "w2", "g_final", "wlm")
 # The QK-norm weights (BlockConfig.qk_norm): extra shifted-block params, "g_" as every
 # norm weight (kept in fp32 by the casts).
 QK_NORM_KEYS = ("g_q_norm", "g_k_norm")
-# Token counts (M) that every kernel config tiles as they are: any other M is padded to
-# a tile by each GEMM (``dispatch.padded_shape``), or once per step by a caller that can
+# Token counts (M) that every kernel config tiles as they are: any other M is clipped by
+# TMA (a multiple of 8, on the GPU) or padded to a tile by each GEMM
+# (``dispatch.padded_shape``), or padded once per step by a caller that can
 # (``flax_layers.model.Llama.loss`` pads its sequences).
 ROW_MULTIPLE = 256
 
