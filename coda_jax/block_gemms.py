@@ -10,7 +10,6 @@ import jax.numpy as jnp
 
 from coda_jax import dispatch
 from coda_jax import primitives as P
-from coda_jax import jnp_reference as ref
 from coda_jax.grad_primitives import ExpShifted, GatedGrad, RmsNormGrad, SoftmaxXentGrad
 from coda_jax.ops import epilogue_pass, gemm_epilogue
 from coda_jax.partitioning import set_row_columns

@@ -935,7 +935,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
       with zero operands to zero (or declare no column partials). Compiled kernels
       only (the interpreter clamps out-of-range slices instead of filling zeros).
   Returns:
-    dict of output name to array, shapes per ``epilogue.output_shape``.
+    dict of output name to array, shapes per ``epilogue.output_shape`` (with
+    ``clip_m``, column partials keep a row for each row of sub-tiles, past M too).
   """
   inputs = dict(inputs or {})
   outputs = tuple(outputs) if outputs is not None else (epi.EpilogueOutput("out", dtype=a.dtype),)
