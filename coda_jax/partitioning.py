@@ -211,10 +211,19 @@ def _rule(sc, mesh, value_types, result_types):
   (g c) when the program has column groups of width c (only g, whole groups, may be
   split); a column dimension of width N * w is then (g c') with c' = c * w."""
   del mesh, result_types
+  a, b, ops, res, sizes = _rule_parts(sc, value_types[1].shape[0 if sc.call.trans_b else 1],
+                                      value_types[2:])
+  rule = ", ".join([a, b, *ops]) + " -> " + ", ".join(res)
+  return rule, dict(reduction_factors=("k",), **sizes)
+
+
+def _rule_parts(sc, n, operand_types):
+  """(a's, b's, the operands', the results' factor strings, factor sizes) of ``_rule``
+  for N columns."""
   call = sc.call
   sizes, need = {}, []
   if call.column_group > 1:
-    sizes["g"] = list(value_types[1].shape)[0 if call.trans_b else 1] // call.column_group
+    sizes["g"] = n // call.column_group
 
   def cols(width):
     if call.column_group == 1:
@@ -233,13 +242,87 @@ def _rule(sc, mesh, value_types, result_types):
   res = []
   for name, (kind, width) in sorted(dispatch.finished_kinds(call).items()):  # a dict's leaf order
     res.append(f"m {cols(width)}" if kind == "tile" else cols(width) if kind == "col" else "m")
-  rule = ", ".join([a, b, *ops]) + " -> " + ", ".join(res)
-  return rule, dict(reduction_factors=("k",), need_replication_factors=tuple(need), **sizes)
+  del operand_types  # the factors follow the operands' kinds, not their shapes
+  return a, b, ops, res, dict(need_replication_factors=tuple(need), **sizes)
 
 
 _partitioned = custom_partitioning(_whole, static_argnums=(0,))
 _partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer,
                            sharding_rule=_rule)
+
+
+# ---- K = 0 (``ops.epilogue_pass``): a and b are placeholders of shape only -------------
+# XLA's CPU compiler crashed (a segfault, jax 0.11.2) on zero-size arrays passed into
+# jax.shard_map; so a pass's zero-size a and b never cross the split: each shard makes
+# its own from its tile operands' local shape.
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+  """What a K = 0 call keeps of its placeholders: their dtype, and the rows of a."""
+  sc: ShardedCall
+  dtype: jnp.dtype
+  m: int
+  n: int
+
+
+def _placeholders(ps: _Pass, m, n):
+  call = ps.sc.call
+  a = jnp.zeros((0, m) if call.trans_a else (m, 0), ps.dtype)
+  b = jnp.zeros((n, 0) if call.trans_b else (0, n), ps.dtype)
+  return a, b
+
+
+def _pass_shapes(ps: _Pass, mesh, value_shapes):
+  """Stand-ins for a and b's shapes, sharded as the pass's first tile operand's rows
+  and columns, for ``choose_layout`` and the rule."""
+  tile = next(v for nm, v in zip(ps.sc.operand_names, value_shapes)
+              if ps.sc.kinds()[nm] in (pk.InputKind.TILE, pk.InputKind.WIDE_TILE))
+  m_axes, n_axes = (tuple(_spec_dims(tile)) + ((), ()))[:2]
+  call = ps.sc.call
+  spec = lambda *d: NamedSharding(mesh, PartitionSpec(*[x or None for x in d]))
+  a = (jax.ShapeDtypeStruct((0, ps.m), ps.dtype, sharding=spec((), m_axes)) if call.trans_a
+       else jax.ShapeDtypeStruct((ps.m, 0), ps.dtype, sharding=spec(m_axes, ())))
+  b = (jax.ShapeDtypeStruct((ps.n, 0), ps.dtype, sharding=spec(n_axes, ())) if call.trans_b
+       else jax.ShapeDtypeStruct((0, ps.n), ps.dtype, sharding=spec((), n_axes)))
+  return [a, b, *value_shapes]
+
+
+def _pass_whole(ps: _Pass, *values):
+  a, b = _placeholders(ps, ps.m, ps.n)
+  return dispatch.run(ps.sc.call, a, b, dict(zip(ps.sc.operand_names, values)), ps.sc.impl)
+
+
+def _pass_lower(ps: _Pass, mesh, layout):
+  n_local = ps.n // _size(mesh, layout.n)
+  m_local = ps.m // _size(mesh, layout.m)
+  return lambda *values: local_call(ps.sc, layout, n_local,
+                                    *_placeholders(ps, m_local, n_local), *values)
+
+
+def _pass_partition(ps, mesh, arg_shapes, result_shape):
+  del result_shape
+  shapes = _pass_shapes(ps, mesh, arg_shapes)
+  layout = choose_layout(ps.sc, mesh, shapes)
+  named = lambda spec: NamedSharding(mesh, spec)
+  return (mesh, _pass_lower(ps, mesh, layout),
+          {k: named(v) for k, v in _result_specs(ps.sc, layout).items()},
+          tuple(named(s) for s in _arg_specs(ps.sc, layout)[2:]))
+
+
+def _pass_infer(ps, mesh, arg_shapes, result_shape):
+  del result_shape
+  layout = choose_layout(ps.sc, mesh, _pass_shapes(ps, mesh, arg_shapes))
+  return {k: NamedSharding(mesh, v) for k, v in _result_specs(ps.sc, layout).items()}
+
+
+def _pass_rule(ps, mesh, value_types, result_types):
+  del mesh, result_types
+  _, _, ops, res, sizes = _rule_parts(ps.sc, ps.n, value_types)
+  return ", ".join(ops) + " -> " + ", ".join(res), sizes
+
+
+_pass_partitioned = custom_partitioning(_pass_whole, static_argnums=(0,))
+_pass_partitioned.def_partition(partition=_pass_partition, infer_sharding_from_operands=_pass_infer,
+                                sharding_rule=_pass_rule)
 
 
 def explicit_mesh(*arrays):
@@ -260,18 +343,24 @@ def call(sc: ShardedCall, a, b, *values) -> dict:
   Explicitly sharded operands (their types carry the mesh) go through ``jax.shard_map``
   with the layout read from the types; others through ``custom_partitioning``, whose
   rule XLA's partitioner runs with the shardings it chose. The rule is the same."""
-  mesh = explicit_mesh(a, b, *values)
+  m, n, k = pk.check_operands(a, b, sc.call.trans_a, sc.call.trans_b)
+  ps = _Pass(sc, a.dtype, m, n) if k == 0 else None
+  mesh = explicit_mesh(*values) if ps else explicit_mesh(a, b, *values)
   if mesh is None:
-    return _partitioned(sc, a, b, *values)
-  arrays = (a, b, *values)
-  layout = choose_layout(sc, mesh, [jax.typeof(x) for x in arrays])
-  arg_specs = _arg_specs(sc, layout)
-  arrays = [jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(arrays, arg_specs)]
-  n = b.shape[0 if sc.call.trans_b else 1]
-  fn = jax.shard_map(lambda *xs: local_call(sc, layout, n // _size(mesh, layout.n), *xs),
-                     mesh=mesh, in_specs=arg_specs, out_specs=_result_specs(sc, layout),
-                     check_vma=False)
-  return fn(*arrays)
+    return _pass_partitioned(ps, *values) if ps else _partitioned(sc, a, b, *values)
+  if ps:
+    layout = choose_layout(sc, mesh, _pass_shapes(ps, mesh, [jax.typeof(x) for x in values]))
+    arg_specs = _arg_specs(sc, layout)[2:]
+    body = _pass_lower(ps, mesh, layout)
+  else:
+    values = (a, b, *values)
+    layout = choose_layout(sc, mesh, [jax.typeof(x) for x in values])
+    arg_specs = _arg_specs(sc, layout)
+    body = lambda *xs: local_call(sc, layout, n // _size(mesh, layout.n), *xs)
+  values = [jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(values, arg_specs)]
+  fn = jax.shard_map(body, mesh=mesh, in_specs=arg_specs,
+                     out_specs=_result_specs(sc, layout), check_vma=False)
+  return fn(*values)
 
 
 __all__ = ["Layout", "ShardedCall", "call", "choose_layout", "explicit_mesh", "local_call"]

@@ -15,7 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from coda_jax import blocks, fused_ops as F, layout  # noqa: E402
+from coda_jax import blocks, fused_ops as F, layout, qk_norm  # noqa: E402
 
 IMPL = sys.argv[1] if len(sys.argv) > 1 else "xla"
 # On a GPU (2 devices: the tensor-parallel mesh is then data=1 x model=2) the sizes tile
@@ -67,6 +67,12 @@ CASES = {
         lambda h, r, w, p, c: dot(F.rmsnorm_qkv_rope(h, r, w, p, n_q_heads=HQ, n_kv_heads=HKV,
                                                      head_dim=HD, impl=IMPL), c),
         (h, r, wqkv, pos, ct_q), (R, R, W, R, R), (0, 1, 2)),
+    # its backward is an epilogue pass (K = 0), whose placeholders must not cross the split
+    "rmsnorm_qkv_qknorm_rope": (
+        lambda h, r, w, p, qw, kw, c: dot(qk_norm.rmsnorm_qkv_qknorm_rope(
+            h, r, w, p, qw, kw, n_q_heads=HQ, n_kv_heads=HKV, head_dim=HD, eps=1e-6,
+            theta=1e6, impl=IMPL), c),
+        (h, r, wqkv, pos, gain(HD), gain(HD), ct_q), (R, R, W, R, W, W, R), (0, 1, 2, 4, 5)),
     "rmsnorm_lm_head_loss": (
         lambda h, r, w, t: F.rmsnorm_lm_head_loss(h, r, w, t, reduction="sum", impl=IMPL),
         (h, r, wlm, tgt), (R, R, W, R), (0, 1, 2)),
