@@ -674,8 +674,9 @@ MUTATIONS = [
         "the 3-GEMM head's column sums (the final norm's dg) keep only the last chunk"),
     Mutation(
         "in_place_ref_outside_custom_vmap", "pallas_kernels/gemm_mgpu.py",
-        "  return dict(zip(names, run(*lead, *(inputs[nm][1] for nm in names_in))))",
-        "  return dict(zip(names, run_in_place(*lead, *(inputs[nm][1] for nm in names_in))))",
+        "  return unclip(dict(zip(names, run(*lead, *(inputs[nm][1] for nm in names_in)))))",
+        "  return unclip(dict(zip(names, run_in_place(*lead, *(inputs[nm][1] for nm in "
+        "names_in)))))",
         ("tests/test_in_place.py", "-k", "checkpointed"),
         "the in-place kernel's Ref is made and frozen in the caller's trace, not inside a "
         "pure wrapper: under jax.checkpoint the re-run forward reads an unwritten Ref (dW "
