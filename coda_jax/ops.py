@@ -205,9 +205,9 @@ def epilogue_pass(program: Sequence[P.Primitive], operands: dict[str, jax.Array]
   if t.ndim != 2:
     raise ValueError(f"epilogue_pass: tile operand {tiles[0]!r} has shape {t.shape}, "
                      "expected (M, N)")
-  # Zero-size operands sliced from the tile carry its row and column shardings to the
-  # per-shard rule; the kernel never reads them. Their dtype picks the implementations
-  # (16-bit for the kernel), not the program's precision.
+  # Zero-size placeholders: K = 0 and the pass's M and N (a sharded call makes each
+  # shard its own: coda_jax.partitioning). The kernel never reads them; their dtype picks
+  # the implementations (16-bit for the kernel), not the program's precision.
   dt = t.dtype if t.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
   return gemm_epilogue(t[:, :0].astype(dt), t[:0, :].astype(dt), program, operands,
                        impl=impl, config=config, in_place=in_place)

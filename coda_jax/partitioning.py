@@ -211,13 +211,12 @@ def _rule(sc, mesh, value_types, result_types):
   (g c) when the program has column groups of width c (only g, whole groups, may be
   split); a column dimension of width N * w is then (g c') with c' = c * w."""
   del mesh, result_types
-  a, b, ops, res, sizes = _rule_parts(sc, value_types[1].shape[0 if sc.call.trans_b else 1],
-                                      value_types[2:])
+  a, b, ops, res, sizes = _rule_parts(sc, value_types[1].shape[0 if sc.call.trans_b else 1])
   rule = ", ".join([a, b, *ops]) + " -> " + ", ".join(res)
   return rule, dict(reduction_factors=("k",), **sizes)
 
 
-def _rule_parts(sc, n, operand_types):
+def _rule_parts(sc, n):
   """(a's, b's, the operands', the results' factor strings, factor sizes) of ``_rule``
   for N columns."""
   call = sc.call
@@ -242,7 +241,6 @@ def _rule_parts(sc, n, operand_types):
   res = []
   for name, (kind, width) in sorted(dispatch.finished_kinds(call).items()):  # a dict's leaf order
     res.append(f"m {cols(width)}" if kind == "tile" else cols(width) if kind == "col" else "m")
-  del operand_types  # the factors follow the operands' kinds, not their shapes
   return a, b, ops, res, dict(need_replication_factors=tuple(need), **sizes)
 
 
@@ -257,7 +255,7 @@ _partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_i
 # its own from its tile operands' local shape.
 @dataclasses.dataclass(frozen=True)
 class _Pass:
-  """What a K = 0 call keeps of its placeholders: their dtype, and the rows of a."""
+  """What a K = 0 call keeps of its placeholders: their dtype and the global M and N."""
   sc: ShardedCall
   dtype: jnp.dtype
   m: int
@@ -292,6 +290,7 @@ def _pass_whole(ps: _Pass, *values):
 
 
 def _pass_lower(ps: _Pass, mesh, layout):
+  """The per-shard function of a pass: ``local_call`` on this shard's own placeholders."""
   n_local = ps.n // _size(mesh, layout.n)
   m_local = ps.m // _size(mesh, layout.m)
   return lambda *values: local_call(ps.sc, layout, n_local,
@@ -299,24 +298,19 @@ def _pass_lower(ps: _Pass, mesh, layout):
 
 
 def _pass_partition(ps, mesh, arg_shapes, result_shape):
-  del result_shape
+  """``_partition`` on the placeholders' stand-ins, less their shardings and lowering."""
   shapes = _pass_shapes(ps, mesh, arg_shapes)
-  layout = choose_layout(ps.sc, mesh, shapes)
-  named = lambda spec: NamedSharding(mesh, spec)
-  return (mesh, _pass_lower(ps, mesh, layout),
-          {k: named(v) for k, v in _result_specs(ps.sc, layout).items()},
-          tuple(named(s) for s in _arg_specs(ps.sc, layout)[2:]))
+  mesh, _, results, args = _partition(ps.sc, mesh, shapes, result_shape)
+  return mesh, _pass_lower(ps, mesh, choose_layout(ps.sc, mesh, shapes)), results, args[2:]
 
 
 def _pass_infer(ps, mesh, arg_shapes, result_shape):
-  del result_shape
-  layout = choose_layout(ps.sc, mesh, _pass_shapes(ps, mesh, arg_shapes))
-  return {k: NamedSharding(mesh, v) for k, v in _result_specs(ps.sc, layout).items()}
+  return _infer(ps.sc, mesh, _pass_shapes(ps, mesh, arg_shapes), result_shape)
 
 
 def _pass_rule(ps, mesh, value_types, result_types):
-  del mesh, result_types
-  _, _, ops, res, sizes = _rule_parts(ps.sc, ps.n, value_types)
+  del mesh, value_types, result_types
+  _, _, ops, res, sizes = _rule_parts(ps.sc, ps.n)
   return ", ".join(ops) + " -> " + ", ".join(res), sizes
 
 

@@ -21,6 +21,7 @@ pair halved the value or a gated backward doubled it):
   row_partial  (N // epi_tile_n, M) fp32; ``tile.store`` takes (epi_m,): one partial per
                row and epilogue column block, finished by a reduction over axis 0.
   col_partial  (M // epi_tile_m, N * width) fp32; ``tile.store`` takes (epi_n * width,).
+               (With ``gemm``'s ``clip_m``, a row for every row of sub-tiles, past M too.)
 
 A tile output may name ``adds_to``, a tile operand of its shape and dtype (float32): the
 kernel adds that operand's values to what the epilogue stores (an accumulator, e.g. a
