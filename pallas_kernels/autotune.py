@@ -163,21 +163,42 @@ def cache_paths() -> list[Path]:
   return [user_cache_path(), SHIPPED_CACHE]
 
 
-# How far (a factor) a cached problem's M may be from the asked one for its config to
-# serve (``lookup_with_source``): the same N, K, orders, dtype and program at a nearby
-# row count tiles the same way and is bound the same way. Further apart (a tiny
-# evaluation batch against a training one), the heuristic serves instead.
-NEARBY_M_FACTOR = 2
+# How far (a factor) a cached problem's token count may be from the asked one for its
+# config to serve (``lookup_with_source``): the same problem at a nearby row count M (a
+# forward or data-gradient GEMM) or a nearby contraction K (a weight gradient, A^T @ dY,
+# whose K is the tokens) tiles the same way and is bound the same way. Further apart (a
+# tiny evaluation batch against a training one), the heuristic serves instead.
+NEARBY_FACTOR = 2
+
+
+def _nearby(key: ProblemKey, other: ProblemKey) -> tuple[str, int] | None:
+  """("M" or "K", the other's size) where ``other`` is ``key`` at another M or another
+  K (not both) within ``NEARBY_FACTOR``; else None. K = 0 (an epilogue pass) has no
+  nearby K."""
+  for dim in ("m", "k"):
+    mine, theirs = getattr(key, dim), getattr(other, dim)
+    if (mine != theirs and mine > 0 and theirs > 0
+        and dataclasses.replace(key, **{dim: theirs}) == other
+        and mine <= theirs * NEARBY_FACTOR and theirs <= mine * NEARBY_FACTOR):
+      return dim.upper(), theirs
+  return None
 
 
 def lookup_with_source(key: ProblemKey, clip_m: bool = False
                        ) -> tuple[g.GemmConfig | None, str | None]:
-  """The cached config for this problem and where it came from: ``"tuned"`` (this key),
-  ``"tuned at M=<m>"`` (the same problem at the nearest cached M within a factor
-  ``NEARBY_M_FACTOR``, whose config tiles this M, or with ``clip_m`` (``gemm``'s) need
-  not; the larger M on a tie), or
-  ``(None, None)``. The first cache in ``cache_paths`` that has the key wins; a nearby
-  M is looked for only where no cache has the key itself."""
+  """The cached config for this problem and where it came from.
+
+  Args:
+    key: the problem.
+    clip_m: ``gemm``'s: M need not be a multiple of the config's cluster tile.
+
+  Returns:
+    ``(config, "tuned")`` for this key; else ``(config, "tuned at M=<m>")`` or
+    ``(config, "tuned at K=<k>")``: the same problem at the nearest cached M, or K,
+    within a factor ``NEARBY_FACTOR`` whose config tiles this problem (the larger size
+    on a tie, M before K); else ``(None, None)``. The first cache in ``cache_paths``
+    that has the key wins; nearby sizes are looked for only where no cache has it.
+  """
   text = key.text()
   for path in cache_paths():
     entry = _entries(path).get(text)
@@ -186,23 +207,24 @@ def lookup_with_source(key: ProblemKey, clip_m: bool = False
   near = []
   for path in cache_paths():
     for other, entry in _entries(path).items():
-      m = ProblemKey.from_text(other).m
-      if (dataclasses.replace(key, m=m).text() == other
-          and key.m <= m * NEARBY_M_FACTOR and m <= key.m * NEARBY_M_FACTOR):
-        near.append((abs(math.log(m / key.m)), -m, entry["config"]))
-  for _, neg_m, cfg_dict in sorted(near, key=lambda t: t[:2]):
+      found = _nearby(key, ProblemKey.from_text(other))
+      if found is not None:
+        dim, size = found
+        mine = key.m if dim == "M" else key.k
+        near.append((abs(math.log(size / mine)), -size, dim, entry["config"]))
+  for _, neg_size, dim, cfg_dict in sorted(near, key=lambda t: t[:3]):
     cfg = config_from_dict(cfg_dict)
     try:
       g._check_tiling(key.m, key.n, key.k, cfg, key.trans_a, key.trans_b, clip_m)
     except ValueError:
-      continue  # e.g. M not a multiple of that config's cluster tile
-    return cfg, f"tuned at M={-neg_m}"
+      continue  # e.g. M not a multiple of that config's cluster tile, or K of its tile_k
+    return cfg, f"tuned at {dim}={-neg_size}"
   return None, None
 
 
 def lookup(key: ProblemKey, clip_m: bool = False) -> g.GemmConfig | None:
-  """The cached config for this problem (or for it at a nearby M: ``lookup_with_source``),
-  or None."""
+  """The cached config for this problem (or for it at a nearby M or K:
+  ``lookup_with_source``), or None."""
   return lookup_with_source(key, clip_m)[0]
 
 
@@ -322,7 +344,7 @@ def record(problem: Problem) -> None:
 
 def chosen_config(problem: Problem) -> tuple[g.GemmConfig, str]:
   """What ``gemm(config=None)`` runs for a recorded problem, and where it came from
-  ("tuned", "tuned at M=<m>" or "default"): for benchmark tables."""
+  ("tuned", "tuned at M=<m>", "tuned at K=<k>" or "default"): for benchmark tables."""
   tuned, source = lookup_with_source(problem.key, problem.clip_m)
   if tuned is not None:
     return tuned, source

@@ -773,16 +773,28 @@ MUTATIONS = [
         "the final norm's zdz term not divided by D on the exp-store path"),
     Mutation(
         "nearby_m_config_not_tiling", "pallas_kernels/autotune.py",
-        "      continue  # e.g. M not a multiple of that config's cluster tile",
-        "      pass  # e.g. M not a multiple of that config's cluster tile",
+        "      continue  # e.g. M not a multiple of that config's cluster tile, or K of its tile_k",
+        "      pass  # e.g. M not a multiple of that config's cluster tile, or K of its tile_k",
         ("tests/test_autotune.py", "-k", "nearby"),
         "a config tuned at a nearby M is used where it does not tile this M"),
     Mutation(
         "nearby_m_any_distance", "pallas_kernels/autotune.py",
-        "          and key.m <= m * NEARBY_M_FACTOR and m <= key.m * NEARBY_M_FACTOR):",
-        "          ):",
+        "        and mine <= theirs * NEARBY_FACTOR and theirs <= mine * NEARBY_FACTOR):",
+        "        ):",
         ("tests/test_autotune.py", "-k", "nearby"),
         "a config tuned at any M serves, however far from this one"),
+    Mutation(
+        "nearby_k_not_looked_for", "pallas_kernels/autotune.py",
+        '  for dim in ("m", "k"):',
+        '  for dim in ("m",):',
+        ("tests/test_autotune.py", "-k", "nearby"),
+        "a weight gradient at a token count no cache has (its K) gets the heuristic"),
+    Mutation(
+        "nearby_both_m_and_k", "pallas_kernels/autotune.py",
+        "        and dataclasses.replace(key, **{dim: theirs}) == other",
+        "        and dataclasses.replace(key, m=other.m, k=other.k) == other",
+        ("tests/test_autotune.py", "-k", "nearby"),
+        "a problem at another M and another K counts as nearby"),
     # ---- Store(add_to): the dW accumulation written by the TMA store itself -------------
     Mutation(
         "store_adds_staged_add_dropped", "pallas_kernels/gemm_mgpu.py",

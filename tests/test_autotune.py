@@ -50,11 +50,11 @@ def test_store_then_lookup(cache):
   assert autotune.lookup(_key()) is None
   autotune.store(_key(), {"config": autotune.config_to_dict(PINGPONG), "ms": 0.1})
   assert autotune.lookup(_key()) == PINGPONG
-  assert autotune.lookup(_key(k=192)) is None  # another problem
+  assert autotune.lookup(_key(k=512)) is None  # another problem (K over 2x away)
   assert autotune.lookup(dataclasses.replace(_key(), jax_version="0.12.0")) is None
-  autotune.store(_key(k=192), {"config": autotune.config_to_dict(GemmConfig()), "ms": 0.2})
+  autotune.store(_key(k=512), {"config": autotune.config_to_dict(GemmConfig()), "ms": 0.2})
   assert autotune.lookup(_key()) == PINGPONG  # kept
-  assert autotune.lookup(_key(k=192)) == GemmConfig()
+  assert autotune.lookup(_key(k=512)) == GemmConfig()
 
 
 def test_lookup_at_nearby_m(cache):
@@ -82,6 +82,32 @@ def test_lookup_at_nearby_m(cache):
   autotune.store(_key(m=2304), {"config": autotune.config_to_dict(big)})
   assert autotune.lookup_with_source(_key(m=2176)) == (small, "tuned at M=4096")
   assert autotune.lookup_with_source(_key(m=2304)) == (big, "tuned")
+
+
+def test_lookup_at_nearby_k(cache):
+  """A weight gradient's tokens are its K: a problem tuned at another K serves within a
+  factor of 2 where its tile_k divides this K; one at another M and K does not; an
+  epilogue pass (K = 0) has no nearby K; a nearby M comes before a nearby K on a tie."""
+  k64 = dataclasses.replace(PINGPONG, tile_k=64)
+  autotune.store(_key(m=2048, k=16384), {"config": autotune.config_to_dict(k64)})
+  assert autotune.lookup_with_source(_key(m=2048, k=16000)) == (k64, "tuned at K=16384")
+  assert autotune.lookup_with_source(_key(m=2048, k=9216)) == (k64, "tuned at K=16384")
+  assert autotune.lookup_with_source(_key(m=2048, k=8000)) == (None, None)  # over 2x
+  assert autotune.lookup(_key(m=2048, k=16008)) is None  # 64 does not divide it
+  assert autotune.lookup(_key(m=1536, k=16000)) is None  # another M and another K
+  assert autotune.lookup(_key(m=2048, k=16000, n=512)) is None  # another N
+  autotune.store(_key(m=2048, k=16032), {"config": autotune.config_to_dict(PINGPONG)})
+  assert autotune.lookup_with_source(_key(m=2048, k=16000)) == (PINGPONG, "tuned at K=16032")
+  # 16384 is nearer to 16352 (= 511 x 32), but only 16032's tile_k (32) divides it
+  assert autotune.lookup_with_source(_key(m=2048, k=16352)) == (PINGPONG, "tuned at K=16032")
+  no_product = GemmConfig(tile_m=64, tile_n=64, cluster_dim=None, epi_tile_n=32)
+  autotune.store(_key(m=1024, k=0), {"config": autotune.config_to_dict(no_product)})
+  assert autotune.lookup(_key(m=1024, k=64)) is None  # a pass is not a nearby GEMM
+  assert autotune.lookup_with_source(_key(m=768, k=0)) == (no_product, "tuned at M=1024")
+  # equally far in M (x2) and in K (x2): the M neighbour
+  autotune.store(_key(m=512, k=128), {"config": autotune.config_to_dict(PINGPONG)})
+  autotune.store(_key(m=256, k=256), {"config": autotune.config_to_dict(k64)})
+  assert autotune.lookup_with_source(_key(m=256, k=128)) == (PINGPONG, "tuned at M=512")
 
 
 def test_chosen_config_names_a_nearby_m(cache):
