@@ -2,10 +2,39 @@
 # Sets up (scripts/setup.sh) and runs the test suite. On a machine without a Hopper GPU
 # the kernels run through Mosaic GPU's CPU interpreter; on an H100/H200 they run compiled.
 # Extra arguments go to pytest.
+#
+# Workers (pytest-xdist): a pytest process keeps about 1.3 cores busy (the interpreter's
+# warpgroups are Python threads), so the suite runs in CODA_JAX_TEST_WORKERS processes:
+# by default, without a GPU, as many as there are cores and 8 GB of available memory
+# each (the heaviest files peak near 6 GB); with a GPU, up to 8 sharing it. Each test file
+# stays in one worker (--dist loadfile), so a module's fixtures (test_sharding's
+# multi-device subprocess) run once. `-n 0`, or an -n of your own, overrides this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=$(bash scripts/setup.sh)
 # The interpreter deadlocks on XLA's CPU thread pool on 2-core machines unless NPROC is
 # large (tests/conftest.py sets it too, for plain `pytest`).
 export NPROC="${NPROC:-32}"
-exec "$py" -m pytest tests "$@"
+# Workers share the GPU: none may take most of its memory up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
+workers_given=false
+for arg in "$@"; do
+  case "$arg" in -n|-n*|--numprocesses*|-pno:xdist|no:xdist) workers_given=true ;; esac
+done
+extra=()
+if ! $workers_given; then
+  cores=$(nproc)
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    workers=$(( cores < 8 ? cores : 8 ))
+  else
+    mem_gb=$(awk '/MemAvailable/ {print int($2 / 1048576)}' /proc/meminfo)
+    by_mem=$(( mem_gb / 8 > 1 ? mem_gb / 8 : 1 ))
+    workers=$(( cores < by_mem ? cores : by_mem ))
+  fi
+  workers="${CODA_JAX_TEST_WORKERS:-$workers}"
+  if [ "$workers" -gt 1 ]; then
+    extra=(-n "$workers" --dist loadfile)
+  fi
+  echo "test: $workers worker process(es) (CODA_JAX_TEST_WORKERS to change)" >&2
+fi
+exec "$py" -m pytest tests "${extra[@]}" "$@"
