@@ -32,12 +32,12 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax import fused_ops as F
-from coda_jax import jnp_reference as ref
 from coda_jax import block_gemms as S
 from coda_jax import dispatch
 from coda_jax import layout
 from coda_jax import primitives as P
 from coda_jax import qk_norm as Q
+from coda_jax import unfused
 from coda_jax.grad_primitives import RmsNormGrad
 from coda_jax.sharding import reduce_like, vary_like
 
@@ -88,7 +88,7 @@ class BlockConfig:
     return (self.n_q_heads + 2 * self.n_kv_heads) * self.head_dim
 
   def freqs(self):
-    return ref.qkv_freqs(self.n_q_heads, self.n_kv_heads, self.head_dim, self.rope_theta,
+    return layout.qkv_freqs(self.n_q_heads, self.n_kv_heads, self.head_dim, self.rope_theta,
                          self.rope_scaling)
 
 
@@ -234,7 +234,7 @@ def _qkv_grad(dqkv, kept, positions, norms, cfg, d_model):
 
 
 def _pre_fwd(x0, positions, g, wqkv, norms, cfg):
-  r0 = ref.rms_scale(x0, cfg.eps)
+  r0 = unfused.rms_scale(x0, cfg.eps)
   h0 = (x0.astype(jnp.float32) * g.astype(jnp.float32)).astype(x0.dtype)
   qkv, kept = _norm_qkv(h0, r0, wqkv.astype(x0.dtype), positions, norms, cfg)
   return qkv, (x0, positions, g, wqkv, norms, r0, kept)

@@ -33,9 +33,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from coda_jax import jnp_reference as ref
 from coda_jax import layout
 from coda_jax import block_gemms as S
+from coda_jax import unfused
 from coda_jax.primitives import ACTIVATIONS
 from coda_jax.sharding import reduce_like, vary_like
 
@@ -214,7 +214,7 @@ def _rmsnorm_swiglu_fwd(h, r, w13, block, activation, impl):
 
 def _rmsnorm_swiglu_bwd(block, activation, impl, saved, dy):
   h, r, w13, z = saved
-  dzf = ref.gated_grad(dy, z, block, activation)
+  dzf = unfused.gated_grad(dy, z, block, activation)
   dr = jnp.sum(dzf * z.astype(jnp.float32), axis=1) / r  # zdz: <dz, acc> = <dz, z> / r
   return _norm_gemm_grads(h, r, w13, dzf.astype(h.dtype), dr, impl)
 
@@ -255,14 +255,14 @@ def _rmsnorm_qkv_rope(h, r, wqkv, positions, heads, impl):
 
 
 def _qkv_fwd(h, r, wqkv, positions, heads, impl):
-  freqs = ref.qkv_freqs(*heads)
+  freqs = layout.qkv_freqs(*heads)
   qkv = S.norm_rope(h, r, wqkv.astype(h.dtype), positions, freqs, heads[2], impl)
   return qkv, (h, r, wqkv, positions, qkv)
 
 
 def _qkv_bwd(heads, impl, saved, dqkv):
   h, r, wqkv, positions, qkv = saved
-  dz, c = S.rope_grad(dqkv, qkv, positions, ref.qkv_freqs(*heads), heads[2], 1, impl)
+  dz, c = S.rope_grad(dqkv, qkv, positions, layout.qkv_freqs(*heads), heads[2], 1, impl)
   dh, dr, dw = _norm_gemm_grads(h, r, wqkv, dz, c / r, impl)
   return dh, dr, dw, None
 

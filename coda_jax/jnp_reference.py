@@ -13,38 +13,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from coda_jax import layout
+from coda_jax.layout import qkv_freqs  # noqa: F401  (re-exported: the reference's API)
 from coda_jax.primitives import ACTIVATIONS
-
-
-def rms_scale(x: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm's reciprocal RMS per row, fp32 (M,)."""
-  xf = x.astype(jnp.float32)
-  return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
-
-
-def _pairs(x, block):
-  """(M, N) pair-blocked -> (a, b), each (M, N / (2 block), block)."""
-  blocks = x.reshape(*x.shape[:-1], -1, 2, block)
-  return blocks[..., 0, :], blocks[..., 1, :]
-
-
-def _unpairs(a, b):
-  return jnp.stack([a, b], axis=-2).reshape(*a.shape[:-2], -1)
+# Shared with the fused path, which imports them from coda_jax.unfused, never from here.
+from coda_jax.unfused import gated_grad, layernorm_stats, rms_scale  # noqa: F401
+from coda_jax.unfused import pair_blocks as _pairs
 
 
 def gated(z: jax.Array, block: int, activation: str = "silu") -> jax.Array:
   """act(a) * b over the pair-blocked columns of z: (M, 2F) -> (M, F)."""
   a, b = _pairs(z, block)
   return (ACTIVATIONS[activation][0](a) * b).reshape(*z.shape[:-1], -1)
-
-
-def gated_grad(dy: jax.Array, z: jax.Array, block: int, activation: str = "silu"):
-  """dz of ``gated`` in z's layout, computed in fp32 (returns fp32)."""
-  a, b = _pairs(z.astype(jnp.float32), block)
-  g = dy.astype(jnp.float32).reshape(a.shape)
-  f, df = ACTIVATIONS[activation][1](a)
-  return _unpairs(g * b * df, g * f)
 
 
 def rotate(x: jax.Array, positions: jax.Array, freqs: jax.Array, block: int) -> jax.Array:
@@ -56,15 +35,6 @@ def rotate(x: jax.Array, positions: jax.Array, freqs: jax.Array, block: int) -> 
   sign = jnp.array([-1.0, 1.0], jnp.float32)[:, None]
   t = positions.astype(jnp.float32)[:, None, None, None] * freqs.reshape(1, -1, 2, block)
   return (x4 * jnp.cos(t) + sign * partner * jnp.sin(t)).reshape(x.shape).astype(x.dtype)
-
-
-def qkv_freqs(n_q_heads: int, n_kv_heads: int, head_dim: int, theta: float,
-              rope_scaling: layout.RopeScaling | None = None) -> jax.Array:
-  """Per-column RoPE frequencies of a fused [q | k | v] projection (v columns get 0)."""
-  heads = n_q_heads + 2 * n_kv_heads
-  v_heads = range(n_q_heads + n_kv_heads, heads)
-  return layout.rope_freqs(heads * head_dim, head_dim, theta, passthrough_heads=tuple(v_heads),
-                           scaling=rope_scaling)
 
 
 def residual_rmsnorm(y, w, residual, g, eps=1e-5):
@@ -211,14 +181,6 @@ def rmsnorm_qkv_qknorm_rope(h, r, wqkv, positions, q_norm_w, k_norm_w, *, n_q_he
 
 
 # ---- LayerNorm, column bias, GPT-2's GELU MLP (coda_jax.layernorm_ops) --------------------
-def layernorm_stats(x: jax.Array, eps: float = 1e-5):
-  """LayerNorm's per-row (mean, 1/sqrt(var + eps)), fp32, variance in two passes."""
-  xf = x.astype(jnp.float32)
-  mu = jnp.mean(xf, axis=-1)
-  var = jnp.mean(jnp.square(xf - mu[..., None]), axis=-1)
-  return mu, jax.lax.rsqrt(var + eps)
-
-
 def layer_norm(x, g, beta, eps=1e-5):
   """(x - mu) r g + beta, statistics and arithmetic in fp32, x's dtype out."""
   mu, r = layernorm_stats(x, eps)

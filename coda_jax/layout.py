@@ -239,3 +239,12 @@ def post_params(layer: dict, g_final: jax.Array, wlm: jax.Array) -> dict:
   ``blocks.post_block`` params. (Hugging Face ``lm_head.weight`` is (V, D): pass its .T)"""
   return {**{k: layer[k] for k in ("wo", "g_mlp", "w13", "w2")},
           "g_final": g_final, "wlm": wlm}
+
+
+def qkv_freqs(n_q_heads: int, n_kv_heads: int, head_dim: int, theta: float,
+              rope_scaling: RopeScaling | None = None) -> jax.Array:
+  """Per-column RoPE frequencies of a fused [q | k | v] projection (v columns get 0)."""
+  heads = n_q_heads + 2 * n_kv_heads
+  v_heads = range(n_q_heads + n_kv_heads, heads)
+  return rope_freqs(heads * head_dim, head_dim, theta, passthrough_heads=tuple(v_heads),
+                    scaling=rope_scaling)

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 
 from coda_jax import block_gemms as S
 from coda_jax import dispatch
-from coda_jax import jnp_reference as ref
 from coda_jax import layout
 from coda_jax import primitives as P
 from coda_jax.fused_ops import check_act, check_heads, check_rows, check_weight, flat_rows
@@ -272,7 +271,7 @@ def _qknorm(h, r, wqkv, positions, q_norm_w, k_norm_w, heads, impl):
 
 def _operands(q_norm_w, k_norm_w, heads):
   n_q, n_kv, hd, theta, scaling, _ = heads
-  return (ref.qkv_freqs(n_q, n_kv, hd, theta, scaling),
+  return (layout.qkv_freqs(n_q, n_kv, hd, theta, scaling),
           *head_norm_columns(q_norm_w, k_norm_w, n_q, n_kv))
 
 

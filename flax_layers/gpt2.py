@@ -46,6 +46,7 @@ from flax import nnx
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as ref
 from coda_jax import layernorm_ops as L
+from coda_jax import unfused
 from coda_jax.fused_ops import REDUCTIONS
 from flax_layers import checkpoint as ck
 from flax_layers import layers as Lyr
@@ -261,7 +262,7 @@ class GPT2Block(nnx.Module):
 
 def _ln_split(x, g, eps):
   """LayerNorm split as ``layernorm_ops`` takes it, in XLA: (h = x * g, mu, r)."""
-  mu, r = ref.layernorm_stats(x, eps)
+  mu, r = unfused.layernorm_stats(x, eps)
   return (x.astype(_F32) * g.astype(_F32)).astype(x.dtype), mu, r
 
 

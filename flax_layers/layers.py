@@ -21,6 +21,7 @@ from flax import nnx
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as ref
 from coda_jax import qk_norm as qk_norm_ops
+from coda_jax import unfused
 
 
 def _normal(rngs, shape, std, dtype):
@@ -39,7 +40,8 @@ norm_weight = F.norm_weight  # stored g -> the applied weight (offset + g, fp32)
 def norm_stats(x, g, eps):
   """The split RMSNorm of ``fused_ops``: h = x * g (x's dtype), r = rsqrt(mean(x^2) + eps)
   (fp32), so that RMSNorm(x) @ W = r * (h @ W)."""
-  return (x.astype(jnp.float32) * g.astype(jnp.float32)).astype(x.dtype), ref.rms_scale(x, eps)
+  h = (x.astype(jnp.float32) * g.astype(jnp.float32)).astype(x.dtype)
+  return h, unfused.rms_scale(x, eps)
 
 
 def residual_rmsnorm(y, w, residual, g, eps, fused, impl="auto"):

@@ -112,7 +112,7 @@ MUTATIONS = [
     Mutation(
         "r_from_stored_x", "coda_jax/block_gemms.py",
         '  r = jax.lax.rsqrt(out["ss"] / w.shape[1] + eps)',
-        '  r = ref.rms_scale(out["x"], eps)',
+        '  r = jax.lax.rsqrt(jnp.mean(jnp.square(out["x"].astype(jnp.float32)), axis=1) + eps)',
         ("tests/test_fused_ops.py", "-k", "fp16_residual"),
         "RMSNorm statistics taken from the stored fp16 x (inf past 65504), not the fp32 tile"),
     Mutation(
@@ -145,8 +145,8 @@ MUTATIONS = [
         "the block backward differentiates SiLU whatever the activation"),
     Mutation(
         "norm_stats_r_no_grad", "flax_layers/layers.py",
-        "astype(x.dtype), ref.rms_scale(x, eps)",
-        "astype(x.dtype), ref.rms_scale(jax.lax.stop_gradient(x), eps)",
+        "  return h, unfused.rms_scale(x, eps)",
+        "  return h, unfused.rms_scale(jax.lax.stop_gradient(x), eps)",
         ("tests/test_flax_layers.py", "-k", "llama_block"),
         "the layers' RMSNorm passes no gradient through r (both paths share it)"),
     Mutation(
@@ -783,6 +783,12 @@ MUTATIONS = [
         "        ):",
         ("tests/test_autotune.py", "-k", "nearby"),
         "a config tuned at any M serves, however far from this one"),
+    Mutation(
+        "fused_path_imports_reference", "coda_jax/blocks.py",
+        "from coda_jax import unfused\n",
+        "from coda_jax import unfused\nfrom coda_jax import jnp_reference as ref  # noqa\n",
+        ("tests/test_layering.py",),
+        "a fused module imports the jnp reference it is checked against"),
     Mutation(
         "nearby_k_not_looked_for", "pallas_kernels/autotune.py",
         '  for dim in ("m", "k"):',
