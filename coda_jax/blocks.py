@@ -89,7 +89,7 @@ class BlockConfig:
 
   def freqs(self):
     return layout.qkv_freqs(self.n_q_heads, self.n_kv_heads, self.head_dim, self.rope_theta,
-                         self.rope_scaling)
+                            self.rope_scaling)
 
 
 SHIFTED_KEYS = ("wo", "g_mlp", "w13", "w2", "g_attn", "wqkv")
