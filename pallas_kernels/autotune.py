@@ -171,16 +171,17 @@ def cache_paths() -> list[Path]:
 NEARBY_FACTOR = 2
 
 
-def _nearby(key: ProblemKey, other: ProblemKey) -> tuple[str, int] | None:
-  """("M" or "K", the other's size) where ``other`` is ``key`` at another M or another
-  K (not both) within ``NEARBY_FACTOR``; else None. K = 0 (an epilogue pass) has no
-  nearby K."""
-  for dim in ("m", "k"):
+def _nearby(key: ProblemKey, other: ProblemKey) -> tuple[float, int, int, str] | None:
+  """Where ``other`` is ``key`` at another M or another K (not both) within
+  ``NEARBY_FACTOR``: its order among such neighbours (nearest first, then the larger
+  size, then M before K) and its source text, "tuned at M=<m>" or "tuned at K=<k>".
+  Else None. K = 0 (an epilogue pass) has no nearby K."""
+  for rank, dim in enumerate(("m", "k")):
     mine, theirs = getattr(key, dim), getattr(other, dim)
     if (mine != theirs and mine > 0 and theirs > 0
         and dataclasses.replace(key, **{dim: theirs}) == other
         and mine <= theirs * NEARBY_FACTOR and theirs <= mine * NEARBY_FACTOR):
-      return dim.upper(), theirs
+      return abs(math.log(theirs / mine)), -theirs, rank, f"tuned at {dim.upper()}={theirs}"
   return None
 
 
@@ -207,18 +208,16 @@ def lookup_with_source(key: ProblemKey, clip_m: bool = False
   near = []
   for path in cache_paths():
     for other, entry in _entries(path).items():
-      found = _nearby(key, ProblemKey.from_text(other))
-      if found is not None:
-        dim, size = found
-        mine = key.m if dim == "M" else key.k
-        near.append((abs(math.log(size / mine)), -size, dim, entry["config"]))
-  for _, neg_size, dim, cfg_dict in sorted(near, key=lambda t: t[:3]):
+      order = _nearby(key, ProblemKey.from_text(other))
+      if order is not None:
+        near.append((order, entry["config"]))
+  for (*_, source), cfg_dict in sorted(near, key=lambda t: t[0]):
     cfg = config_from_dict(cfg_dict)
     try:
       g._check_tiling(key.m, key.n, key.k, cfg, key.trans_a, key.trans_b, clip_m)
     except ValueError:
       continue  # e.g. M not a multiple of that config's cluster tile, or K of its tile_k
-    return cfg, f"tuned at {dim}={-neg_size}"
+    return cfg, source
   return None, None
 
 

@@ -791,10 +791,16 @@ MUTATIONS = [
         "a fused module imports the jnp reference it is checked against"),
     Mutation(
         "nearby_k_not_looked_for", "pallas_kernels/autotune.py",
-        '  for dim in ("m", "k"):',
-        '  for dim in ("m",):',
+        '  for rank, dim in enumerate(("m", "k")):',
+        '  for rank, dim in enumerate(("m",)):',
         ("tests/test_autotune.py", "-k", "nearby"),
         "a weight gradient at a token count no cache has (its K) gets the heuristic"),
+    Mutation(
+        "nearby_k_before_m_on_a_tie", "pallas_kernels/autotune.py",
+        '      return abs(math.log(theirs / mine)), -theirs, rank, f"tuned at',
+        '      return abs(math.log(theirs / mine)), -theirs, -rank, f"tuned at',
+        ("tests/test_autotune.py", "-k", "nearby"),
+        "an exact tie between a nearby M and a nearby K goes to K, not M as documented"),
     Mutation(
         "nearby_both_m_and_k", "pallas_kernels/autotune.py",
         "        and dataclasses.replace(key, **{dim: theirs}) == other",

@@ -108,6 +108,10 @@ def test_lookup_at_nearby_k(cache):
   autotune.store(_key(m=512, k=128), {"config": autotune.config_to_dict(PINGPONG)})
   autotune.store(_key(m=256, k=256), {"config": autotune.config_to_dict(k64)})
   assert autotune.lookup_with_source(_key(m=256, k=128)) == (PINGPONG, "tuned at M=512")
+  # an exact tie (the same factor and the same size along each): still the M neighbour
+  autotune.store(_key(m=512, k=1024), {"config": autotune.config_to_dict(k64)})
+  autotune.store(_key(m=1024, k=512), {"config": autotune.config_to_dict(PINGPONG)})
+  assert autotune.lookup_with_source(_key(m=512, k=512)) == (PINGPONG, "tuned at M=1024")
 
 
 def test_chosen_config_names_a_nearby_m(cache):
