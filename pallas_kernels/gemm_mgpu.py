@@ -86,6 +86,12 @@ class GemmConfig:
   # RoPE or QK-norm head must be whole), but its tile outputs' buffers shrink by that
   # factor, which leaves room for bigger tiles or a deeper pipeline.
   epi_store_n: int | None = None
+  # Staging slots per compute warpgroup for each output stored a whole epilogue sub-tile
+  # at a time. Sub-tile s writes slot s % epi_out_slots once the TMA store that last
+  # read it (epi_out_slots groups back) is done, so more slots let more stores drain
+  # behind the epilogue; as many as a warpgroup tile has sub-tiles never wait within a
+  # tile. Outputs stored in parts (epi_store_n) alternate their own two slots.
+  epi_out_slots: int = 2
 
   def __post_init__(self):
     self.check()
@@ -112,6 +118,7 @@ class GemmConfig:
     split = "" if self.schedule == Schedule.PINGPONG else f" wg{self.wg_dim.name}"
     cl = f" cl{self.cluster_dim.name}" if self.cluster_dim is not None else ""
     slots = f" in{self.epi_operand_slots}" if self.epi_operand_slots != 2 else ""
+    slots += f" out{self.epi_out_slots}" if self.epi_out_slots != 2 else ""
     store = f"/{self.epi_store_n}" if self.epi_store_n is not None else ""
     return (f"{self.schedule.value} {self.tile_m}x{self.tile_n}x{self.tile_k} "
             f"s{self.stages} e{self.epi_tile_m}x{self.epi_tile_n}{store}{split}{cl} "
@@ -143,9 +150,11 @@ class GemmConfig:
       raise ValueError(f"GemmConfig.stages={self.stages}: ping-pong keeps a barrier per "
                        "stage and warpgroup, at most 32; use at most 16 stages")
     subtiles = (self.tile_m // self.epi_tile_m) * (self.tile_n // self.epi_tile_n)
-    if not 1 <= self.epi_operand_slots <= max(2, subtiles):
-      raise ValueError(f"GemmConfig.epi_operand_slots={self.epi_operand_slots}: between 1 "
-                       f"and the {max(2, subtiles)} sub-tiles of a warpgroup tile")
+    for name in ("epi_operand_slots", "epi_out_slots"):
+      v = getattr(self, name)
+      if not 1 <= v <= max(2, subtiles):
+        raise ValueError(f"GemmConfig.{name}={v}: between 1 and the {max(2, subtiles)} "
+                         "sub-tiles of a warpgroup tile")
     if self.epi_store_n is not None and (
         self.epi_store_n <= 0 or self.epi_store_n % 32 or self.epi_tile_n % self.epi_store_n
         or (self.epi_tile_n // self.epi_store_n) % 2):
@@ -377,6 +386,12 @@ def staged_inputs(input_kinds: dict, outputs, in_place: dict, compiled: bool = T
   return {nm: kind for nm, kind in input_kinds.items() if nm not in by_store}
 
 
+# Compute warpgroups per CTA: epilogue buffers have one half per warpgroup.
+_COMPUTE_WARPGROUPS = 2
+# Staging slots of an output stored in parts (``GemmConfig.epi_store_n``): its parts
+# alternate between two, an even part count apart (``_Epilogue._store_in_parts``).
+_PART_SLOTS = 2
+
 # Tile operand kinds and their width in accumulator sub-tile widths.
 _TILE_KINDS = {epi.InputKind.TILE: 1, epi.InputKind.WIDE_TILE: 2}
 
@@ -394,7 +409,7 @@ class _Epilogue:
     self.vecs_in = [nm for nm, kd in input_kinds.items() if kd not in _TILE_KINDS]
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     self.sub_tiles = [(i, j) for i in range(cfg.tile_m // em) for j in range(cfg.tile_n // en)]
-    self.in_slots = cfg.epi_operand_slots
+    self.in_slots, self.out_slots = cfg.epi_operand_slots, cfg.epi_out_slots
     # Outputs staged whole, one sub-tile per slot and one store group per sub-tile; the
     # rest (tile outputs, when the config splits stores) are stored part by part from
     # inside ``tile.store``.
@@ -418,26 +433,31 @@ class _Epilogue:
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     out = {}
     for o in outputs:  # [warpgroup, slot, *sub-tile (or the part of it one store takes)]
-      shape = o.subtile_shape(em, _stored_width(cfg, o))
+      width = _stored_width(cfg, o)
+      shape = o.subtile_shape(em, width)
+      slots = cfg.epi_out_slots if width == en else _PART_SLOTS
       # 2-D tiles are TMA-stored through swizzled SMEM; 1-D partials need no swizzle.
       transforms = _swizzle_transforms(shape[-1], o.dtype) if len(shape) == 2 else ()
-      out["o_" + o.name] = plgpu.SMEM((2, 2, *shape), o.dtype, transforms=transforms)
+      out["o_" + o.name] = plgpu.SMEM((_COMPUTE_WARPGROUPS, slots, *shape), o.dtype,
+                                      transforms=transforms)
     tiles = [nm for nm, kd in input_kinds.items() if kd in _TILE_KINDS]
     vecs = [nm for nm, kd in input_kinds.items() if kd not in _TILE_KINDS]
     for nm in tiles:
       dt, w = input_dtypes[nm], en * _TILE_KINDS[input_kinds[nm]]
-      out["i_" + nm] = plgpu.SMEM((2, cfg.epi_operand_slots, em, w), dt,
+      out["i_" + nm] = plgpu.SMEM((_COMPUTE_WARPGROUPS, cfg.epi_operand_slots, em, w), dt,
                                   transforms=_swizzle_transforms(w, dt))
     for nm in vecs:
       length = cfg.tile_m if input_kinds[nm] == epi.InputKind.ROW else cfg.tile_n
-      out["i_" + nm] = plgpu.SMEM((2, length), input_dtypes[nm])
+      out["i_" + nm] = plgpu.SMEM((_COMPUTE_WARPGROUPS, length), input_dtypes[nm])
     if tiles:
-      out["tile_bar"] = plgpu.Barrier(num_arrivals=len(tiles),
-                                      num_barriers=2 * cfg.epi_operand_slots)
+      out["tile_bar"] = plgpu.Barrier(
+          num_arrivals=len(tiles), num_barriers=_COMPUTE_WARPGROUPS * cfg.epi_operand_slots)
     if vecs:
-      out["vec_bar"] = plgpu.Barrier(num_arrivals=len(vecs), num_barriers=2)
+      out["vec_bar"] = plgpu.Barrier(num_arrivals=len(vecs),
+                                     num_barriers=_COMPUTE_WARPGROUPS)
     if any(o.kind == epi.OutputKind.COL_PARTIAL for o in outputs):
-      out["turn"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)
+      # one barrier per warpgroup: each arrives on its own when its turn ends
+      out["turn"] = plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WARPGROUPS)
     return out
 
   def _origin(self, s, row_base, col_base):
@@ -533,14 +553,17 @@ class _Epilogue:
   def _subtiles(self, acc, row_base, col_base):
     em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
     for s, (i, j) in enumerate(self.sub_tiles):
-      slot, in_slot = s % 2, s % self.in_slots
+      slot, in_slot = s % self.out_slots, s % self.in_slots
       r0, c0 = self._origin(s, row_base, col_base)
       if self.tiles_in:
         plgpu.barrier_wait(self.smem["tile_bar"].at[self.wg * self.in_slots + in_slot])
       if self.whole:
-        # The stores issued two sub-tiles ago used this slot; at a tile's first sub-tile
-        # the previous tile's last store may have used it too (odd sub-tile counts).
-        plgpu.wait_smem_to_gmem(0 if s == 0 else 1, wait_read_only=True)
+        # The stores issued out_slots sub-tiles ago used this slot, and each sub-tile
+        # commits at least one store group, so at most out_slots - 1 groups may still
+        # be reading. At a tile's first sub-tile the previous tile's stores used the
+        # slots in an order this tile does not continue: wait for all of them (a whole
+        # mainloop has run since).
+        plgpu.wait_smem_to_gmem(0 if s == 0 else self.out_slots - 1, wait_read_only=True)
       tile = self._tile(slot, in_slot, i, j, r0, c0)
       self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
       missing = {o.name for o in self.outputs} - tile.stored
@@ -564,8 +587,8 @@ class _Epilogue:
     parts = self.cfg.store_parts
     width = value.shape[1] // parts
     for h in range(parts):
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-      buf = self.smem["o_" + o.name].at[self.wg, h % 2]
+      plgpu.wait_smem_to_gmem(_PART_SLOTS - 1, wait_read_only=True)
+      buf = self.smem["o_" + o.name].at[self.wg, h % _PART_SLOTS]
       buf[...] = value[:, h * width:(h + 1) * width]
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(buf, self._window(o, r0, c0, part=h),

@@ -270,8 +270,8 @@ MUTATIONS = [
         why="column partials share one scratch buffer: the two epilogues must not overlap"),
     Mutation(
         "operand_slot_ignores_slot_count", "pallas_kernels/gemm_mgpu.py",
-        "      slot, in_slot = s % 2, s % self.in_slots",
-        "      slot, in_slot = s % 2, s % 2",
+        "      slot, in_slot = s % self.out_slots, s % self.in_slots",
+        "      slot, in_slot = s % self.out_slots, s % 2",
         ("tests/test_primitives.py", "-k", "tile_operand_slots"),
         why="with 3 or 8 slots the epilogue would read another sub-tile's residual"),
     Mutation(
@@ -297,17 +297,24 @@ MUTATIONS = [
             "sub-tile's load waits for the previous sub-tile's read)"),
     Mutation(
         "split_store_reuses_one_slot", "pallas_kernels/gemm_mgpu.py",
-        "      buf = self.smem[\"o_\" + o.name].at[self.wg, h % 2]\n",
+        "      buf = self.smem[\"o_\" + o.name].at[self.wg, h % _PART_SLOTS]\n",
         "      buf = self.smem[\"o_\" + o.name].at[self.wg, 0]\n",
         ("tests/test_primitives.py", "-k", "stores_in_parts"),
         why="a part staged in the slot the previous part's store may still be reading"),
     Mutation(
         "split_store_waits_too_little", "pallas_kernels/gemm_mgpu.py",
-        "      plgpu.wait_smem_to_gmem(1, wait_read_only=True)\n      buf =",
-        "      plgpu.wait_smem_to_gmem(2, wait_read_only=True)\n      buf =",
+        "      plgpu.wait_smem_to_gmem(_PART_SLOTS - 1, wait_read_only=True)\n      buf =",
+        "      plgpu.wait_smem_to_gmem(_PART_SLOTS, wait_read_only=True)\n      buf =",
         ("tests/test_primitives.py", "-k", "stores_in_parts"),
         why="with two slots a part may reuse its slot only once at most one store is "
             "in flight"),
+    Mutation(
+        "output_slot_wait_off_by_one", "pallas_kernels/gemm_mgpu.py",
+        "plgpu.wait_smem_to_gmem(0 if s == 0 else self.out_slots - 1, wait_read_only=True)",
+        "plgpu.wait_smem_to_gmem(0 if s == 0 else self.out_slots, wait_read_only=True)",
+        ("tests/test_primitives.py", "-k", "output_slots"),
+        why="a sub-tile may write its output slot only once the store that last read it "
+            "is done: at most epi_out_slots - 1 groups in flight"),
     Mutation(
         "split_store_every_part_at_column_zero", "pallas_kernels/gemm_mgpu.py",
         "      plgpu.copy_smem_to_gmem(buf, self._window(o, r0, c0, part=h),\n",

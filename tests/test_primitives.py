@@ -234,6 +234,22 @@ def test_tile_operand_slots(key, kernel_impl, races_checked, schedule, slots):
   assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 
 
+@pytest.mark.parametrize("slots", [1, 3, 8])
+@pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
+def test_output_slots(key, kernel_impl, races_checked, schedule, slots):
+  """Whole-sub-tile outputs (a tile, a row and a column partial) staged in 1 (each
+  store waits for the previous one to be read), 3 (not dividing the 8 sub-tiles, so a
+  tile's slots restart mid-cycle) or all 8 slots, beside a tile operand in 2, over
+  several tiles per SM; under the race detector when interpreted."""
+  program = PROGRAMS["everything"]
+  a, b = gemm_inputs(key, 256, 256, K, jnp.bfloat16)
+  ops = make_operands(jax.random.fold_in(key, 1), program, 256, 256, a.dtype)
+  config = GemmConfig(tile_m=128, tile_n=128, tile_k=64, stages=2, epi_tile_n=32,
+                      cluster_dim=None, schedule=schedule, epi_out_slots=slots)
+  check_program(a, b, program, ops, kernel_impl, config=config)
+  assert not races_checked.races_found(), "data race in the kernel (see stdout)"
+
+
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
 @pytest.mark.parametrize("name", ["residual_norm", "norm_rope", "colsum_store"])
 def test_race_free(key, race_detector, name, schedule):
@@ -271,6 +287,22 @@ def test_stores_in_parts(key, kernel_impl, races_checked, name, schedule):
   ops = make_operands(jax.random.fold_in(key, 1), program, m, n, a.dtype)
   config = GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=2, epi_tile_n=128,
                       epi_store_n=64, cluster_dim=None, schedule=schedule)
+  check_program(a, b, program, ops, kernel_impl, config=config)
+  assert not races_checked.races_found(), "data race in the kernel (see stdout)"
+
+
+@pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
+def test_stores_in_parts_beside_whole_stores(key, kernel_impl, races_checked, schedule):
+  """Two 128-wide sub-tiles per warpgroup tile: the tile outputs stored in halves, the
+  partials (stored whole) through one slot, so each sub-tile's whole stores wait for
+  the last ones while the parts' store groups come between them."""
+  program = SPLIT_STORE_PROGRAMS["mixed"]
+  m, n = 512, 256
+  a, b = gemm_inputs(key, m, n, K, jnp.bfloat16)
+  ops = make_operands(jax.random.fold_in(key, 1), program, m, n, a.dtype)
+  config = GemmConfig(tile_m=64, tile_n=256, tile_k=64, stages=2, epi_tile_n=128,
+                      epi_store_n=64, cluster_dim=None, schedule=schedule,
+                      wg_dim=MatDim.M, epi_out_slots=1, epi_operand_slots=1)
   check_program(a, b, program, ops, kernel_impl, config=config)
   assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 
