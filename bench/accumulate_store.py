@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from bench import common
 from coda_jax import primitives as P
-from coda_jax.ops import gemm_epilogue
+from coda_jax.epilogue_gemm import gemm_epilogue
 from pallas_kernels import autotune
 
 SHAPES = {"1b": (2048, 128256, 2048), "8b": (4096, 128256, 2048)}  # D, V, chunk rows

@@ -20,7 +20,7 @@ from bench import common
 from coda_jax import jnp_reference as R
 from coda_jax import primitives as P
 from coda_jax import qk_norm as Q
-from coda_jax.ops import epilogue_pass
+from coda_jax.epilogue_gemm import epilogue_pass
 from pallas_kernels import EpilogueOutput, GemmConfig, OutputKind
 
 M, HQ, HKV, HD = 16384, 16, 8, 128

@@ -39,7 +39,7 @@ import orbax.checkpoint as ocp  # flax depends on it
 from flax import nnx
 
 from bench import common, corpus
-from coda_jax import ops
+from coda_jax import epilogue_gemm
 from flax_layers import CONFIGS, Llama, LlamaConfig, get_config, load_hf_checkpoint, train
 from flax_layers.gpt2 import (GPT2, GPT2_CONFIGS, GPT2Config, get_gpt2_config,
                               load_gpt2_checkpoint)
@@ -104,7 +104,7 @@ def parse_args():
   if args.init_from is not None:
     args.config = f"hf-{args.init_from.resolve().name}"  # names the results
   elif args.config is None:
-    args.config = "llama-3.2-1b" if ops.kernels_available() else "tiny"
+    args.config = "llama-3.2-1b" if epilogue_gemm.kernels_available() else "tiny"
   if (args.resume or args.stop_after or args.save_every) and args.checkpoint_dir is None:
     p.error("--resume, --stop-after and --save-every need --checkpoint-dir")
   for k, v in DEFAULTS.get(args.config, BIG).items():
@@ -335,7 +335,7 @@ def markdown(results, summary, args, cfg, data, prov):
          f"{args.eval_batches} held-out batches. Compiled peak: argument + output + temp - "
          f"alias bytes of the compiled step; device peak: the allocator's high-water mark, "
          f"a running maximum over the process, so only the first path's is its own."]
-  if not ops.kernels_available():
+  if not epilogue_gemm.kernels_available():
     md += ["", "No Hopper GPU: both paths are XLA programs on this machine, timed in wall "
            "clock next to whatever else ran on it; their speed ratio says nothing about the "
            "kernels. What this run shows is the loss agreement."]

@@ -5,7 +5,7 @@ The public API for writing a fused op of your own (docs/new_fused_op.md): ``gemm
 ``Primitive`` to subclass, the operand and output kinds, and ``reduce_like`` for weight
 gradients under ``jax.shard_map``. Beyond Llama: LayerNorm,
 biases and the GELU MLP (``layernorm_ops``), QK-norm (``qk_norm``)."""
-from coda_jax.ops import (IMPLS, epilogue_pass, gemm_epilogue, kernel_config, reference,
+from coda_jax.epilogue_gemm import (IMPLS, epilogue_pass, gemm_epilogue, kernel_config, reference,
                           scalar_operand)
 from coda_jax.primitives import (AddBias, AddTile, ColSum, Env, Gated, PickColumn, Primitive,
                                  Rotate, RowDot, RowLogSumExp, RowSum, ScaleCol, ScaleConst, ScaleRow,

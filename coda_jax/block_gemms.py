@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from coda_jax import dispatch
 from coda_jax import primitives as P
 from coda_jax.grad_primitives import ExpShifted, GatedGrad, RmsNormGrad, SoftmaxXentGrad
-from coda_jax.ops import epilogue_pass, gemm_epilogue
+from coda_jax.epilogue_gemm import epilogue_pass, gemm_epilogue
 from coda_jax.partitioning import set_row_columns
 from coda_jax.sharding import varying_axes
 
@@ -156,7 +156,7 @@ def xent_grad_from_logits(z, lse, tgt, lse_rest, targets, weight, dt):
 
 
 def rope_backward_program(head_dim, dtype):
-  """B1's program, with no GEMM (``ops.epilogue_pass``): dqkv in, c's row partials
+  """B1's program, with no GEMM (``epilogue_gemm.epilogue_pass``): dqkv in, c's row partials
   <dqkv, qkv> (``RowDot``; a rotation keeps inner products, so this is <dz, z>), RoPE^T
   (a rotation by the negated angle), dz stored. Operands: dqkv, qkv, pos, neg_freqs."""
   return [P.AddTile("dqkv"), P.RowDot("qkv", "c"),

@@ -1,6 +1,6 @@
 """How one GEMM-epilogue call runs: the one place that picks the implementation.
 
-Every fused op, block and layer reaches the kernels through ``ops.gemm_epilogue``, and
+Every fused op, block and layer reaches the kernels through ``epilogue_gemm.gemm_epilogue``, and
 ``gemm_epilogue`` hands the call here (after ``partitioning`` has split it per shard when
 its operands are sharded). An *implementation* either runs the call or says why it
 cannot. The caller names a list of them; they are tried in order and the first that can
@@ -95,7 +95,7 @@ def kernels_available() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-  """One local GEMM-epilogue problem, already validated by ``ops.gemm_epilogue``.
+  """One local GEMM-epilogue problem, already validated by ``epilogue_gemm.gemm_epilogue``.
 
   Attributes:
     program: the epilogue steps.

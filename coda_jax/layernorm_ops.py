@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from coda_jax import block_gemms as S
 from coda_jax.fused_ops import check_act, check_residual, check_rows, check_weight, flat_rows
-from coda_jax.ops import gemm_epilogue
+from coda_jax.epilogue_gemm import gemm_epilogue
 from coda_jax.primitives import (ACTIVATIONS, AddBias, AddTile, ColSum, Primitive, RowSum,
                                  ScaleCol, ScaleRow, Store)
 from coda_jax.sharding import reduce_like

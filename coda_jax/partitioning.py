@@ -1,6 +1,6 @@
 """The per-shard rule of a GEMM-epilogue call: how it runs when its operands are sharded.
 
-Every fused op reaches the kernels through ``ops.gemm_epilogue``, so one rule, here,
+Every fused op reaches the kernels through ``epilogue_gemm.gemm_epilogue``, so one rule, here,
 makes every op, block and layer run on sharded arrays under ``jax.jit``: the call is a
 ``jax.experimental.custom_partitioning`` function. XLA's partitioner (Shardy) hands it
 the shardings of its operands; the rule below decides the local problem, and each
@@ -249,7 +249,7 @@ _partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_i
                            sharding_rule=_rule)
 
 
-# ---- K = 0 (``ops.epilogue_pass``): a and b are placeholders of shape only -------------
+# ---- K = 0 (``epilogue_gemm.epilogue_pass``): a and b are placeholders of shape only -------------
 # XLA's CPU compiler crashed (a segfault, jax 0.11.2) on zero-size arrays passed into
 # jax.shard_map; so a pass's zero-size a and b never cross the split: each shard makes
 # its own from its tile operands' local shape.

@@ -12,7 +12,7 @@ epilogue sub-tile holds whole heads (``HeadRmsNorm.column_group``), so each head
 statistic is a reduction inside one sub-tile and never leaves the chip.
 
 Backward (derivation: ``docs/qk_norm_math.md``): one elementwise pass over (M, N)
-tiles, an epilogue program with no GEMM (``qk_norm_grad``, ``ops.epilogue_pass``:
+tiles, an epilogue program with no GEMM (``qk_norm_grad``, ``epilogue_gemm.epilogue_pass``:
 ``[AddTile dqkv, Rotate by -angle, HeadRmsNormGrad, Store du]``, with the norm weights'
 column sums and dr as partials), since no GEMM of the backward produces the (M, N)
 cotangent tile; then the input norm's GEMMs dh = r * (du @ wqkv^T), dwqkv = (r h)^T du.
@@ -30,7 +30,7 @@ from coda_jax import dispatch
 from coda_jax import layout
 from coda_jax import primitives as P
 from coda_jax.fused_ops import check_act, check_heads, check_rows, check_weight, flat_rows
-from coda_jax.ops import epilogue_pass, gemm_epilogue
+from coda_jax.epilogue_gemm import epilogue_pass, gemm_epilogue
 from coda_jax.sharding import reduce_like
 from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 
@@ -173,7 +173,7 @@ def norm_qknorm_rope(h, r, w, positions, freqs, weight, normed, head_dim, eps, i
 
 
 def backward_program(head_dim, eps, dtype):
-  """The backward pass's program (no GEMM: ``ops.epilogue_pass``): dqkv in, RoPE^T (a
+  """The backward pass's program (no GEMM: ``epilogue_gemm.epilogue_pass``): dqkv in, RoPE^T (a
   rotation by the negated angle), the per-head norm backward, du stored. Operands:
   dqkv, pos, neg_freqs, u, qk_w, qk_sel."""
   return [P.AddTile("dqkv"), P.Rotate("pos", "neg_freqs", head_dim // 2),

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-import coda_jax.ops
+import coda_jax.epilogue_gemm
 
 
 def _decay_mask(params):
@@ -265,7 +265,7 @@ def describe_path(model) -> str:
   if impl == "auto":
     impl = os.environ.get("CODA_JAX_IMPL", "auto")
   if impl == "auto":
-    return ("fused: Mosaic GPU GEMM-epilogue kernels (sm90)" if coda_jax.ops.kernels_available()
+    return ("fused: Mosaic GPU GEMM-epilogue kernels (sm90)" if coda_jax.epilogue_gemm.kernels_available()
             else "fused: the fused programs' XLA fallback (no Hopper GPU: no kernels run)")
   return {"mosaic": "fused: Mosaic GPU GEMM-epilogue kernels (forced)",
           "interpret": "fused: Mosaic GPU kernels through the CPU interpreter (slow)",

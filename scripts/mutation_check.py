@@ -225,7 +225,7 @@ MUTATIONS = [
         "the cross-entropy backward's zdz term is wrong"),
     # ---- kernel errors ----------------------------------------------------------------------
     Mutation(
-        "pairwise_after_narrowing_unchecked", "coda_jax/ops.py",
+        "pairwise_after_narrowing_unchecked", "coda_jax/epilogue_gemm.py",
         "if width != 1 and (prim.column_group() is not None or prim.width_factor() != 1):",
         "if False:", ("tests/test_errors.py", "-k", "pairwise_after_narrowing"),
         "a pairwise step after a width change is no longer rejected"),
@@ -948,7 +948,7 @@ def _check_imports_from(dst: str) -> None:
 def _on_hopper() -> bool:
   """coda_jax's own test of whether kernels compile here (in a child: jax stays out of
   this process)."""
-  code = "from coda_jax.ops import kernels_available; print(kernels_available())"
+  code = "from coda_jax.epilogue_gemm import kernels_available; print(kernels_available())"
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                        text=True, env=_env(ROOT))
   return out.stdout.strip() == "True"

@@ -10,7 +10,7 @@ import pytest
 
 import coda_jax as cj
 import pallas_kernels
-from coda_jax import dispatch, ops
+from coda_jax import dispatch, epilogue_gemm
 from helpers import assert_within_baseline, gemm_inputs, normal, rel_err
 
 PROGRAM = [cj.ScaleRow("r"), cj.Store("y"), cj.RowSum("s", square=True)]
@@ -84,7 +84,7 @@ def test_auto_pads_rows_that_do_not_tile(key, kernel_calls):
   r = normal(jax.random.fold_in(key, 1), (120,))
   got = cj.gemm_epilogue(a, b, PROGRAM, {"r": r}, impl="auto")
   assert got["y"].shape == (120, 256)
-  assert kernel_calls == ([None] if ops.kernels_available() else [])
+  assert kernel_calls == ([None] if epilogue_gemm.kernels_available() else [])
   want = cj.reference(a, b, PROGRAM, {"r": r})
   assert rel_err(got["y"], want["y"]) < 1e-2 and rel_err(got["s"], want["s"]) < 1e-4
 
@@ -180,8 +180,8 @@ def test_clipped_rows_where_the_compiled_kernel_can():
     a, b = jnp.zeros((m, 128), jnp.bfloat16), jnp.zeros((128, 256), jnp.bfloat16)
     ops_ = {"r": jnp.zeros((m,)), "res": jnp.zeros((m, 256), jnp.bfloat16)}
     call = dispatch.Call(program=tuple(program), inputs=tuple(
-        (nm, kind) for nm, kind in ops._declared(tuple(program), m, 256)[0].items()),
-        outputs=ops._declared(tuple(program), m, 256)[1], column_group=1)
+        (nm, kind) for nm, kind in epilogue_gemm._declared(tuple(program), m, 256)[0].items()),
+        outputs=epilogue_gemm._declared(tuple(program), m, 256)[1], column_group=1)
     return dispatch.padded_shape(call, a, b, {k: v for k, v in ops_.items()
                                               if k in dict(call.inputs)}, compiled=compiled)
   assert shape(200, PAD_PROGRAM, True) == (200, 128, True)
@@ -230,7 +230,7 @@ def test_rows_are_not_padded_under_a_step_that_moves_zero(key, kernel_calls):
   a, b = gemm_inputs(key, 65, 256, 128, jnp.bfloat16)
   program = [_AddOne(), cj.ColSum("cs"), cj.Store("y")]
   call = dispatch.Call(program=tuple(program), inputs=(),
-                       outputs=ops._declared(tuple(program), 65, 256)[1], column_group=1)
+                       outputs=epilogue_gemm._declared(tuple(program), 65, 256)[1], column_group=1)
   with pytest.raises(ValueError, match="does not tile, even with M and K padded"):
     dispatch.padded_shape(call, a, b, {})
   got = cj.gemm_epilogue(a, b, program, impl="auto")

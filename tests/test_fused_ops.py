@@ -17,7 +17,7 @@ import pytest
 from coda_jax import block_gemms as S
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as R
-from coda_jax import ops as O
+from coda_jax import epilogue_gemm as O
 from helpers import (assert_within_baseline, f32_tree, normal, projected, rel_err, spread_rows,
                      worst_row_err)
 

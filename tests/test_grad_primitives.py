@@ -11,7 +11,7 @@ import pytest
 import pallas_kernels as pk
 
 import coda_jax as cj
-from coda_jax import dispatch, ops
+from coda_jax import dispatch, epilogue_gemm
 from coda_jax.grad_primitives import ExpShifted, GatedGrad, RmsNormGrad, SoftmaxXentGrad
 from coda_jax.primitives import Gated, PickColumn, RowLogSumExp
 from helpers import (assert_within_baseline, gated_pairs, gemm_inputs, normal, rel_err,
@@ -131,7 +131,7 @@ def test_backward_program_in_kernel(name, key, kernel_impl, schedule, monkeypatc
   a, b = gemm_inputs(key, M, N, K, jnp.bfloat16, trans_b=True)
   b = b * K ** -0.5
   program = PROGRAMS[name]
-  inputs, _, _ = ops._declared(program, M, N)
+  inputs, _, _ = epilogue_gemm._declared(program, M, N)
   ops_all = _operands(jax.random.fold_in(key, 1), jnp.bfloat16)
   ops_all["lse_in"] = 2 + normal(key, (M,))
   ops_all["shift"] = normal(jax.random.fold_in(key, 2), (M,))

@@ -16,7 +16,7 @@ from coda_jax import dispatch
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as R
 from coda_jax import qk_norm as Q
-from coda_jax.ops import epilogue_pass, gemm_epilogue, kernel_config, reference
+from coda_jax.epilogue_gemm import epilogue_pass, gemm_epilogue, kernel_config, reference
 from coda_jax.primitives import Rotate, Store
 from helpers import assert_within_baseline, f32_tree, normal, rel_err, spread_rows
 from pallas_kernels import GemmConfig
