@@ -368,6 +368,32 @@ def describe_workload(fn: Callable, *args) -> list[str]:
 
 # ---- the search ------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class SearchStructure:
+  """One tile structure of the search (``GemmConfig``'s fields of those names); the
+  search tries each with every epilogue width in ``epi_widths``, each K step, and the
+  deepest pipeline that fits."""
+  schedule: g.Schedule
+  tile_m: int
+  tile_n: int
+  wg_dim: g.MatDim
+  cluster_dim: g.MatDim | None
+  grid_minor_dim: g.MatDim
+  grid_tile_width: int = 16
+  epi_widths: tuple[int, ...] = (64, 32)
+
+  def __post_init__(self):
+    if not self.epi_widths or any(w <= 0 or w % 8 for w in self.epi_widths):
+      raise ValueError(f"SearchStructure.epi_widths={self.epi_widths}: positive "
+                       "multiples of 8")
+    # the tile and grid fields, as GemmConfig checks them (each width is checked where
+    # a candidate is made, against the problem's column group)
+    g.GemmConfig(tile_m=self.tile_m, tile_n=self.tile_n, epi_tile_n=self.tile_n,
+                 wg_dim=self.wg_dim, cluster_dim=self.cluster_dim,
+                 grid_minor_dim=self.grid_minor_dim, grid_tile_width=self.grid_tile_width,
+                 schedule=self.schedule)
+
+
 def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: dict,
                outputs: tuple, *, trans_a: bool, trans_b: bool, min_epi_tile_n: int = 1,
                max_stages: int = 7, extra: bool = False,
@@ -383,27 +409,29 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   (configs, [(description, reason skipped)])."""
   M_, N_ = g.MatDim.M, g.MatDim.N
   PP, CO = g.Schedule.PINGPONG, g.Schedule.COOPERATIVE
-  # (schedule, tile_m, tile_n, wg_dim, cluster_dim, grid_minor_dim, grid_tile_width,
-  # epilogue widths). Pruned by measurement on the H100 (bench/NOTES.md, issue 10):
-  # 64-row or 64-column warpgroup tiles, tile_k 32, bands of 8 and staging every tile
-  # operand sub-tile during the mainloop (it costs pipeline stages) never won.
-  structures = [
-      (CO, 128, 128, M_, N_, N_, 16, (64, 32)), (CO, 128, 128, M_, None, N_, 16, (64, 32)),
-      (PP, 128, 128, M_, N_, N_, 16, (64, 32)), (PP, 128, 128, M_, M_, M_, 16, (64, 32)),
-      (PP, 128, 128, M_, N_, M_, 16, (32,)), (PP, 128, 128, M_, M_, N_, 16, (32,))]
+  # Pruned by measurement on the H100 (bench/NOTES.md, issue 10): 64-row or 64-column
+  # warpgroup tiles, tile_k 32, bands of 8 and staging every tile operand sub-tile
+  # during the mainloop (it costs pipeline stages) never won.
+  S = SearchStructure
+  structures = [S(CO, 128, 128, M_, N_, N_), S(CO, 128, 128, M_, None, N_),
+                S(PP, 128, 128, M_, N_, N_), S(PP, 128, 128, M_, M_, M_),
+                S(PP, 128, 128, M_, N_, M_, epi_widths=(32,)),
+                S(PP, 128, 128, M_, M_, N_, epi_widths=(32,))]
   if k == 0:  # an epilogue pass: unclustered cooperative tiles (gemm_mgpu._no_product_config)
-    structures = [(CO, 128, 128, M_, None, N_, 16, (64, 32)),
-                  (CO, 64, 128, M_, None, N_, 16, (64, 32)),
-                  (CO, 128, 128, N_, None, N_, 16, (64, 32))]
+    structures = [S(CO, 128, 128, M_, None, N_), S(CO, 64, 128, M_, None, N_),
+                  S(CO, 128, 128, N_, None, N_)]
   if extra:
-    structures += [(s, tm, tn, wg, cl, mi, 8, ens) for s, tm, tn, wg, cl, mi, _, ens in structures]
+    structures += [dataclasses.replace(s, grid_tile_width=8) for s in structures]
   mn_major = trans_a or not trans_b
   tile_ks = (64,) if mn_major or not extra else (64, 32)
   has_tiles = any(kind in g._TILE_KINDS for kind in input_kinds.values())
   found, skipped, seen = [], [], set()
-  for (sched, tm, tn, wg, cl, minor, width, ens), tk, en, depth in (
-      (s, tk, en, sl) for s in structures for tk in tile_ks for en in s[-1]
+  for st, tk, en, depth in (
+      (s, tk, en, sl) for s in structures for tk in tile_ks for en in s.epi_widths
       for sl in ((1, 2, 4, None) if has_tiles and extra else (1, 2) if has_tiles else (2,))):
+    sched, tm, tn, wg, cl, minor, width = (st.schedule, st.tile_m, st.tile_n, st.wg_dim,
+                                           st.cluster_dim, st.grid_minor_dim,
+                                           st.grid_tile_width)
     en = max(min(en, tn), min_epi_tile_n)
     subtiles = (tm // 64) * (tn // en)
     slots = subtiles if depth is None else min(depth, max(2, subtiles))
