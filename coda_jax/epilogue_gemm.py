@@ -30,7 +30,15 @@ IMPLS = ("auto",) + dispatch.NAMES
 
 
 def scalar_operand(value, n: int) -> jax.Array:
-  """A runtime scalar as the (N,) column operand that ``ScaleCol`` reads."""
+  """A runtime scalar as the column operand that ``ScaleCol`` reads.
+
+  Args:
+    value: a Python or traced scalar.
+    n: the GEMM's N.
+
+  Returns:
+    (N,) float32, ``value`` in every element.
+  """
   return jnp.broadcast_to(jnp.asarray(value, jnp.float32), (n,))
 
 
@@ -84,8 +92,18 @@ def _problem(a, b, trans_a, trans_b):
 
 
 def reference(a, b, program, operands, *, trans_a=False, trans_b=False, round_to=None):
-  """The semantics of ``gemm_epilogue`` in jnp. With ``round_to`` (e.g. bfloat16) every
-  intermediate is rounded as an unfused XLA graph in that dtype would round it."""
+  """The semantics of ``gemm_epilogue`` in jnp: the product in fp32, then the program
+  step by step.
+
+  Args:
+    a, b, program, operands, trans_a, trans_b: as for ``gemm_epilogue``.
+    round_to: None (fp32 throughout), or a dtype (e.g. bfloat16) that every
+      intermediate is rounded to, as an unfused XLA graph in that dtype rounds it: the
+      baseline of the tolerance rule.
+
+  Returns:
+    dict of output name to array, finished as ``gemm_epilogue`` returns them.
+  """
   m, n, _ = _problem(a, b, trans_a, trans_b)
   inputs, outputs, _ = _declared(program, m, n)
   _check_epilogue_operands(inputs, operands, m, n)
@@ -100,9 +118,19 @@ def program_id(program: Sequence[P.Primitive]) -> str:
 
 
 def kernel_config(a, b, program, operands, *, trans_a=False, trans_b=False) -> pk.GemmConfig:
-  """The heuristic kernel tuning for this problem and program (raises ValueError if the
-  shape cannot tile). ``pallas_kernels.gemm`` prefers a measured config from the tuning
-  cache where it has one (``pallas_kernels.autotune``)."""
+  """The heuristic kernel tuning for this problem and program. ``pallas_kernels.gemm``
+  prefers a measured config from the tuning cache where it has one
+  (``pallas_kernels.autotune``).
+
+  Args:
+    a, b, program, operands, trans_a, trans_b: as for ``gemm_epilogue``.
+
+  Returns:
+    the ``pallas_kernels.GemmConfig`` the heuristic picks.
+
+  Raises:
+    ValueError: the shape cannot tile, or the program is malformed.
+  """
   m, n, _ = _problem(a, b, trans_a, trans_b)
   inputs, outputs, group = _declared(tuple(program), m, n)
   call = dispatch.Call(program=tuple(program), inputs=tuple(inputs.items()), outputs=outputs,

@@ -461,6 +461,14 @@ def run_program(program, x, env: Env, round_to=None) -> None:
 
 
 def finish_lse(max_partials: jax.Array, sumexp_partials: jax.Array) -> jax.Array:
-  """Combines (blocks, M) partials from ``RowLogSumExp`` into log-sum-exp per row."""
+  """Combines the column-block partials of ``RowLogSumExp`` into a log-sum-exp per row.
+
+  Args:
+    max_partials: (blocks, M) float32, each block's row maximum.
+    sumexp_partials: (blocks, M) float32, each block's sum of exp(x - its maximum).
+
+  Returns:
+    (M,) float32 log-sum-exp of each row over all blocks.
+  """
   mx = jnp.max(max_partials, axis=0)
   return mx + jnp.log(jnp.sum(sumexp_partials * jnp.exp(max_partials - mx), axis=0))

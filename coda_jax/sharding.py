@@ -31,7 +31,15 @@ def reduce_like(ct, primal):
   """``ct`` with ``primal``'s varying axes: summed over the mesh axes it varies over and
   ``primal`` does not (a replicated weight's partial gradients), and marked varying
   over those ``primal`` varies over and it does not (a kernel's output, which a Mosaic
-  call leaves unmarked)."""
+  call leaves unmarked).
+
+  Args:
+    ct: a cotangent, or None.
+    primal: the primal value ``ct`` is the cotangent of.
+
+  Returns:
+    ``ct`` varying exactly over ``primal``'s mesh axes (None for None).
+  """
   if ct is None:
     return None
   extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))

@@ -222,9 +222,18 @@ def load_hf_checkpoint(directory, *, fused: bool = True, rope: str = "rotate_hal
 def save_hf_checkpoint(model: Llama, directory, *, rope: str = "rotate_half",
                        max_shard_bytes: int = 5 << 30, dtype=None) -> list[Path]:
   """Writes ``model`` as a Hugging Face checkpoint directory that ``transformers``'
-  ``LlamaForCausalLM.from_pretrained`` reads: ``config.json`` and safetensors (one file,
-  or shards of at most ``max_shard_bytes`` with an index). ``dtype`` casts the tensors
-  (default: the parameters' dtype). Returns the files written."""
+  ``LlamaForCausalLM.from_pretrained`` reads.
+
+  Args:
+    model: the ``Llama`` to write.
+    directory: where to write ``config.json`` and the safetensors (created if missing).
+    rope: "rotate_half" (Hugging Face's q/k column order) or "interleaved" (Meta's).
+    max_shard_bytes: one file up to this size, else shards of at most it with an index.
+    dtype: the tensors' dtype; default the parameters' dtype.
+
+  Returns:
+    the paths of the files written.
+  """
   return write_checkpoint(directory, to_hf_state_dict(model, rope=rope),
                           hf_keys(model.config), model.config.to_hf_config(),
                           max_shard_bytes=max_shard_bytes,

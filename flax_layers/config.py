@@ -236,7 +236,15 @@ CONFIGS = {
 
 
 def get_config(name: str, **overrides) -> LlamaConfig:
-  """A named configuration (``CONFIGS``) with fields replaced by ``overrides``."""
+  """A named configuration with fields replaced.
+
+  Args:
+    name: a key of ``CONFIGS`` (e.g. "llama-3.2-1b", "tiny").
+    **overrides: ``LlamaConfig`` fields to replace (checked as the config checks them).
+
+  Returns:
+    the ``LlamaConfig``.
+  """
   if name not in CONFIGS:
     raise ValueError(f"unknown config {name!r}: one of {sorted(CONFIGS)}")
   return CONFIGS[name].replace(**overrides)

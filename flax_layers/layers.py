@@ -122,8 +122,18 @@ def attention_impl(dtype, requested=None):
 
 
 def causal_attention(qkv, heads, implementation=None):
-  """qkv (B, T, (Hq + 2 Hkv) hd) = [q | k | v] heads -> (B, T, Hq hd): causal
-  grouped-query attention (each group of Hq / Hkv query heads shares a k/v head)."""
+  """Causal grouped-query attention: each group of Hq / Hkv query heads shares a k/v
+  head.
+
+  Args:
+    qkv: (B, T, (Hq + 2 Hkv) hd), the heads [q | k | v] side by side.
+    heads: (Hq, Hkv, hd).
+    implementation: ``jax.nn.dot_product_attention``'s; default cuDNN for 16-bit inputs
+      on a GPU, else XLA.
+
+  Returns:
+    (B, T, Hq hd), the heads' outputs side by side.
+  """
   n_q, n_kv, hd = heads
   if qkv.ndim != 3 or qkv.shape[-1] != (n_q + 2 * n_kv) * hd:
     raise ValueError(f"qkv must be (B, T, {(n_q + 2 * n_kv) * hd}), got {qkv.shape}")

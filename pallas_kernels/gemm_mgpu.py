@@ -173,9 +173,20 @@ def _swizzle_transforms(minor_elems: int, dtype) -> tuple:
 
 def smem_bytes(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
                outputs: tuple[epi.EpilogueOutput, ...], *, mainloop: bool = True) -> int:
-  """Shared memory one CTA needs for this config and epilogue program: the pipeline
-  ring (none with ``mainloop=False``, a K = 0 problem) plus exactly the buffers the
-  epilogue allocates."""
+  """Shared memory one CTA needs for this config and epilogue program.
+
+  Args:
+    config: the kernel config.
+    dtype: the operands' dtype.
+    input_kinds, input_dtypes: the staged epilogue operands' kinds and dtypes by name.
+    outputs: the epilogue's declared outputs.
+    mainloop: False for a K = 0 problem, which has no pipeline ring.
+
+  Returns:
+    bytes: the pipeline ring plus exactly the buffers the epilogue allocates
+    (``_Epilogue.scratch``), each rounded up to a KiB as Mosaic aligns them, plus the
+    reduction scratch and the fixed reserve.
+  """
   cm, cn = config.cta_tile
   total = config.stages * (cm + cn) * config.tile_k * jnp.dtype(dtype).itemsize * mainloop
   for alloc in _Epilogue.scratch(config, input_kinds, input_dtypes, outputs).values():
@@ -226,9 +237,19 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
   (``autotune``) overrides all of this where it has the problem.
   ``trans_a`` / ``not trans_b`` (MN-major operands) need tile_k a multiple of 64.
 
-  ``min_epi_tile_n``: the epilogue sub-tile width must be a multiple of this (the
-  pair block of a pairwise epilogue). ``clip_m``: M need not be a multiple of the tile
-  (``gemm``'s ``clip_m``).
+  Args:
+    m, n, k: the problem; dtype: the operands' dtype.
+    input_kinds, input_dtypes, outputs: the epilogue's staged operands and outputs.
+    min_epi_tile_n: the epilogue sub-tile width must be a multiple of this (the pair
+      block of a pairwise epilogue).
+    trans_a, trans_b: the operands' storage orders.
+    clip_m: M need not be a multiple of the tile (``gemm``'s ``clip_m``).
+
+  Returns:
+    a ``GemmConfig`` that tiles the problem and fits in shared memory.
+
+  Raises:
+    ValueError: no config tiles the problem.
   """
   input_kinds = input_kinds or {}
   input_dtypes = input_dtypes or {}
@@ -308,13 +329,29 @@ def _no_product_config(m, n, dtype, input_kinds, input_dtypes, outputs,
 
 
 def interpret_params():
-  """Mosaic GPU's CPU interpreter, for tests on machines without a Hopper GPU."""
+  """Mosaic GPU's CPU interpreter, for tests on machines without a Hopper GPU.
+
+  Returns:
+    ``plgpu.InterpretGPUParams()``, to pass as ``gemm``'s ``interpret``.
+  """
   return plgpu.InterpretGPUParams()
 
 
 def check_operands(a, b, trans_a=False, trans_b=False,
                    dtypes=(jnp.bfloat16, jnp.float16)) -> tuple[int, int, int]:
-  """Validates GEMM operands (rank, shared dtype in ``dtypes``, K); returns (M, N, K)."""
+  """Validates GEMM operands.
+
+  Args:
+    a: (M, K), or (K, M) with ``trans_a``.
+    b: (K, N), or (N, K) with ``trans_b``.
+    dtypes: the dtypes allowed (both operands share one).
+
+  Returns:
+    (M, N, K).
+
+  Raises:
+    ValueError: naming the rank, dtype or K mismatch.
+  """
   if a.ndim != 2 or b.ndim != 2:
     raise ValueError(f"a and b must be 2-D, got a.shape={a.shape}, b.shape={b.shape}")
   if a.dtype != b.dtype:
