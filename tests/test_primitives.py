@@ -225,13 +225,8 @@ def test_tile_operand_slots(key, kernel_impl, races_checked, schedule, slots):
   """Tile operands staged 1 (each sub-tile's load waits for the previous one to be
   read), 2, 3 (not dividing the 8 sub-tiles) or all 8 sub-tiles ahead of the
   epilogue, over several tiles per SM; under the race detector when interpreted."""
-  program = PROGRAMS["residual_norm"]
-  a, b = gemm_inputs(key, 256, 256, K, jnp.bfloat16)
-  ops = make_operands(jax.random.fold_in(key, 1), program, 256, 256, a.dtype)
-  config = GemmConfig(tile_m=128, tile_n=128, tile_k=64, stages=2, epi_tile_n=32,
-                      cluster_dim=None, schedule=schedule, epi_operand_slots=slots)
-  check_program(a, b, program, ops, kernel_impl, config=config)
-  assert not races_checked.races_found(), "data race in the kernel (see stdout)"
+  _check_slots(key, kernel_impl, races_checked, "residual_norm", schedule=schedule,
+               epi_operand_slots=slots)
 
 
 @pytest.mark.parametrize("slots", [1, 3, 8])
@@ -241,11 +236,19 @@ def test_output_slots(key, kernel_impl, races_checked, schedule, slots):
   store waits for the previous one to be read), 3 (not dividing the 8 sub-tiles, so a
   tile's slots restart mid-cycle) or all 8 slots, beside a tile operand in 2, over
   several tiles per SM; under the race detector when interpreted."""
-  program = PROGRAMS["everything"]
+  _check_slots(key, kernel_impl, races_checked, "everything", schedule=schedule,
+               epi_out_slots=slots)
+
+
+def _check_slots(key, kernel_impl, races_checked, name, **config_fields):
+  """PROGRAMS[name] at 256 x 256 on 128x128 warpgroup tiles of 8 (64, 32) epilogue
+  sub-tiles, with ``config_fields`` (the schedule and a slot count), against the truth
+  and, when interpreted, the race detector."""
+  program = PROGRAMS[name]
   a, b = gemm_inputs(key, 256, 256, K, jnp.bfloat16)
   ops = make_operands(jax.random.fold_in(key, 1), program, 256, 256, a.dtype)
   config = GemmConfig(tile_m=128, tile_n=128, tile_k=64, stages=2, epi_tile_n=32,
-                      cluster_dim=None, schedule=schedule, epi_out_slots=slots)
+                      cluster_dim=None, **config_fields)
   check_program(a, b, program, ops, kernel_impl, config=config)
   assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 
