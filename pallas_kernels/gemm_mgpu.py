@@ -92,6 +92,12 @@ class GemmConfig:
   # behind the epilogue; as many as a warpgroup tile has sub-tiles never wait within a
   # tile. Outputs stored in parts (epi_store_n) alternate their own two slots.
   epi_out_slots: int = 2
+  # When the next load into a tile operand's slot is issued: False, once the sub-tile's
+  # whole epilogue has run (its math and stores); True, as soon as every warp has read
+  # the sub-tile's operands into registers (one more warpgroup barrier per sub-tile), so
+  # the load runs under the sub-tile's math. With one slot the next sub-tile waits a
+  # load's whole latency otherwise.
+  epi_operand_refetch_early: bool = False
 
   def __post_init__(self):
     self.check()
@@ -119,6 +125,7 @@ class GemmConfig:
     cl = f" cl{self.cluster_dim.name}" if self.cluster_dim is not None else ""
     slots = f" in{self.epi_operand_slots}" if self.epi_operand_slots != 2 else ""
     slots += f" out{self.epi_out_slots}" if self.epi_out_slots != 2 else ""
+    slots += " early" if self.epi_operand_refetch_early else ""
     store = f"/{self.epi_store_n}" if self.epi_store_n is not None else ""
     return (f"{self.schedule.value} {self.tile_m}x{self.tile_n}x{self.tile_k} "
             f"s{self.stages} e{self.epi_tile_m}x{self.epi_tile_n}{store}{split}{cl} "
@@ -161,6 +168,9 @@ class GemmConfig:
       raise ValueError(f"GemmConfig.epi_store_n={self.epi_store_n}: a multiple of 32 that "
                        f"splits epi_tile_n={self.epi_tile_n} into an even number of parts, "
                        "or None to store whole sub-tiles")
+    if not isinstance(self.epi_operand_refetch_early, bool):
+      raise ValueError(f"GemmConfig.epi_operand_refetch_early="
+                       f"{self.epi_operand_refetch_early!r}: True or False")
     if self.grid_tile_width < 1:
       raise ValueError(f"GemmConfig.grid_tile_width={self.grid_tile_width} must be >= 1")
 
@@ -601,13 +611,22 @@ class _Epilogue:
         # slots in an order this tile does not continue: wait for all of them (a whole
         # mainloop has run since).
         plgpu.wait_smem_to_gmem(0 if s == 0 else self.out_slots - 1, wait_read_only=True)
-      tile = self._tile(slot, in_slot, i, j, r0, c0)
+      refetch = self.tiles_in and s + self.in_slots < len(self.sub_tiles)
+      read = None
+      if self.cfg.epi_operand_refetch_early and self.tiles_in:
+        # Read the sub-tile's operands into registers now, so their slot can refill
+        # while the program runs.
+        read = {nm: self.smem["i_" + nm].at[self.wg, in_slot][...] for nm in self.tiles_in}
+        if refetch:
+          plgpu.commit_smem()  # ends with a warpgroup barrier: every warp has read
+          self._fetch_tiles(s + self.in_slots, row_base, col_base)
+      tile = self._tile(slot, in_slot, i, j, r0, c0, read)
       self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
       missing = {o.name for o in self.outputs} - tile.stored
       if missing:
         raise ValueError(f"epilogue did not store outputs {sorted(missing)}")
       plgpu.commit_smem()  # also: every warp is done reading this slot's operands
-      if self.tiles_in and s + self.in_slots < len(self.sub_tiles):
+      if refetch and read is None:
         self._fetch_tiles(s + self.in_slots, row_base, col_base)
       if self.whole:
         for o in self.whole:
@@ -636,11 +655,15 @@ class _Epilogue:
     in place, None (overwrite) otherwise."""
     return "add" if o.name in self.reduces else None
 
-  def _tile(self, slot, in_slot, i, j, r0, c0):
+  def _tile(self, slot, in_slot, i, j, r0, c0, read=None):
+    """The program's view of sub-tile (i, j). ``read``: its tile operands, already read
+    from their slot (``GemmConfig.epi_operand_refetch_early``), else None."""
     em, en, smem, wg = self.cfg.epi_tile_m, self.cfg.epi_tile_n, self.smem, self.wg
 
     def reader(nm):
       kind = self.kinds[nm]
+      if kind in _TILE_KINDS and read is not None:
+        return lambda: read[nm]
       if kind in _TILE_KINDS:
         return lambda: smem["i_" + nm].at[wg, in_slot][...]
       if kind == epi.InputKind.ROW:

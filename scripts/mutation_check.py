@@ -276,17 +276,17 @@ MUTATIONS = [
         why="with 3 or 8 slots the epilogue would read another sub-tile's residual"),
     Mutation(
         "tile_operand_refetched_before_read", "pallas_kernels/gemm_mgpu.py",
-        "      tile = self._tile(slot, in_slot, i, j, r0, c0)\n"
+        "      tile = self._tile(slot, in_slot, i, j, r0, c0, read)\n"
         "      self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])\n"
         "      missing = {o.name for o in self.outputs} - tile.stored\n"
         "      if missing:\n"
         "        raise ValueError(f\"epilogue did not store outputs {sorted(missing)}\")\n"
         "      plgpu.commit_smem()  # also: every warp is done reading this slot's operands\n"
-        "      if self.tiles_in and s + self.in_slots < len(self.sub_tiles):\n"
+        "      if refetch and read is None:\n"
         "        self._fetch_tiles(s + self.in_slots, row_base, col_base)\n",
-        "      if self.tiles_in and s + self.in_slots < len(self.sub_tiles):  # (planted)\n"
+        "      if refetch and read is None:  # (planted)\n"
         "        self._fetch_tiles(s + self.in_slots, row_base, col_base)\n"
-        "      tile = self._tile(slot, in_slot, i, j, r0, c0)\n"
+        "      tile = self._tile(slot, in_slot, i, j, r0, c0, read)\n"
         "      self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])\n"
         "      missing = {o.name for o in self.outputs} - tile.stored\n"
         "      if missing:\n"
@@ -308,6 +308,18 @@ MUTATIONS = [
         ("tests/test_primitives.py", "-k", "stores_in_parts"),
         why="with two slots a part may reuse its slot only once at most one store is "
             "in flight"),
+    Mutation(
+        "early_refetch_before_read", "pallas_kernels/gemm_mgpu.py",
+        "        read = {nm: self.smem[\"i_\" + nm].at[self.wg, in_slot][...] for nm in self.tiles_in}\n"
+        "        if refetch:\n"
+        "          plgpu.commit_smem()  # ends with a warpgroup barrier: every warp has read\n"
+        "          self._fetch_tiles(s + self.in_slots, row_base, col_base)\n",
+        "        if refetch:  # (planted)\n"
+        "          plgpu.commit_smem()\n"
+        "          self._fetch_tiles(s + self.in_slots, row_base, col_base)\n"
+        "        read = {nm: self.smem[\"i_\" + nm].at[self.wg, in_slot][...] for nm in self.tiles_in}\n",
+        ("tests/test_primitives.py", "-k", "tile_operand_slots"),
+        why="an early refill may start only once the sub-tile's operands are in registers"),
     Mutation(
         "output_slot_wait_off_by_one", "pallas_kernels/gemm_mgpu.py",
         "plgpu.wait_smem_to_gmem(0 if s == 0 else self.out_slots - 1, wait_read_only=True)",

@@ -219,14 +219,17 @@ def test_zero_frequency_block_passes_through(key, kernel_impl):
   assert rel_err(rot[:, ~zero], plain[:, ~zero]) > 0.1  # the other heads did rotate
 
 
-@pytest.mark.parametrize("slots", [1, 2, 3, 8])
+@pytest.mark.parametrize("slots,early", [(1, False), (2, False), (3, False), (8, False),
+                                         (1, True), (3, True)])
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
-def test_tile_operand_slots(key, kernel_impl, races_checked, schedule, slots):
+def test_tile_operand_slots(key, kernel_impl, races_checked, schedule, slots, early):
   """Tile operands staged 1 (each sub-tile's load waits for the previous one to be
   read), 2, 3 (not dividing the 8 sub-tiles) or all 8 sub-tiles ahead of the
-  epilogue, over several tiles per SM; under the race detector when interpreted."""
+  epilogue, over several tiles per SM, each slot refilled after its sub-tile's program
+  or (``early``) as soon as its operands are in registers; under the race detector
+  when interpreted."""
   _check_slots(key, kernel_impl, races_checked, "residual_norm", schedule=schedule,
-               epi_operand_slots=slots)
+               epi_operand_slots=slots, epi_operand_refetch_early=early)
 
 
 @pytest.mark.parametrize("slots", [1, 3, 8])
