@@ -92,12 +92,14 @@ class GemmConfig:
   # behind the epilogue; as many as a warpgroup tile has sub-tiles never wait within a
   # tile. Outputs stored in parts (epi_store_n) alternate their own two slots.
   epi_out_slots: int = 2
-  # When the next load into a tile operand's slot is issued: False, once the sub-tile's
-  # whole epilogue has run (its math and stores); True, as soon as every warp has read
-  # the sub-tile's operands into registers (one more warpgroup barrier per sub-tile), so
-  # the load runs under the sub-tile's math. With one slot the next sub-tile waits a
-  # load's whole latency otherwise.
-  epi_operand_refetch_early: bool = False
+  # When the next load into a tile operand's slot is issued: True (default), as soon as
+  # every warp has read the sub-tile's operands into registers (one more warpgroup
+  # barrier per sub-tile), so the load runs under the sub-tile's math; False, once the
+  # sub-tile's whole epilogue has run (its math and stores), when with one slot the
+  # next sub-tile waits a load's whole latency. Early was 0-8% faster on 12 of 13
+  # tile-operand GEMMs of the 1B and 8B blocks and GPT-2 (bench/NOTES.md, fifteenth
+  # session).
+  epi_operand_refetch_early: bool = True
 
   def __post_init__(self):
     self.check()
@@ -125,7 +127,7 @@ class GemmConfig:
     cl = f" cl{self.cluster_dim.name}" if self.cluster_dim is not None else ""
     slots = f" in{self.epi_operand_slots}" if self.epi_operand_slots != 2 else ""
     slots += f" out{self.epi_out_slots}" if self.epi_out_slots != 2 else ""
-    slots += " early" if self.epi_operand_refetch_early else ""
+    slots += " late" if not self.epi_operand_refetch_early else ""
     store = f"/{self.epi_store_n}" if self.epi_store_n is not None else ""
     return (f"{self.schedule.value} {self.tile_m}x{self.tile_n}x{self.tile_k} "
             f"s{self.stages} e{self.epi_tile_m}x{self.epi_tile_n}{store}{split}{cl} "

@@ -125,11 +125,12 @@ def _f32(program):
           for p in program]
 
 
-# the programs with tile operands also run with one operand slot refilled early
-# (GemmConfig.epi_operand_refetch_early): z is a wide tile, rmsnorm_grad reads two
+# the programs with tile operands also run with one operand slot, refilled early (the
+# default, GemmConfig.epi_operand_refetch_early) and late: z is a wide tile,
+# rmsnorm_grad reads two
 IN_KERNEL_CASES = ([(n, s) for s in ("default", "pingpong") for n in PROGRAMS]
-                   + [(n, "pingpong_early") for n in ("gated_grad_silu", "gated_grad_gelu",
-                                                       "rmsnorm_grad")])
+                   + [(n, s) for s in ("one_slot_early", "one_slot_late")
+                      for n in ("gated_grad_silu", "gated_grad_gelu", "rmsnorm_grad")])
 
 
 @pytest.mark.parametrize("name,schedule", IN_KERNEL_CASES)
@@ -148,13 +149,14 @@ def test_backward_program_in_kernel(name, key, kernel_impl, schedule, monkeypatc
   base = cj.reference(a, b, program, operands, trans_b=True, round_to=jnp.bfloat16)
   # ping-pong with warpgroup tiles (64, 64): several tiles per CTA, so column partials
   # (dg) and in-turn epilogues alternate between the warpgroups
-  # early: 64x128 tiles of two sub-tiles, so each tile refills its one slot once
-  early = dict(tile_n=128, epi_operand_slots=1, epi_operand_refetch_early=True)
+  # one slot: 64x128 tiles of two sub-tiles, so each tile refills its slot once
+  one_slot = dict(tile_n=128, epi_operand_slots=1,
+                  epi_operand_refetch_early=schedule == "one_slot_early")
   config = None if schedule == "default" else pk.GemmConfig(**{
       **dict(tile_m=64, tile_n=64, tile_k=64, stages=3,
              epi_tile_n=2 * P if "gated" in name else 64, cluster_dim=None,
              schedule=pk.Schedule.PINGPONG),
-      **(early if schedule == "pingpong_early" else {})})
+      **(one_slot if schedule.startswith("one_slot") else {})})
   real = pk.gemm  # two SMs on the GPU too: each CTA loops over several tiles
   monkeypatch.setattr(pk, "gemm", lambda *a, **kw: real(*a, **{"num_sms": 2, **kw}))
   got = jax.jit(lambda a, b, o: cj.gemm_epilogue(a, b, program, o, trans_b=True,
