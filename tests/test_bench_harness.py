@@ -141,3 +141,26 @@ def test_compare_configs_variants_and_plain_problems():
   assert problem.a.shape == (128, 512) and problem.b.shape == (128, 256)
   with pytest.raises(ValueError, match="expected MxNxK:ORDER"):
     cc.plain_problem("512x256:nn")
+
+
+def test_ncu_source_summary(tmp_path):
+  """bench.ncu_source: samples per opcode with the guard predicate stripped, shares of
+  the total, and the top instruction with its main stall reason (a CSV laid out as
+  ncu 2025.3's `--page source --csv` is, with a title line above the header)."""
+  from bench import ncu_source
+  rows = [
+      '"Kernel: coda_gemm_cooperative"',
+      '"Address","Source","Warp Stall Sampling (All Samples)","stall_barrier","stall_long_sb"',
+      '"0x10","WARPGROUP.DEPBAR.LE gsb0, 0x0","1,200","1,190","0"',
+      '"0x20","@!P1  BRA 0x7f00","300","0","295"',
+      '"0x30","@P0   BRA 0x7f40","100","0","90"',
+  ]
+  path = tmp_path / "src.csv"
+  path.write_text("\n".join(rows) + "\n")
+  out = ncu_source.summarise(str(path), top=1)
+  assert "instructions: 3, samples: 1600" in out
+  assert "| BRA | 400 | 0.250 |" in out
+  assert "| WARPGROUP.DEPBAR.LE | 1200 | 0.750 |" in out
+  top = out.split("top instructions")[1].splitlines()[1]
+  assert "WARPGROUP.DEPBAR.LE" in top and "stall_barrier=1,190" in top
+  assert "stall_long_sb" not in top
