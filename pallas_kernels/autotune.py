@@ -388,10 +388,14 @@ class SearchStructure:
                        "multiples of 8")
     # the tile and grid fields, as GemmConfig checks them (each width is checked where
     # a candidate is made, against the problem's column group)
-    g.GemmConfig(tile_m=self.tile_m, tile_n=self.tile_n, epi_tile_n=self.tile_n,
-                 wg_dim=self.wg_dim, cluster_dim=self.cluster_dim,
-                 grid_minor_dim=self.grid_minor_dim, grid_tile_width=self.grid_tile_width,
-                 schedule=self.schedule)
+    self.config(epi_tile_n=self.tile_n)
+
+  def config(self, **rest) -> g.GemmConfig:
+    """A ``GemmConfig`` of this structure, with ``rest`` (K step, stages, ...)."""
+    return g.GemmConfig(schedule=self.schedule, tile_m=self.tile_m, tile_n=self.tile_n,
+                        wg_dim=self.wg_dim, cluster_dim=self.cluster_dim,
+                        grid_minor_dim=self.grid_minor_dim,
+                        grid_tile_width=self.grid_tile_width, **rest)
 
 
 def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: dict,
@@ -429,16 +433,15 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   for st, tk, en, depth in (
       (s, tk, en, sl) for s in structures for tk in tile_ks for en in s.epi_widths
       for sl in ((1, 2, 4, None) if has_tiles and extra else (1, 2) if has_tiles else (2,))):
-    sched, tm, tn, wg, cl, minor, width = (st.schedule, st.tile_m, st.tile_n, st.wg_dim,
-                                           st.cluster_dim, st.grid_minor_dim,
-                                           st.grid_tile_width)
+    tn = st.tile_n
     en = max(min(en, tn), min_epi_tile_n)
-    subtiles = (tm // 64) * (tn // en)
+    subtiles = (st.tile_m // 64) * (tn // en)
     slots = subtiles if depth is None else min(depth, max(2, subtiles))
     for store_n in g.store_widths(en):
       store = f"/{store_n}" if store_n else ""
-      name = (f"{sched.value} {tm}x{tn}x{tk} wg{wg.name} cl{cl.name if cl else '-'} "
-              f"{minor.name}{width} e64x{en}{store} in{slots}")
+      cl = st.cluster_dim.name if st.cluster_dim else "-"
+      name = (f"{st.schedule.value} {st.tile_m}x{tn}x{tk} wg{st.wg_dim.name} cl{cl} "
+              f"{st.grid_minor_dim.name}{st.grid_tile_width} e64x{en}{store} in{slots}")
       if name in seen:
         continue
       seen.add(name)
@@ -448,10 +451,8 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
       best = None
       if not why:
         try:
-          cfg = g.GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=max_stages,
-                             epi_tile_n=en, wg_dim=wg, cluster_dim=cl, grid_minor_dim=minor,
-                             grid_tile_width=width, schedule=sched, epi_operand_slots=slots,
-                             epi_store_n=store_n)
+          cfg = st.config(tile_k=tk, stages=max_stages, epi_tile_n=en,
+                          epi_operand_slots=slots, epi_store_n=store_n)
           g._check_tiling(m, n, k, cfg, trans_a, trans_b, clip_m)
           best = g.deepest_fitting(cfg, dtype, input_kinds, input_dtypes, outputs,
                                    mainloop=k > 0)

@@ -149,14 +149,12 @@ def test_backward_program_in_kernel(name, key, kernel_impl, schedule, monkeypatc
   base = cj.reference(a, b, program, operands, trans_b=True, round_to=jnp.bfloat16)
   # ping-pong with warpgroup tiles (64, 64): several tiles per CTA, so column partials
   # (dg) and in-turn epilogues alternate between the warpgroups
-  # one slot: 64x128 tiles of two sub-tiles, so each tile refills its slot once
-  one_slot = dict(tile_n=128, epi_operand_slots=1,
-                  epi_operand_refetch_early=schedule == "one_slot_early")
-  config = None if schedule == "default" else pk.GemmConfig(**{
-      **dict(tile_m=64, tile_n=64, tile_k=64, stages=3,
-             epi_tile_n=2 * P if "gated" in name else 64, cluster_dim=None,
-             schedule=pk.Schedule.PINGPONG),
-      **(one_slot if schedule.startswith("one_slot") else {})})
+  config = None if schedule == "default" else pk.GemmConfig(
+      tile_m=64, tile_n=64, tile_k=64, stages=3, epi_tile_n=2 * P if "gated" in name else 64,
+      cluster_dim=None, schedule=pk.Schedule.PINGPONG)
+  if schedule.startswith("one_slot"):  # 64x128 tiles of two sub-tiles: one refill a tile
+    config = dataclasses.replace(config, tile_n=128, epi_operand_slots=1,
+                                 epi_operand_refetch_early=schedule == "one_slot_early")
   real = pk.gemm  # two SMs on the GPU too: each CTA loops over several tiles
   monkeypatch.setattr(pk, "gemm", lambda *a, **kw: real(*a, **{"num_sms": 2, **kw}))
   got = jax.jit(lambda a, b, o: cj.gemm_epilogue(a, b, program, o, trans_b=True,
