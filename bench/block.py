@@ -201,17 +201,52 @@ def block_configs(s: Shape, impl="auto", lm_chunk_rows=None, head_grad="logits")
                              impl=impl, lm_chunk_rows=lm_chunk_rows, head_grad=head_grad))
 
 
+def timed_rounds(measure, ours, ours_args, xla, xla_args, rounds=1):
+  """``ours`` and ``xla`` timed ``rounds`` times each, alternating ABBA (ours first in
+  even rounds, XLA first in odd ones), so that a drift of the machine's speed over the
+  run (clocks settling after an idle start, another tenant) falls on both alike.
+
+  Returns:
+    A dict: ours_ms and baseline_ms (the medians of the rounds' medians),
+    speedup_vs_baseline (the median of the rounds' XLA / ours ratios), the per-round
+    lists ours_ms_rounds, baseline_ms_rounds and speedup_rounds (only when ``rounds`` >
+    1), the first round's per-kernel times (ours_kernels, baseline_kernels), and each
+    function's outputs from its first round (under the keys "got" and "want").
+  """
+  if rounds < 1:
+    raise ValueError(f"rounds={rounds}: at least 1")
+  times, first = {"ours": [], "xla": []}, {}
+  for i in range(rounds):
+    order = (("ours", ours, ours_args), ("xla", xla, xla_args))
+    for name, fn, args in (order if i % 2 == 0 else order[::-1]):
+      ms, kernels, out = measure(fn, *args)
+      times[name].append(ms)
+      first.setdefault(name, (kernels, out))
+      del out
+  ratios = [b / a for a, b in zip(times["ours"], times["xla"])]
+  res = dict(ours_ms=statistics.median(times["ours"]),
+             baseline_ms=statistics.median(times["xla"]),
+             speedup_vs_baseline=statistics.median(ratios),
+             ours_kernels=first["ours"][0], baseline_kernels=first["xla"][0],
+             got=first["ours"][1], want=first["xla"][1])
+  if rounds > 1:
+    res.update(ours_ms_rounds=times["ours"], baseline_ms_rounds=times["xla"],
+               speedup_rounds=ratios)
+  return res
+
+
 def compare_row(op, shape_name, dims, measure, prov, impl, ours, ours_args, xla, xla_args,
-                to_std=lambda t: t, gemm_fns=None, memory=False):
+                to_std=lambda t: t, gemm_fns=None, memory=False, rounds=1):
   """One table row: ``ours`` and ``xla`` timed on their arguments (CUPTI kernel time on a
-  GPU), their outputs compared with each other and with the fp32 truth (``xla`` run in
-  fp32 at HIGHEST precision), and optionally the GEMMs alone and the compiled peaks. A
-  failing measurement is reported in the row, not raised."""
+  GPU; ``rounds`` > 1 alternates them, see ``timed_rounds``), their outputs compared with
+  each other and with the fp32 truth (``xla`` run in fp32 at HIGHEST precision), and
+  optionally the GEMMs alone and the compiled peaks. A failing measurement is reported in
+  the row, not raised."""
   row = dict(op=op, shape=shape_name, dims=dims, baseline="xla_jit", **prov)
   try:
-    row["ours_ms"], row["ours_kernels"], got = measure(ours, *ours_args)
-    row["baseline_ms"], row["baseline_kernels"], want = measure(xla, *xla_args)
-    row["speedup_vs_baseline"] = row["baseline_ms"] / row["ours_ms"]
+    timed = timed_rounds(measure, ours, ours_args, xla, xla_args, rounds)
+    got, want = timed.pop("got"), timed.pop("want")
+    row.update(timed)
     row["rel_diff_vs_baseline"] = rel_diff(to_std(got), want)
     # Both against the fp32 truth of the same math: ours should be as close as XLA's bf16.
     upcast = lambda v: v.astype(f32) if v.dtype == bf16 else v
@@ -237,7 +272,7 @@ def compare_row(op, shape_name, dims, measure, prov, impl, ours, ours_args, xla,
 
 
 def run_shape(name, s: Shape, impl, measure, prov, key, only=None, lm_chunk_rows=None,
-              head_grad="logits"):
+              head_grad="logits", rounds=1):
   x = make_inputs(s, key)
   std, pos, tgt = x["params"], x["positions"], x["targets"]
   cfg, post_cfg = block_configs(s, impl, lm_chunk_rows, head_grad)
@@ -249,7 +284,8 @@ def run_shape(name, s: Shape, impl, measure, prov, key, only=None, lm_chunk_rows
 
   def compare(op, *args, **kwargs):
     if not only or op in only:
-      rows.append(compare_row(op, name, s._asdict(), measure, prov, impl, *args, **kwargs))
+      rows.append(compare_row(op, name, s._asdict(), measure, prov, impl, *args,
+                              rounds=rounds, **kwargs))
 
   gemm_key = jax.random.fold_in(key, 1)
   compare("shifted_block_fwd", ours_block, (x["x0"], x["y0"], pos, mine),
@@ -305,6 +341,15 @@ LLAMA_NOTE = ("XLA's block: separate gate/up matmuls, one fused qkv matmul. LM h
               "all M rows, full vocabulary.")
 
 
+def speedup_cell(row) -> str:
+  """XLA / ours as a table cell: with rounds, the median and the rounds' range."""
+  cell = f"{row['speedup_vs_baseline']:.3f}"
+  if row.get("speedup_rounds"):
+    rs = row["speedup_rounds"]
+    cell += f" ({len(rs)} rounds: {min(rs):.3f}-{max(rs):.3f})"
+  return cell
+
+
 def markdown(rows, prov, on_gpu, title="Llama blocks: ours vs jax.jit of the standard block",
              note=LLAMA_NOTE):
   mb = lambda v: f"{v / 2**20:.1f}" if v is not None else "-"
@@ -321,10 +366,14 @@ def markdown(rows, prov, on_gpu, title="Llama blocks: ours vs jax.jit of the sta
       md.append(f"| {r['shape']} | {r['op']} | failed: {r['error']} |" + " |" * 8)
       continue
     md.append(f"| {r['shape']} | {r['op']} | {fmt(r['ours_ms'])} | {fmt(r['baseline_ms'])} | "
-              f"{fmt(r.get('gemms_ms'))} | {fmt(r['speedup_vs_baseline'], 3)} | "
+              f"{fmt(r.get('gemms_ms'))} | {speedup_cell(r)} | "
               f"{fmt(r.get('ours_vs_gemms'), 3)} | {r['ours_err_vs_fp32']:.1e} | "
               f"{r['baseline_err_vs_fp32']:.1e} | "
               f"{mb(r.get('ours_peak_bytes'))} | {mb(r.get('baseline_peak_bytes'))} |")
+  if any(r.get("speedup_rounds") for r in rows):
+    md += ["", "XLA/ours: with rounds, ours and XLA's block were timed alternately (ABBA), "
+           "and the cell gives the median of the rounds' ratios and their range; ours ms "
+           "and XLA ms are the medians of the rounds' times."]
   md += ["", "GEMMs alone: the block's GEMMs as plain jnp.dot under jit (fwd: 4; fwd_bwd: "
          "also dout @ W^T and fp32 A^T @ dout for each). err: largest relative Frobenius "
          "difference over outputs (fwd) or gradients (fwd_bwd) from the XLA baseline's "
@@ -355,6 +404,9 @@ def main():
                  help="the post-block LM head's rows per chunk (default the library's choice)")
   p.add_argument("--head-grad", default="logits", choices=["logits", "exp"],
                  help="the post-block LM head's unit gradient (BlockConfig.head_grad)")
+  p.add_argument("--rounds", type=int, default=1,
+                 help="time ours and XLA alternately this many times each (ABBA) and "
+                 "report the median ratio and its range (default 1)")
   args = p.parse_args()
   on_gpu = jax.devices()[0].platform == "gpu"
   check_baseline()
@@ -368,7 +420,7 @@ def main():
   rows, only = [], set(args.ops.split(",")) if args.ops else None
   for i, name in enumerate(names):
     rows += run_shape(name, SHAPES[name], impl, measure, prov, jax.random.key(i), only,
-                      args.lm_chunk_rows, args.head_grad)
+                      args.lm_chunk_rows, args.head_grad, args.rounds)
   md = markdown(rows, prov, on_gpu)
   out = common.write_results("block", rows, md, out=args.out)
   print(f"wrote {out / 'block.json'} and {out / 'block.md'}\n")

@@ -199,11 +199,12 @@ def cases(s: Shape, x, impl):
            (*xla_args, x["cts"]), to_std)]
 
 
-def run_shape(name, s: Shape, impl, measure, prov, key):
+def run_shape(name, s: Shape, impl, measure, prov, key, rounds=1):
   x, gemm_key = inputs(s, key), jax.random.fold_in(key, 1)
   return [B.compare_row(op, name, s._asdict(), measure, prov, impl, ours, ours_args, xla,
                         xla_args, to_std=to_std,
-                        gemm_fns=B.gemms_of(gemm_mkn(s), backward, gemm_key), memory=backward)
+                        gemm_fns=B.gemms_of(gemm_mkn(s), backward, gemm_key), memory=backward,
+                        rounds=rounds)
           for op, backward, ours, ours_args, xla, xla_args, to_std in cases(s, x, impl)]
 
 
@@ -217,6 +218,9 @@ def main():
   p.add_argument("--impl", default=None, choices=("mosaic", "interpret", "xla"),
                  help="our ops' implementation (default: mosaic on a GPU, the interpreter "
                  "elsewhere; xla checks this harness in seconds)")
+  p.add_argument("--rounds", type=int, default=1,
+                 help="time ours and XLA alternately this many times each (ABBA) and "
+                 "report the median ratio and its range (default 1)")
   args = p.parse_args()
   on_gpu = jax.devices()[0].platform == "gpu"
   measure = B.timer(on_gpu, args.iterations or (30 if on_gpu else 1))
@@ -232,7 +236,8 @@ def main():
   for i, name in enumerate(names):
     if name not in SHAPES:
       p.error(f"unknown shape {name!r}: one of {list(SHAPES)}")
-    rows += run_shape(name, SHAPES[name], impl, measure, prov, jax.random.key(i))
+    rows += run_shape(name, SHAPES[name], impl, measure, prov, jax.random.key(i),
+                      args.rounds)
   md = B.markdown(rows, prov, on_gpu, title="GPT-2 and Qwen3 shifted blocks: ours vs "
                   "jax.jit of the standard block",
                   note="Shifted block: attention output and residual in, the next layer's "

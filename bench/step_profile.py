@@ -9,7 +9,12 @@ same step can run again: it is held twice, which is why the default batch is 4, 
 training benchmark's 8, and the profiler keeps every iteration's outputs (a new state
 each), which is why the default is one iteration (3 ran out of memory at 8B-4l on an
 H100). Writes ``step_profile_<config>_<layers>l.{md,json}`` to --out
-(default bench/results/<device>/). Needs a GPU (CUPTI)."""
+(default bench/results/<device>/). Needs a GPU (CUPTI).
+
+``--copies N`` lists instead the N largest copies XLA put into each path's step as the
+training benchmark compiles it (state donated): the copy instructions of the optimized
+HLO, with their bytes. A copy of a large buffer is time neither path's math asks for
+(a loop carry or an in-place output that XLA could not alias, a layout change)."""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +42,56 @@ KINDS = (
     ("XLA fusions and reductions", r"fusion|loop_|input_|reduce|convert|transpose|"
                                    r"broadcast|concatenate|slice|scatter|gather|select"),
 )
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+                "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+                "f64": 8}
+# one HLO instruction that copies: "%copy.3 = f32[8,16]{1,0} copy(f32[8,16]{0,1} %p)",
+# or an async "copy-start" (its result is a tuple whose first element is the copy)
+_COPY = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?\s*([a-z]\w*)\[([\d,]*)\]"
+                   r"[^=]*?\s(copy|copy-start)\(")
+
+
+def hlo_copies(hlo_text: str) -> list[tuple[str, str, tuple[int, ...], int]]:
+  """The copy instructions of an HLO module's text (outside fusions), largest first.
+
+  Args:
+    hlo_text: a compiled executable's ``as_text()`` (or any HLO module text).
+
+  Returns:
+    [(instruction name, dtype, shape, bytes)], sorted by bytes, descending.
+  """
+  # copies inside a fusion's computation are part of that fusion's kernel: skipped
+  fused = set(re.findall(r"\sfusion\(.*?calls=%?([\w.\-]+)", hlo_text))
+  out, computation = [], None
+  for line in hlo_text.splitlines():
+    header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+    if header and not line.startswith(" "):
+      computation = header.group(1)
+      continue
+    m = _COPY.match(line)
+    if m and computation not in fused:
+      name, dtype, dims, _ = m.groups()
+      shape = tuple(int(d) for d in dims.split(",") if d)
+      n = 1
+      for d in shape:
+        n *= d
+      out.append((name, dtype, shape, n * _DTYPE_BYTES.get(dtype, 4)))
+  return sorted(out, key=lambda c: -c[3])
+
+
+def step_copies(cfg, fused: bool, batch: int, seq: int, seed: int = 0):
+  """hlo_copies of one optimizer step as the training benchmark compiles it (donated)."""
+  model = Llama(cfg, rngs=nnx.Rngs(seed), fused=fused)
+  graphdef, state = train.init_state(model, train.make_optimizer(total_steps=100))
+  del model
+  step = train.make_train_step(graphdef, donate=True)
+  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  text = step.lower(state, tokens, tokens).compile().as_text()
+  del state
+  gc.collect()
+  return hlo_copies(text)
 
 
 def kind_of(name: str) -> str:
@@ -78,10 +133,21 @@ def main():
   p.add_argument("--iterations", type=int, default=1)
   p.add_argument("--top", type=int, default=15, help="largest kernels listed per path")
   p.add_argument("--out", type=Path, default=None)
+  p.add_argument("--copies", type=int, default=0,
+                 help="list the N largest copies in each path's compiled (donated) step "
+                 "instead of timing it")
   args = p.parse_args()
+  cfg = get_config(args.config, n_layers=args.layers)
+  if args.copies:
+    for path in ("fused", "reference"):
+      copies = step_copies(cfg, path == "fused", args.batch, args.seq)
+      total = sum(c[3] for c in copies)
+      print(f"{path}: {len(copies)} copies, {total / 2**20:.1f} MiB in all; the largest:")
+      for name, dtype, shape, nbytes in copies[:args.copies]:
+        print(f"  {nbytes / 2**20:10.1f} MiB  {dtype}{list(shape)}  {name}")
+    return
   if jax.devices()[0].platform != "gpu":
     raise SystemExit("bench.step_profile times kernels with CUPTI: run it on the GPU host")
-  cfg = get_config(args.config, n_layers=args.layers)
   prov = common.provenance()
   runs = {}
   for path in ("fused", "reference"):

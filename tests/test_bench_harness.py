@@ -15,14 +15,70 @@ from bench import family_blocks as fb
 @pytest.mark.parametrize("name", ["gpt2_tiny", "qwen3_tiny"])
 def test_family_block_rows(name):
   rows = fb.run_shape(name, fb.SHAPES[name], "xla", B.timer(False, 1),
-                      common.provenance(), jax.random.key(0))
+                      common.provenance(), jax.random.key(0), rounds=2)
   assert [r["op"] for r in rows] == [f"{name.split('_')[0]}_block_fwd",
                                      f"{name.split('_')[0]}_block_fwd_bwd"]
   for r in rows:
     assert "error" not in r, r["error"]
+    assert len(r["speedup_rounds"]) == len(r["ours_ms_rounds"]) == 2, r
     ours, xla = r["ours_err_vs_fp32"], r["baseline_err_vs_fp32"]
     assert 0 < ours <= 2 * xla, (r["op"], ours, xla)
     assert r["rel_diff_vs_baseline"] < 0.05, (r["op"], r["rel_diff_vs_baseline"])
+
+
+def test_timed_rounds_alternate_and_take_medians():
+  """``bench.block.timed_rounds`` times ours and XLA's block ABBA: on a machine that
+  slows down steadily, the rounds' ratios straddle the true one and their median is it,
+  where timing ours then XLA once would be off by the drift."""
+  calls, clock = [], iter(range(100))
+
+  def measure(fn, *args):  # each call 1% slower than the last; XLA's block 1.05x ours
+    calls.append(fn.__name__)
+    ms = (1.05 if fn.__name__ == "xla" else 1.0) * (1 + 0.01 * next(clock))
+    return ms, [(fn.__name__, ms)], fn(*args)
+
+  def ours(a):
+    return a + 1
+
+  def xla(a):
+    return a + 2
+
+  res = B.timed_rounds(measure, ours, (1,), xla, (1,), rounds=4)
+  assert calls == ["ours", "xla", "xla", "ours", "ours", "xla", "xla", "ours"], calls
+  assert (res["got"], res["want"]) == (2, 3)
+  assert res["ours_kernels"] == [("ours", 1.0)] and res["baseline_kernels"][0][0] == "xla"
+  assert len(res["speedup_rounds"]) == 4
+  assert min(res["speedup_rounds"]) < 1.05 < max(res["speedup_rounds"])
+  assert abs(res["speedup_vs_baseline"] - 1.05) < 2e-3, res["speedup_vs_baseline"]
+  once = B.timed_rounds(measure, ours, (1,), xla, (1,))
+  assert "speedup_rounds" not in once and once["speedup_vs_baseline"] > 1.05
+  assert "rounds: " in B.speedup_cell(res) and "rounds" not in B.speedup_cell(once)
+  with pytest.raises(ValueError, match="rounds=0"):
+    B.timed_rounds(measure, ours, (1,), xla, (1,), rounds=0)
+
+
+def test_hlo_copies_lists_the_steps_copies():
+  """``bench.step_profile.hlo_copies`` finds a module's copy instructions (plain and async),
+  sizes them, sorts them, and leaves out copies inside a fusion (part of its kernel)."""
+  from bench.step_profile import hlo_copies
+  text = """HloModule m
+
+%fused_computation.1 (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  ROOT %copy.9 = f32[4,4]{0,1} copy(f32[4,4]{1,0} %p)
+}
+
+ENTRY %main.5 (a: f32[4096,128256], b: bf16[8,16]) -> f32[4096,128256] {
+  %a = f32[4096,128256]{1,0} parameter(0)
+  %b = bf16[8,16]{1,0} parameter(1)
+  %copy.1 = bf16[8,16]{1,0} copy(bf16[8,16]{1,0} %b)
+  %copy-start.2 = (f32[4096,128256]{1,0}, f32[4096,128256]{1,0}, u32[]) copy-start(f32[4096,128256]{1,0} %a)
+  %fusion.3 = f32[4,4]{0,1} fusion(f32[4,4]{1,0} %x), kind=kLoop, calls=%fused_computation.1
+  ROOT %copy-done.2 = f32[4096,128256]{1,0} copy-done(%copy-start.2)
+}
+"""
+  assert hlo_copies(text) == [("copy-start.2", "f32", (4096, 128256), 4096 * 128256 * 4),
+                              ("copy.1", "bf16", (8, 16), 256)]
 
 
 def test_lowering_time_lowers_each_lm_head_kernel_once():
