@@ -101,12 +101,6 @@ class GemmConfig:
   # tile-operand GEMMs of the 1B and 8B blocks and GPT-2 (bench/NOTES.md, fifteenth
   # session).
   epi_operand_refetch_early: bool = True
-  # Sub-tiles of each tile operand prefetched into L2 beyond those staged in shared
-  # memory (a TMA prefetch, no shared memory): when sub-tile s is staged, sub-tile
-  # s + epi_operand_l2_ahead is asked for, so the load that later stages it reads L2
-  # instead of HBM. 0 (default): no prefetch. It changes no value, only when the data
-  # arrives.
-  epi_operand_l2_ahead: int = 0
 
   def __post_init__(self):
     self.check()
@@ -135,7 +129,6 @@ class GemmConfig:
     slots = f" in{self.epi_operand_slots}" if self.epi_operand_slots != 2 else ""
     slots += f" out{self.epi_out_slots}" if self.epi_out_slots != 2 else ""
     slots += " late" if not self.epi_operand_refetch_early else ""
-    slots += f" l2+{self.epi_operand_l2_ahead}" if self.epi_operand_l2_ahead else ""
     store = f"/{self.epi_store_n}" if self.epi_store_n is not None else ""
     return (f"{self.schedule.value} {self.tile_m}x{self.tile_n}x{self.tile_k} "
             f"s{self.stages} e{self.epi_tile_m}x{self.epi_tile_n}{store}{split}{cl} "
@@ -178,11 +171,6 @@ class GemmConfig:
       raise ValueError(f"GemmConfig.epi_store_n={self.epi_store_n}: a multiple of 32 that "
                        f"splits epi_tile_n={self.epi_tile_n} into an even number of parts, "
                        "or None to store whole sub-tiles")
-    if (not isinstance(self.epi_operand_l2_ahead, int)
-        or not 0 <= self.epi_operand_l2_ahead <= subtiles):
-      raise ValueError(f"GemmConfig.epi_operand_l2_ahead={self.epi_operand_l2_ahead!r}: "
-                       f"between 0 (no L2 prefetch) and the {subtiles} sub-tiles of a "
-                       "warpgroup tile")
     if not isinstance(self.epi_operand_refetch_early, bool):
       raise ValueError(f"GemmConfig.epi_operand_refetch_early="
                        f"{self.epi_operand_refetch_early!r}: True or False")
@@ -472,7 +460,6 @@ class _Epilogue:
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     self.sub_tiles = [(i, j) for i in range(cfg.tile_m // em) for j in range(cfg.tile_n // en)]
     self.in_slots, self.out_slots = cfg.epi_operand_slots, cfg.epi_out_slots
-    self.l2_ahead = cfg.epi_operand_l2_ahead
     # Outputs staged whole, one sub-tile per slot and one store group per sub-tile; the
     # rest (tile outputs, when the config splits stores) are stored part by part from
     # inside ``tile.store``.
@@ -539,18 +526,6 @@ class _Epilogue:
                               self.smem["tile_bar"].at[self.wg * self.in_slots
                                                        + s % self.in_slots])
 
-  def _prefetch_tiles_l2(self, s, row_base, col_base):
-    """Asks L2 for sub-tile s of every tile operand (``epi_operand_l2_ahead``): no
-    shared memory, no barrier; the TMA load that stages it later finds it there."""
-    if s >= len(self.sub_tiles):
-      return
-    r0, c0 = self._origin(s, row_base, col_base)
-    em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
-    for nm in self.tiles_in:
-      w = en * _TILE_KINDS[self.kinds[nm]]
-      cols = pl.ds(pl.multiple_of(c0 * _TILE_KINDS[self.kinds[nm]], w), w)
-      plgpu.async_prefetch(self.in_gmem[nm].at[pl.ds(r0, em), cols])
-
   def prefetch(self, row_base, col_base):
     """Issues the operand loads for the tile at (row_base, col_base); call before the
     mainloop so they land while it runs."""
@@ -566,14 +541,9 @@ class _Epilogue:
         src = self.in_gmem[nm].at[pl.ds(col_base, self.cfg.tile_n)]
       plgpu.copy_gmem_to_smem(src, self.smem["i_" + nm].at[self.wg],
                               self.smem["vec_bar"].at[self.wg])
-    # Tile operands run epi_operand_slots sub-tiles ahead of the epilogue, and the
-    # epi_operand_l2_ahead sub-tiles after those are asked of L2 (``_refetch`` keeps
-    # them that far ahead).
-    staged = min(self.in_slots, len(self.sub_tiles)) if self.tiles_in else 0
-    for s in range(staged):
+    # Tile operands run epi_operand_slots sub-tiles ahead of the epilogue.
+    for s in range(min(self.in_slots, len(self.sub_tiles)) if self.tiles_in else 0):
       self._fetch_tiles(s, row_base, col_base)
-    for s in range(staged, staged + self.l2_ahead if staged else 0):
-      self._prefetch_tiles_l2(s, row_base, col_base)
 
   def begin(self):
     """Before the first tile. With turns per column sum, warpgroup 1 hands warpgroup 0
@@ -652,7 +622,7 @@ class _Epilogue:
         read = {nm: self.smem["i_" + nm].at[self.wg, in_slot][...] for nm in self.tiles_in}
         if refetch:
           plgpu.commit_smem()  # ends with a warpgroup barrier: every warp has read
-          self._refetch(s + self.in_slots, row_base, col_base)
+          self._fetch_tiles(s + self.in_slots, row_base, col_base)
       tile = self._tile(slot, in_slot, i, j, r0, c0, read)
       self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
       missing = {o.name for o in self.outputs} - tile.stored
@@ -660,20 +630,13 @@ class _Epilogue:
         raise ValueError(f"epilogue did not store outputs {sorted(missing)}")
       plgpu.commit_smem()  # also: every warp is done reading this slot's operands
       if refetch and read is None:
-        self._refetch(s + self.in_slots, row_base, col_base)
+        self._fetch_tiles(s + self.in_slots, row_base, col_base)
       if self.whole:
         for o in self.whole:
           plgpu.copy_smem_to_gmem(self.smem["o_" + o.name].at[self.wg, slot],
                                   self._window(o, r0, c0), commit_group=False,
                                   reduction_op=self._reduction(o))
         plgpu.commit_smem_to_gmem_group()
-
-  def _refetch(self, s, row_base, col_base):
-    """Stages sub-tile s into the slot just freed, and asks L2 for the one
-    ``epi_operand_l2_ahead`` further on."""
-    self._fetch_tiles(s, row_base, col_base)
-    if self.l2_ahead:
-      self._prefetch_tiles_l2(s + self.l2_ahead, row_base, col_base)
 
   def _store_in_parts(self, o, value, r0, c0):
     """Stores one tile output's sub-tile value in ``store_parts`` TMA stores, each from

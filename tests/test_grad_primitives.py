@@ -126,10 +126,10 @@ def _f32(program):
 
 
 # the programs with tile operands also run with one operand slot, refilled early (the
-# default, GemmConfig.epi_operand_refetch_early), early with the next sub-tile prefetched
-# into L2 (epi_operand_l2_ahead), and late: z is a wide tile, rmsnorm_grad reads two
+# default, GemmConfig.epi_operand_refetch_early) and late: z is a wide tile,
+# rmsnorm_grad reads two
 IN_KERNEL_CASES = ([(n, s) for s in ("default", "pingpong") for n in PROGRAMS]
-                   + [(n, s) for s in ("one_slot_early", "one_slot_late", "one_slot_l2")
+                   + [(n, s) for s in ("one_slot_early", "one_slot_late")
                       for n in ("gated_grad_silu", "gated_grad_gelu", "rmsnorm_grad")])
 
 
@@ -154,8 +154,7 @@ def test_backward_program_in_kernel(name, key, kernel_impl, schedule, monkeypatc
       cluster_dim=None, schedule=pk.Schedule.PINGPONG)
   if schedule.startswith("one_slot"):  # 64x128 tiles of two sub-tiles: one refill a tile
     config = dataclasses.replace(config, tile_n=128, epi_operand_slots=1,
-                                 epi_operand_refetch_early=schedule != "one_slot_late",
-                                 epi_operand_l2_ahead=1 if schedule == "one_slot_l2" else 0)
+                                 epi_operand_refetch_early=schedule == "one_slot_early")
   real = pk.gemm  # two SMs on the GPU too: each CTA loops over several tiles
   monkeypatch.setattr(pk, "gemm", lambda *a, **kw: real(*a, **{"num_sms": 2, **kw}))
   got = jax.jit(lambda a, b, o: cj.gemm_epilogue(a, b, program, o, trans_b=True,

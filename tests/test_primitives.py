@@ -219,44 +219,17 @@ def test_zero_frequency_block_passes_through(key, kernel_impl):
   assert rel_err(rot[:, ~zero], plain[:, ~zero]) > 0.1  # the other heads did rotate
 
 
-@pytest.mark.parametrize("slots,early,l2", [(1, False, 0), (2, False, 0), (3, False, 0),
-                                            (8, False, 0), (1, True, 0), (3, True, 0),
-                                            (1, True, 2), (2, False, 7)])
+@pytest.mark.parametrize("slots,early", [(1, False), (2, False), (3, False), (8, False),
+                                         (1, True), (3, True)])
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
-def test_tile_operand_slots(key, kernel_impl, races_checked, schedule, slots, early, l2):
+def test_tile_operand_slots(key, kernel_impl, races_checked, schedule, slots, early):
   """Tile operands staged 1 (each sub-tile's load waits for the previous one to be
   read), 2, 3 (not dividing the 8 sub-tiles) or all 8 sub-tiles ahead of the
   epilogue, over several tiles per SM, each slot refilled after its sub-tile's program
-  or (``early``) as soon as its operands are in registers, with ``l2`` more sub-tiles
-  prefetched into L2 (7: past the tile's last sub-tile, which must be skipped); under
-  the race detector when interpreted (where an L2 prefetch does nothing: the compiled
-  kernel on the GPU is what checks that it lowers and changes no value)."""
+  or (``early``) as soon as its operands are in registers; under the race detector
+  when interpreted."""
   _check_slots(key, kernel_impl, races_checked, "residual_norm", schedule=schedule,
-               epi_operand_slots=slots, epi_operand_refetch_early=early,
-               epi_operand_l2_ahead=l2)
-
-
-@pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
-def test_l2_prefetch_is_in_the_compiled_kernel(schedule):
-  """``epi_operand_l2_ahead`` emits TMA prefetches into L2 (``cp.async.bulk.prefetch``)
-  in the kernel lowered for an H100, and none without it. The interpreter runs a
-  prefetch as a no-op, so this export (on any machine) is what shows the knob reaches
-  the compiled kernel; the values are checked by test_tile_operand_slots."""
-  from bench.lowering_time import pretend_h100
-  program = PROGRAMS["residual_norm"]
-  sds = jax.ShapeDtypeStruct
-  a, b = sds((256, K), jnp.bfloat16), sds((K, 256), jnp.bfloat16)
-  ops = {"x0": sds((256, 256), jnp.bfloat16), "g": sds((256,), jnp.float32)}
-  found = {}
-  for ahead in (0, 2):
-    config = GemmConfig(tile_m=128, tile_n=128, tile_k=64, stages=2, epi_tile_n=32,
-                        cluster_dim=None, schedule=schedule, epi_operand_slots=1,
-                        epi_operand_l2_ahead=ahead)
-    fn = lambda a, b, o: cj.gemm_epilogue(a, b, program, o, impl="mosaic", config=config)
-    with pretend_h100():
-      module = jax.export.export(jax.jit(fn), platforms=["cuda"])(a, b, ops).mlir_module()
-    found[ahead] = "cp.async.bulk.prefetch.tensor.2d.L2" in module
-  assert found == {0: False, 2: True}, found
+               epi_operand_slots=slots, epi_operand_refetch_early=early)
 
 
 @pytest.mark.parametrize("slots", [1, 3, 8])
