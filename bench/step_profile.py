@@ -51,10 +51,14 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 
 # or an async "copy-start" (its result is a tuple whose first element is the copy)
 _COPY = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?\s*([a-z]\w*)\[([\d,]*)\]"
                    r"[^=]*?\s(copy|copy-start)\(")
+_MEMCPY_FUSION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*([a-z]\w*)\[([\d,]*)\]"
+                            r"\S*\s+fusion\(")
 
 
 def hlo_copies(hlo_text: str) -> list[tuple[str, str, tuple[int, ...], int]]:
-  """The copy instructions of an HLO module's text (outside fusions), largest first.
+  """The copies of an HLO module's text, largest first: copy instructions outside fusions,
+  and fusions that XLA runs as a device memcpy (a dynamic slice of a loop's stacked
+  array, say: their backend config names a memcpy).
 
   Args:
     hlo_text: a compiled executable's ``as_text()`` (or any HLO module text).
@@ -70,9 +74,9 @@ def hlo_copies(hlo_text: str) -> list[tuple[str, str, tuple[int, ...], int]]:
     if header and not line.startswith(" "):
       computation = header.group(1)
       continue
-    m = _COPY.match(line)
-    if m and computation not in fused:
-      name, dtype, dims, _ = m.groups()
+    m = _COPY.match(line) or _MEMCPY_FUSION.match(line)
+    if m and computation not in fused and (m.re is _COPY or "memcpy" in line.lower()):
+      name, dtype, dims = m.group(1), m.group(2), m.group(3)
       shape = tuple(int(d) for d in dims.split(",") if d)
       n = 1
       for d in shape:
@@ -133,13 +137,19 @@ def main():
   p.add_argument("--iterations", type=int, default=1)
   p.add_argument("--top", type=int, default=15, help="largest kernels listed per path")
   p.add_argument("--out", type=Path, default=None)
+  p.add_argument("--paths", default="fused,reference",
+                 help="comma-separated, of fused and reference (default both)")
   p.add_argument("--copies", type=int, default=0,
                  help="list the N largest copies in each path's compiled (donated) step "
                  "instead of timing it")
   args = p.parse_args()
   cfg = get_config(args.config, n_layers=args.layers)
+  paths = args.paths.split(",")
+  if not paths or not set(paths) <= {"fused", "reference"}:
+    p.error(f"--paths {args.paths}: fused and/or reference")
   if args.copies:
-    for path in ("fused", "reference"):
+    print(common.provenance(), flush=True)
+    for path in paths:
       copies = step_copies(cfg, path == "fused", args.batch, args.seq)
       total = sum(c[3] for c in copies)
       print(f"{path}: {len(copies)} copies, {total / 2**20:.1f} MiB in all; the largest:")
@@ -150,23 +160,31 @@ def main():
     raise SystemExit("bench.step_profile times kernels with CUPTI: run it on the GPU host")
   prov = common.provenance()
   runs = {}
-  for path in ("fused", "reference"):
+  for path in paths:
     runs[path] = profile_path(cfg, path == "fused", args.batch, args.seq, args.iterations)
     print(f"{path}: {runs[path][0]:.1f} ms of kernels a step", flush=True)
   kinds = [k for k, _ in KINDS] + ["other"]
   sums = {path: by_kind(pk) for path, (_, pk) in runs.items()}
+  flags = os.environ.get("XLA_FLAGS", "")
   md = [f"# Kernel time of one training step: {args.config}, {args.layers} layers, "
         f"batch {args.batch} x {args.seq}", "",
         f"device: {prov['device']}; jax {prov['jax_version']}; commit {prov['commit']}",
-        f"command: `{prov['command']}`",
+        f"command: `{prov['command']}`" + (f"; XLA_FLAGS=`{flags}`" if flags else ""),
         "times: CUPTI, ms, median over iterations of each kernel; the step not donated", "",
-        "| kind | fused ms | reference ms | reference - fused |", "|---|---|---|---|"]
+        "| kind | " + " | ".join(f"{p} ms" for p in runs)
+        + (" | reference - fused |" if len(runs) == 2 else " |"),
+        "|---|" + "---|" * (len(runs) + (len(runs) == 2))]
   for k in kinds:
-    f, r = sums["fused"].get(k, 0.0), sums["reference"].get(k, 0.0)
-    md.append(f"| {k} | {f:.2f} | {r:.2f} | {r - f:+.2f} |")
-  tf, tr = runs["fused"][0], runs["reference"][0]
-  md += [f"| **all kernels** | **{tf:.2f}** | **{tr:.2f}** | **{tr - tf:+.2f}** |", "",
-         f"reference / fused: {tr / tf:.3f}", ""]
+    cells = [sums[p].get(k, 0.0) for p in runs]
+    md.append(f"| {k} | " + " | ".join(f"{c:.2f}" for c in cells)
+              + (f" | {cells[1] - cells[0]:+.2f} |" if paths == ["fused", "reference"]
+                 else " |"))
+  totals = [runs[p][0] for p in runs]
+  md.append("| **all kernels** | " + " | ".join(f"**{t:.2f}**" for t in totals) + " |")
+  if paths == ["fused", "reference"]:
+    md[-1] = md[-1] + f" **{totals[1] - totals[0]:+.2f}** |"
+    md += ["", f"reference / fused: {totals[1] / totals[0]:.3f}"]
+  md.append("")
   for path, (_, pk) in runs.items():
     md += [f"## {path}: the {args.top} largest kernels", "", "| kernel | kind | ms |",
            "|---|---|---|"]
@@ -179,7 +197,8 @@ def main():
   text = "\n".join(md) + "\n"
   print(text)
   rows = [dict(path=path, config=args.config, layers=args.layers, batch=args.batch,
-               seq=args.seq, kernel_ms=runs[path][0], by_kind=sums[path], **prov)
+               seq=args.seq, kernel_ms=runs[path][0], by_kind=sums[path],
+               xla_flags=flags, **prov)
           for path in runs]
   common.write_results(f"step_profile_{args.config}_{args.layers}l", rows, text, args.out)
 
