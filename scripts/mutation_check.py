@@ -878,6 +878,21 @@ MUTATIONS = [
         ("tests/test_sharding.py", "-k", "qkv_rope and jit"),
         "an epilogue pass's zero-size a and b passed into shard_map: XLA's CPU compiler "
         "segfaults (the fixture's subprocess dies)"),
+    # ---- sixteenth session: the benchmarks' measuring tools ------------------------------
+    Mutation(
+        "rounds_not_alternated", "bench/block.py",
+        "    for name, fn, args in (order if i % 2 == 0 else order[::-1]):",
+        "    for name, fn, args in order:",
+        ("tests/test_bench_harness.py", "-k", "timed_rounds"),
+        "--rounds times ours first in every round: a machine that drifts over the run "
+        "biases every round's ratio the same way"),
+    Mutation(
+        "hlo_copies_counts_fusion_bodies", "bench/step_profile.py",
+        "    if m and computation not in fused and (m.re is _COPY",
+        "    if m and (m.re is _COPY",
+        ("tests/test_bench_harness.py", "-k", "hlo_copies"),
+        "a copy inside a fusion's computation (part of its kernel) listed as a copy of "
+        "the step"),
 ]
 
 
