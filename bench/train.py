@@ -98,6 +98,10 @@ def parse_args():
   p.add_argument("--compile-cache", default=str(Path.home() / ".cache/coda_jax/xla"),
                  help="JAX's persistent compilation cache ('none' turns it off); the run "
                  "reports the first compile and a warm one served from the cache")
+  p.add_argument("--program-cache", default=str(Path.home() / ".cache/coda_jax/programs"),
+                 help="where the lowered train and eval steps are kept across runs "
+                 "(coda_jax.program_cache; 'none' turns it off): a later run skips lowering "
+                 "the fused kernels, most of the fused path's compile time")
   args = p.parse_args()
   if args.init_from is not None and args.config is not None:
     p.error("--init-from takes the model's config from the checkpoint: drop --config")
@@ -217,9 +221,12 @@ def run_path(path, cfg, args, train_batches, val_batches):
   r["first_step"] = start + 1
   r["compile_s"] = 0.0
   k = args.micro_batches or 1
+  programs = None if args.program_cache == "none" else args.program_cache
+  make_step = lambda k: train.make_train_step(graphdef, micro_batches=k, mesh=mesh,
+                                              partitioner=args.partitioner,
+                                              program_cache=programs)
   while True:  # "auto": halve the micro-batch until the compiled step fits the device
-    step = train.make_train_step(graphdef, micro_batches=k, mesh=mesh,
-                                 partitioner=args.partitioner)
+    step = make_step(k)
     t0 = time.perf_counter()
     compiled = step.lower(state, *put(train_batches[0])).compile()
     r["compile_s"] += time.perf_counter() - t0
@@ -234,9 +241,14 @@ def run_path(path, cfg, args, train_batches, val_batches):
     print(f"{path}: {r['compiled_peak_bytes'] / 2**30:.1f} GiB does not fit in "
           f"{limit / 2**30:.1f} GiB: {2 * k} micro-batches", flush=True)
     k *= 2
-  if args.compile_cache != "none":  # the same step again, from the persistent cache
+  if programs is not None:
+    r["program"] = step.source(state, *put(train_batches[0]))
+  if args.compile_cache != "none" or programs is not None:
+    # the same step again, as a later process would make it: traced anew, its program
+    # from the program cache and its executable from the persistent compilation cache
     jax.clear_caches()
     t0 = time.perf_counter()
+    step = make_step(k)
     compiled = step.lower(state, *put(train_batches[0])).compile()
     r["warm_compile_s"] = time.perf_counter() - t0
   r["micro_batches"] = k
@@ -256,7 +268,8 @@ def run_path(path, cfg, args, train_batches, val_batches):
   if mngr is not None:
     mngr.wait_until_finished()
     mngr.close()
-  evaluate = train.make_eval_step(graphdef, mesh=mesh, partitioner=args.partitioner)
+  evaluate = train.make_eval_step(graphdef, mesh=mesh, partitioner=args.partitioner,
+                                  program_cache=programs)
   r["val_loss"] = float(np.mean([evaluate(state, *put(b)) for b in val_batches]))
   r["device_peak_bytes"] = device_peak_bytes()
   r["device_limit_bytes"] = device_limit_bytes()
@@ -324,12 +337,16 @@ def markdown(results, summary, args, cfg, data, prov):
            f"step-to-step noise (std of its residual from a {SMOOTH}-step moving average, "
            f"second half): {noise}. Validation loss fused - reference: "
            f"{s['val_loss_diff']:+.2e}."]
+  md += ["", "Program cache: " + "; ".join(f"{r['path']} {r['program']}" for r in results)
+         if all("program" in r for r in results) else "Program cache: off"]
   md += ["", f"Step time: wall clock of one step until its loss is ready (the batch is "
          f"already on the device), median over steps {WARMUP + 1}-{args.steps}; tokens/s = "
          f"batch x seq / that. Compile: lowering + compiling the train step (all "
-         f"attempts), with JAX's persistent compilation cache at {args.compile_cache} (cold "
-         f"when the cache did not hold the step yet); warm: the same again after clearing "
-         f"the in-memory caches, served from the persistent cache. Micro-batches: gradient-accumulation pieces per step, by default the "
+         f"attempts), with JAX's persistent compilation cache at {args.compile_cache} and "
+         f"the program cache at {args.program_cache} (cold when they did not hold the step "
+         f"yet); warm: the step made again after clearing the in-memory caches, as a later "
+         f"run makes it: traced, its lowered program loaded from the program cache and its "
+         f"executable from the persistent cache. Micro-batches: gradient-accumulation pieces per step, by default the "
          f"fewest (a power of 2) whose compiled step fits the device. Final loss: "
          f"mean of the last 10 steps' training loss (nats/byte); val loss: mean over "
          f"{args.eval_batches} held-out batches. Compiled peak: argument + output + temp - "

@@ -10,7 +10,6 @@ step is a single XLA program with no Python graph traversal per call.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import jax
@@ -19,6 +18,7 @@ import optax
 from flax import nnx
 
 import coda_jax.epilogue_gemm
+from coda_jax.program_cache import cached_jit
 
 
 def _decay_mask(params):
@@ -173,7 +173,8 @@ PARTITIONERS = ("shard_map", "jit")
 
 
 def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, mesh=None,
-                    data_axis: str = "data", partitioner: str = "jit"):
+                    data_axis: str = "data", partitioner: str = "jit",
+                    program_cache: str | os.PathLike | None = None):
   """jit(step)(state, tokens, targets) -> (state, loss): one optimizer step on the mean
   loss. ``micro_batches`` > 1 splits the batch and accumulates gradients (fp32, in the
   parameters' dtype) over the pieces in a ``jax.lax.scan``, so activations of only one
@@ -191,7 +192,11 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, me
   gathered per GEMM, i.e. per layer). "shard_map": data parallel only; each device runs
   the whole model on its rows inside ``jax.shard_map`` and FSDP parameters are gathered
   once per step. On 2 H200s the Llama-3.2-1B step segfaulted on this path with the
-  kernels (bench/NOTES.md, issue 11); it is tested on CPU devices only."""
+  kernels (bench/NOTES.md, issue 11); it is tested on CPU devices only.
+
+  ``program_cache``: a folder where the lowered step is kept across processes
+  (``coda_jax.program_cache``): a later process with the same model, shapes and library
+  skips lowering the kernels (most of the fused step's compile time). None: plain jit."""
   if micro_batches < 1:
     raise ValueError(f"micro_batches={micro_batches} must be >= 1")
   if partitioner not in PARTITIONERS:
@@ -227,34 +232,32 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, me
     (loss, grads), _ = jax.lax.scan(piece, zeros, (split(tokens), split(targets)))
     return jax.tree.map(lambda x: x / micro_batches, (loss, grads))
 
-  @functools.partial(jax.jit, donate_argnums=(0,) if donate else ())
-  def step(state, tokens, targets):
+  def train_step(state, tokens, targets):
     model, optimizer = nnx.merge(graphdef, state)
     loss, grads = grads_of(model, tokens, targets)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
 
-  return step
+  return cached_jit(train_step, program_cache, donate_argnums=(0,) if donate else ())
 
 
 def make_eval_step(graphdef, *, mesh=None, data_axis: str = "data",
-                   partitioner: str = "jit"):
+                   partitioner: str = "jit", program_cache: str | os.PathLike | None = None):
   """jit(fn)(state, tokens, targets) -> loss, no gradients; sharded with ``mesh`` and
-  ``partitioner`` as ``make_train_step``."""
+  ``partitioner``, and kept in ``program_cache``, as ``make_train_step``."""
   if partitioner not in PARTITIONERS:
     raise ValueError(f"partitioner={partitioner!r}: one of {PARTITIONERS}")
   if mesh is not None:
     check_mesh(mesh, data_axis, other_axes=partitioner == "jit")
 
-  @jax.jit
-  def evaluate(state, tokens, targets):
+  def eval_step(state, tokens, targets):
     model, _ = nnx.merge(graphdef, state)
     if mesh is None or partitioner == "jit":
       return model.loss(tokens, targets)
     gdef, params, rest = nnx.split(model, nnx.Param, ...)
     return data_parallel_loss(gdef, rest, mesh, data_axis)(params, tokens, targets)
 
-  return evaluate
+  return cached_jit(eval_step, program_cache)
 
 
 def describe_path(model) -> str:

@@ -893,6 +893,29 @@ MUTATIONS = [
         ("tests/test_bench_harness.py", "-k", "hlo_copies"),
         "a copy inside a fusion's computation (part of its kernel) listed as a copy of "
         "the step"),
+    # ---- the program cache: a stale program served is a silent wrong answer -------------
+    Mutation(
+        "program_key_skips_nested_jaxprs", "coda_jax/program_cache.py",
+        '      self.jaxpr(getattr(v, "jaxpr", v), getattr(v, "consts", ()))\n',
+        '      self.add("a jaxpr")\n',
+        ("tests/test_program_cache.py", "-k", "inside_kernels"),
+        "the key hashes a nested program's presence, not its body (as jax's printed form "
+        "does for kernel bodies): two kernels differing in pipeline depth or epilogue share "
+        "a cache entry"),
+    Mutation(
+        "program_key_skips_constant_bytes", "coda_jax/program_cache.py",
+        "    self.h.update(a.tobytes())\n",
+        "    pass\n",
+        ("tests/test_program_cache.py", "-k", "lowering_reads"),
+        "a constant's shape and dtype enter the key but not its values: a program closing "
+        "over other numbers loads the old one"),
+    Mutation(
+        "program_key_ignores_donation", "coda_jax/program_cache.py",
+        '  fp.add("donate", repr(tuple(donate_argnums)))\n',
+        "",
+        ("tests/test_program_cache.py", "-k", "lowering_reads"),
+        "the donated arguments are not in the key (they are not in the traced program): a "
+        "step without donation loads one that deletes its inputs"),
 ]
 
 

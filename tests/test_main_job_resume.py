@@ -1,6 +1,8 @@
 """The main job's training state survives a stop: 8 steps in one run equal 4 steps,
 a stop (the state saved with orbax), and 4 more after --resume, bit for bit. Also the
-HF checkpoint start (--init-from) and the persistent compilation cache's warm compile."""
+HF checkpoint start (--init-from), the persistent compilation cache's warm compile, and the
+program cache: runs after the first load their steps instead of lowering them, and still
+agree bit for bit."""
 import json
 import os
 import subprocess
@@ -15,7 +17,8 @@ def main_job(tmp_path, name, *extra, config=("--config", "tiny")):
   out = tmp_path / name
   cmd = [sys.executable, "-m", "bench.train", *config, "--steps", "8",
          "--batch", "2", "--seq", "64", "--eval-batches", "1", "--paths", "fused",
-         "--compile-cache", str(tmp_path / "xla_cache"), "--out", str(out), *extra]
+         "--compile-cache", str(tmp_path / "xla_cache"),
+         "--program-cache", str(tmp_path / "programs"), "--out", str(out), *extra]
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
   assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
@@ -34,6 +37,10 @@ def test_resume_is_bit_for_bit(tmp_path):
   assert first["losses"] == whole["losses"][:4]
   assert second["first_step"] == 5 and second["losses"] == whole["losses"][4:]
   assert "warm_compile_s" in whole and whole["warm_compile_s"] > 0
+  # the first run exported the step; the two after it loaded it (the results above are
+  # bit for bit those of the exported program)
+  assert whole["program"].startswith("exported to ")
+  assert first["program"] == second["program"] == whole["program"].replace("exported to", "loaded from")
 
 
 def test_resume_needs_a_checkpoint_dir(tmp_path):

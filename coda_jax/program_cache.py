@@ -1,0 +1,286 @@
+"""Lowered programs kept on disk across processes: ``cached_jit``.
+
+Why: a fused program's Mosaic GPU kernels are lowered by Python every time the program is
+lowered: most of the fused training step's compile time (about 42 s of 49 for the 8B-4l
+step, bench/NOTES.md, seventh session). JAX's persistent compilation cache is keyed by the
+lowered module, so it is consulted only after that lowering, and spares none of it.
+``cached_jit`` exports the lowered program once (``jax.export``) into ``cache_dir``. A later
+process traces the function (a second or two), finds the program by the trace's
+fingerprint, and compiles it without lowering a kernel; with JAX's persistent compilation
+cache on, the XLA compile comes from there too.
+
+The fingerprint covers everything the lowering reads:
+  - the traced program itself, walked equation by equation, nested programs (kernel bodies
+    included) and parameters too; jax's printed form elides nested kernel bodies, so it is
+    not used;
+  - the bytes of its constants;
+  - the arguments' shapes, dtypes and shardings, and which arguments are donated;
+  - jax's and jaxlib's versions, a few jax settings that lowering reads, the backend and its
+    devices' kinds;
+  - the source of coda_jax and pallas_kernels and the shipped tuning cache.
+A change to the model, its config, the shapes, a kernel config or the library therefore
+gives another program, never a stale one.
+
+Not every program can be exported: one with host callbacks (the Mosaic GPU interpreter's
+barriers), or a multi-device one with ``coda_jax.partitioning``'s custom partitioning. Those
+run as plain ``jax.jit``, and the reason is logged once (``CachedJit.source`` says it too).
+A cache entry that cannot be read is logged, exported again and replaced.
+
+The cache holds one file per program (the 1B training step: about 4 MB) and never deletes
+any: remove the folder to reclaim the space.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jaxlib
+import numpy as np
+from jax.extend import core as jex_core
+
+from coda_jax.dispatch import announce
+
+FORMAT = "coda-jax-program-1"  # bump when what a cache file holds, or the key, changes
+SUFFIX = ".jaxexport"
+_LIBRARY = tuple(Path(__file__).resolve().parents[1] / p for p in ("coda_jax", "pallas_kernels"))
+_LOWERING_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision")
+
+
+def library_digest() -> str:
+  """sha256 of coda_jax's and pallas_kernels' Python sources and the shipped tuning cache."""
+  h = hashlib.sha256()
+  for root in _LIBRARY:
+    for f in sorted(list(root.rglob("*.py")) + list(root.rglob("*.json"))):
+      h.update(str(f.relative_to(root.parent)).encode())
+      h.update(f.read_bytes())
+  return h.hexdigest()
+
+
+class _Fingerprint:
+  """A sha256 over a closed jaxpr's whole structure: every equation's primitive, operand and
+  result types, the dataflow between them, and its parameters, recursing into nested
+  jaxprs (scan and cond bodies, custom_vjp calls, kernel bodies) wherever a parameter holds
+  one."""
+
+  def __init__(self):
+    self.h = hashlib.sha256()
+
+  def add(self, *parts: str) -> None:
+    for p in parts:
+      self.h.update(p.encode())
+      self.h.update(b"\x00")
+
+  def jaxpr(self, jaxpr, consts: Sequence[Any] = ()) -> None:
+    names: dict[Any, str] = {}
+
+    def var(v) -> str:
+      if isinstance(v, jex_core.Literal):
+        return f"literal {np.asarray(v.val)!r}:{v.aval}"
+      return names.setdefault(v, f"v{len(names)}") + f":{v.aval}"
+
+    self.add("jaxpr(", *map(var, jaxpr.constvars), "|", *map(var, jaxpr.invars))
+    for c in consts:
+      self.array(c)
+    for eqn in jaxpr.eqns:
+      self.add(eqn.primitive.name, *map(var, eqn.invars))
+      for k in sorted(eqn.params):
+        self.add(k)
+        self.value(eqn.params[k])
+      # effects follow from the equations (their reprs hold object ids): types only
+      self.add("->", *map(var, eqn.outvars), *sorted(type(e).__name__ for e in eqn.effects))
+    self.add("return", *map(var, jaxpr.outvars), ")")
+
+  def array(self, x) -> None:
+    if isinstance(x, jax.core.Tracer):  # a nested body closing over its caller's values
+      self.add("traced", str(x.aval))
+      return
+    a = np.asarray(x)
+    self.add("array", str(a.dtype), str(a.shape))
+    self.h.update(a.tobytes())
+
+  def value(self, v) -> None:
+    if isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):  # one class in jax 0.11
+      self.jaxpr(getattr(v, "jaxpr", v), getattr(v, "consts", ()))
+    elif isinstance(v, (tuple, list)):
+      self.add(type(v).__name__, str(len(v)))
+      for x in v:
+        self.value(x)
+    elif isinstance(v, dict) or type(v).__name__ == "FrozenDict":
+      self.add("dict", str(len(v)))
+      for k in sorted(v, key=repr):
+        self.add(repr(k))
+        self.value(v[k])
+    elif isinstance(v, (np.ndarray, jax.Array)):
+      self.array(v)
+    else:
+      self.add(_stable_repr(v))
+
+  def hexdigest(self) -> str:
+    return self.h.hexdigest()
+
+
+def _stable_repr(v) -> str:
+  """``repr(v)``, or its type's name where the repr holds a memory address (a function or
+  rule object: these parameters, e.g. custom_vmap's batching rule, are not lowered)."""
+  r = repr(v)
+  if " at 0x" in r or " object at " in r:
+    return f"<{type(v).__module__}.{type(v).__qualname__}>"
+  return r
+
+
+def _leaf_spec(x) -> str:
+  aval = jax.typeof(x) if hasattr(x, "dtype") else type(x)
+  return f"{aval}|{getattr(x, 'sharding', None)!r}"
+
+
+def program_key(traced: "jax.stages.Traced", args: tuple, donate_argnums: tuple[int, ...]) -> str:
+  """The cache key of one traced call: see the module docstring for what it covers."""
+  fp = _Fingerprint()
+  fp.add(FORMAT, jax.__version__, jaxlib.__version__, jax.default_backend())
+  for d in jax.devices():
+    fp.add(d.platform, d.device_kind, str(getattr(d, "compute_capability", "")))
+  for s in _LOWERING_SETTINGS:
+    fp.add(s, repr(getattr(jax.config, s)))
+  fp.add("library", library_digest())
+  fp.add("donate", repr(tuple(donate_argnums)))
+  leaves, tree = jax.tree.flatten(args)
+  fp.add("args", repr(tree), *map(_leaf_spec, leaves))
+  fp.add("out", repr(jax.tree.structure(traced.out_info)))
+  fp.jaxpr(traced.jaxpr.jaxpr, traced.jaxpr.consts)
+  return fp.hexdigest()
+
+
+def _flat_export(fun: Callable, args: tuple) -> "jax.export.Exported":
+  """``fun`` exported as a function of the flat argument leaves (nnx states and other
+  custom pytrees need no serialization rules then: the structure is recomputed by every
+  process's own trace)."""
+  leaves, in_tree = jax.tree.flatten(args)
+
+  def flat(*xs):
+    return jax.tree.leaves(fun(*jax.tree.unflatten(in_tree, xs)))
+
+  specs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+           for x in leaves]
+  return jax.export.export(jax.jit(flat))(*specs)
+
+
+def _write(path: Path, data: bytes) -> None:
+  """Writes ``data`` to ``path`` atomically: a reader sees the old file or the whole new
+  one, also when two processes export the same program at once."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    os.chmod(tmp, 0o644)  # mkstemp's 0o600 would hide it from a shared cache's other users
+    os.replace(tmp, path)
+  except BaseException:
+    Path(tmp).unlink(missing_ok=True)
+    raise
+
+
+def _read(path: Path, leaves) -> "jax.export.Exported | None":
+  """The exported program at ``path``, or None when there is none or it cannot be used (a
+  damaged file, or one whose arguments do not match: logged)."""
+  if not path.exists():
+    return None
+  try:
+    exp = jax.export.deserialize(bytearray(path.read_bytes()))
+  except Exception as e:  # noqa: BLE001 (any failure to parse means: export again)
+    announce(f"program cache: {path} could not be read ({type(e).__name__}: {e}); "
+             "exporting the program again")
+    return None
+  want = [(tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves]
+  have = [(tuple(a.shape), np.dtype(a.dtype)) for a in exp.in_avals]
+  if want != have:
+    announce(f"program cache: {path} takes other arguments than its key says; exporting "
+             "the program again")
+    return None
+  return exp
+
+
+class CachedJit:
+  """``jax.jit(fun, donate_argnums=...)`` whose lowered programs are kept in ``cache_dir``.
+
+  Call it, or ``lower`` it, as the jitted function. One program is made per argument
+  signature (pytree structure, shapes, dtypes, shardings) and kept in memory; the first
+  call with a signature traces ``fun``, then loads the program from the cache or exports
+  and stores it."""
+
+  def __init__(self, fun: Callable, cache_dir: str | os.PathLike, *,
+               donate_argnums: int | Sequence[int] = ()):
+    self.fun = fun
+    self.cache_dir = Path(cache_dir)
+    self.donate_argnums = ((donate_argnums,) if isinstance(donate_argnums, int)
+                           else tuple(donate_argnums))
+    self._jit = jax.jit(fun, donate_argnums=self.donate_argnums)
+    self._programs: dict[Any, tuple[Callable, str]] = {}
+
+  def _signature(self, args):
+    leaves, tree = jax.tree.flatten(args)
+    return tree, tuple(_leaf_spec(x) for x in leaves)
+
+  def _program(self, args) -> tuple[Callable, str]:
+    sig = self._signature(args)
+    if sig not in self._programs:
+      self._programs[sig] = self._make(args)
+    return self._programs[sig]
+
+  def _make(self, args) -> tuple[Callable, str]:
+    traced = self._jit.trace(*args)  # errors in fun surface here, as with jax.jit
+    key = program_key(traced, args, self.donate_argnums)
+    name = getattr(self.fun, "__name__", "fun").strip("<>") or "fun"
+    path = self.cache_dir / f"{name}-{key[:32]}{SUFFIX}"
+    leaves = jax.tree.leaves(args)
+    exp, source = _read(path, leaves), f"loaded from {path}"
+    if exp is None:
+      try:
+        exp = _flat_export(self.fun, args)
+        data = exp.serialize()
+      except Exception as e:  # noqa: BLE001 (whatever export refuses runs as plain jit)
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        announce(f"program cache: {name} runs as plain jax.jit, not kept: {reason}")
+        return self._jit, f"jit ({reason})"
+      _write(path, bytes(data))
+      source = f"exported to {path}"
+    out_tree = jax.tree.structure(traced.out_info)
+
+    def run(*a):
+      return jax.tree.unflatten(out_tree, exp.call(*jax.tree.leaves(a)))
+
+    run.__name__ = name
+    return jax.jit(run, donate_argnums=self.donate_argnums), source
+
+  def __call__(self, *args):
+    return self._program(args)[0](*args)
+
+  def lower(self, *args) -> "jax.stages.Lowered":
+    """As ``jax.jit(...).lower``: the program for these arguments, lowered."""
+    return self._program(args)[0].lower(*args)
+
+  def source(self, *args) -> str:
+    """Where the program for these arguments came from: "loaded from PATH", "exported to
+    PATH", or "jit (REASON)" when it could not be kept."""
+    return self._program(args)[1]
+
+
+def cached_jit(fun: Callable, cache_dir: str | os.PathLike | None, *,
+               donate_argnums: int | Sequence[int] = ()):
+  """``jax.jit(fun, donate_argnums=donate_argnums)``, its lowered programs kept in
+  ``cache_dir`` across processes (``CachedJit``); plain ``jax.jit`` when ``cache_dir`` is
+  None.
+
+  Args:
+    fun: the function to jit (positional arguments only).
+    cache_dir: the folder of exported programs, created on first use; None for no cache.
+    donate_argnums: as ``jax.jit``'s.
+
+  Returns:
+    A callable with ``lower``, as ``jax.jit`` returns."""
+  if cache_dir is None:
+    return jax.jit(fun, donate_argnums=donate_argnums)
+  return CachedJit(fun, cache_dir, donate_argnums=donate_argnums)
