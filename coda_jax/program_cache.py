@@ -48,6 +48,18 @@ FORMAT = "coda-jax-program-1"  # bump when what a cache file holds, or the key, 
 SUFFIX = ".jaxexport"
 _LIBRARY = tuple(Path(__file__).resolve().parents[1] / p for p in ("coda_jax", "pallas_kernels"))
 _LOWERING_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision")
+# Custom calls that jax.export refuses (their format may change between jax releases) but
+# that describe compiled code completely: cuDNN's attention (jax 0.11.2's names; Mosaic GPU's
+# kernels, "mosaic_gpu_v2", jax.export accepts already). A kept program is only loaded by
+# the jax and jaxlib that wrote it (both are in the key), so their format cannot change
+# under it. Every other custom call jax.export does not vouch for stays refused: host
+# callbacks and custom partitioning name live Python objects of the process that lowered
+# them.
+KERNEL_TARGETS = tuple("__cudnn$" + n for n in (
+    "fmhaSoftmax", "fmhaSoftmaxBackward", "fmhaSoftmaxDropout", "fmhaSoftmaxDropoutBackward",
+    "fmhaScaleBiasSoftmax", "fmhaScaleBiasSoftmaxBackward", "fmhaScaleBiasSoftmaxDropout",
+    "fmhaScaleBiasSoftmaxDropoutBackward", "fmhaSoftmaxF8", "fmhaSoftmaxBackwardF8",
+    "fusion"))
 
 
 def library_digest() -> str:
@@ -154,7 +166,8 @@ def program_key(traced: "jax.stages.Traced", args: tuple, donate_argnums: tuple[
   return fp.hexdigest()
 
 
-def _flat_export(fun: Callable, args: tuple) -> "jax.export.Exported":
+def _flat_export(fun: Callable, args: tuple,
+                 platforms: Sequence[str] | None = None) -> "jax.export.Exported":
   """``fun`` exported as a function of the flat argument leaves (nnx states and other
   custom pytrees need no serialization rules then: the structure is recomputed by every
   process's own trace)."""
@@ -165,7 +178,9 @@ def _flat_export(fun: Callable, args: tuple) -> "jax.export.Exported":
 
   specs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
            for x in leaves]
-  return jax.export.export(jax.jit(flat))(*specs)
+  allowed = [jax.export.DisabledSafetyCheck.custom_call(t) for t in KERNEL_TARGETS]
+  return jax.export.export(jax.jit(flat), platforms=platforms,
+                          disabled_checks=allowed)(*specs)
 
 
 def _write(path: Path, data: bytes) -> None:

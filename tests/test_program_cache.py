@@ -116,6 +116,19 @@ def test_key_sees_inside_kernels():
   assert len({k for k, _ in keys.values()}) == 4
 
 
+def test_kernels_are_exportable():
+  """A Mosaic GPU kernel, lowered for CUDA as an H100 runs it, passes jax.export's
+  custom-call check and serializes (cuDNN's attention, the other kernel a step holds,
+  lowers only on a GPU: the GPU run of test_train_step_from_the_cache covers it)."""
+  a = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+  b = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
+  run = lambda a, b: E.gemm_epilogue(a, b, [P.Store("y", jnp.bfloat16)], impl="mosaic")
+  with pretend_h100() as traced:
+    exp = PC._flat_export(run, (a, b), platforms=["cuda"])
+  assert traced and "mosaic_gpu_v2" in exp.mlir_module()
+  assert jax.export.deserialize(exp.serialize()).in_avals == exp.in_avals
+
+
 def test_damaged_entry_is_exported_again(tmp_path, key, caplog):
   a = args(key)
   PC.cached_jit(f, tmp_path)(*a)
