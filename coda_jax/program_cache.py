@@ -260,8 +260,13 @@ class CachedJit:
         reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         announce(f"program cache: {name} runs as plain jax.jit, not kept: {reason}")
         return self._jit, f"jit ({reason})"
-      _write(path, bytes(data))
-      source = f"exported to {path}"
+      try:
+        _write(path, bytes(data))
+        source = f"exported to {path}"
+      except OSError as e:  # a read-only or full disk must not stop the program itself
+        announce(f"program cache: could not write {path} ({e}); {name} runs without "
+                 "being kept")
+        source = f"exported, not kept ({type(e).__name__})"
     out_tree = jax.tree.structure(traced.out_info)
 
     def run(*a):

@@ -143,6 +143,19 @@ def test_damaged_entry_is_exported_again(tmp_path, key, caplog):
   assert PC._read(path, jax.tree.leaves(a)) is not None
 
 
+def test_unwritable_cache_still_runs(tmp_path, key, caplog):
+  """A cache folder that cannot be made (here a file stands at its path) is logged; the
+  program runs all the same."""
+  blocked = tmp_path / "file"
+  blocked.write_text("")
+  a = args(key)
+  cached = PC.cached_jit(f, blocked / "programs")
+  with caplog.at_level(logging.WARNING, logger="coda_jax"):
+    assert same(cached(*a), jax.jit(f)(*a))
+  assert cached.source(*a).startswith("exported, not kept")
+  assert any("could not write" in r.message for r in caplog.records)
+
+
 def test_unexportable_program_runs_as_jit(tmp_path, key, caplog):
   """A host callback cannot be exported: the function runs as plain jax.jit, nothing is
   written, and the reason is logged and kept in ``source``."""
