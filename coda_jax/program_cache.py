@@ -236,8 +236,9 @@ class CachedJit:
     self._programs: dict[Any, tuple[Callable, str]] = {}
 
   def _signature(self, args):
+    # hashable objects, not the key's strings: this runs on every call (~2 us a leaf)
     leaves, tree = jax.tree.flatten(args)
-    return tree, tuple(_leaf_spec(x) for x in leaves)
+    return tree, tuple((jax.typeof(x), getattr(x, "sharding", None)) for x in leaves)
 
   def _program(self, args) -> tuple[Callable, str]:
     sig = self._signature(args)
