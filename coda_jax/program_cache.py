@@ -47,7 +47,8 @@ from coda_jax.dispatch import announce
 FORMAT = "coda-jax-program-1"  # bump when what a cache file holds, or the key, changes
 SUFFIX = ".jaxexport"
 _LIBRARY = tuple(Path(__file__).resolve().parents[1] / p for p in ("coda_jax", "pallas_kernels"))
-_LOWERING_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision")
+_LOWERING_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision",
+                      "jax_use_shardy_partitioner")
 # Custom calls that jax.export refuses (their format may change between jax releases) but
 # that describe compiled code completely: cuDNN's attention (jax 0.11.2's names; Mosaic GPU's
 # kernels, "mosaic_gpu_v2", jax.export accepts already). A kept program is only loaded by
@@ -156,7 +157,7 @@ def program_key(traced: "jax.stages.Traced", args: tuple, donate_argnums: tuple[
   for d in jax.devices():
     fp.add(d.platform, d.device_kind, str(getattr(d, "compute_capability", "")))
   for s in _LOWERING_SETTINGS:
-    fp.add(s, repr(getattr(jax.config, s)))
+    fp.add(s, repr(getattr(jax.config, s, None)))
   fp.add("library", library_digest())
   fp.add("donate", repr(tuple(donate_argnums)))
   leaves, tree = jax.tree.flatten(args)
@@ -285,7 +286,8 @@ class CachedJit:
 
   def source(self, *args) -> str:
     """Where the program for these arguments came from: "loaded from PATH", "exported to
-    PATH", or "jit (REASON)" when it could not be kept."""
+    PATH", "exported, not kept (ERROR)" when the folder could not be written, or
+    "jit (REASON)" when the program could not be exported."""
     return self._program(args)[1]
 
 

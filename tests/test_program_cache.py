@@ -81,7 +81,7 @@ def key_of(fun, *a, donate=()):
 
 def test_key_follows_what_lowering_reads(key):
   """The same program gives the same key; a changed constant, literal, shape, dtype,
-  donation or output structure gives another."""
+  donation, output structure or default matmul precision gives another."""
   a = args(key)
   base = key_of(f, *a)
   assert key_of(f, *a) == base
@@ -94,6 +94,8 @@ def test_key_follows_what_lowering_reads(key):
   assert key_of(f, a[0], a[1].astype(jnp.bfloat16)) != base
   assert key_of(f, *a, donate=(0,)) != base
   assert key_of(lambda p, x: [f(p, x)], *a) != base
+  with jax.default_matmul_precision("highest"):  # read at lowering, not in the trace
+    assert key_of(f, *a) != base
 
 
 def test_key_sees_inside_kernels():
