@@ -221,6 +221,7 @@ def run_path(path, cfg, args, train_batches, val_batches):
   r["first_step"] = start + 1
   r["compile_s"] = 0.0
   k = args.micro_batches or 1
+  first = put(train_batches[0])  # the batch the step is lowered for
   programs = None if args.program_cache == "none" else args.program_cache
   make_step = lambda k: train.make_train_step(graphdef, micro_batches=k, mesh=mesh,
                                               partitioner=args.partitioner,
@@ -228,7 +229,7 @@ def run_path(path, cfg, args, train_batches, val_batches):
   while True:  # "auto": halve the micro-batch until the compiled step fits the device
     step = make_step(k)
     t0 = time.perf_counter()
-    compiled = step.lower(state, *put(train_batches[0])).compile()
+    compiled = step.lower(state, *first).compile()
     r["compile_s"] += time.perf_counter() - t0
     m = compiled.memory_analysis()  # arguments and outputs live throughout; temp is scratch
     r["compiled_peak_bytes"] = m and (m.argument_size_in_bytes + m.output_size_in_bytes +
@@ -242,14 +243,14 @@ def run_path(path, cfg, args, train_batches, val_batches):
           f"{limit / 2**30:.1f} GiB: {2 * k} micro-batches", flush=True)
     k *= 2
   if programs is not None:
-    r["program"] = step.source(state, *put(train_batches[0]))
+    r["program"] = step.source(state, *first)
   if args.compile_cache != "none" or programs is not None:
     # the same step again, as a later process would make it: traced anew, its program
     # from the program cache and its executable from the persistent compilation cache
     jax.clear_caches()
     t0 = time.perf_counter()
     step = make_step(k)
-    compiled = step.lower(state, *put(train_batches[0])).compile()
+    compiled = step.lower(state, *first).compile()
     r["warm_compile_s"] = time.perf_counter() - t0
   r["micro_batches"] = k
   r["losses"], r["step_s"] = [], []

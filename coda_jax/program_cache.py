@@ -31,6 +31,7 @@ any: remove the folder to reclaim the space.
 """
 from __future__ import annotations
 
+import collections.abc
 import hashlib
 import os
 import tempfile
@@ -122,7 +123,7 @@ class _Fingerprint:
       self.add(type(v).__name__, str(len(v)))
       for x in v:
         self.value(x)
-    elif isinstance(v, dict) or type(v).__name__ == "FrozenDict":
+    elif isinstance(v, collections.abc.Mapping):  # dicts, jax's FrozenDict
       self.add("dict", str(len(v)))
       for k in sorted(v, key=repr):
         self.add(repr(k))
@@ -140,14 +141,16 @@ def _stable_repr(v) -> str:
   """``repr(v)``, or its type's name where the repr holds a memory address (a function or
   rule object: these parameters, e.g. custom_vmap's batching rule, are not lowered)."""
   r = repr(v)
-  if " at 0x" in r or " object at " in r:
+  if " at 0x" in r:
     return f"<{type(v).__module__}.{type(v).__qualname__}>"
   return r
 
 
-def _leaf_spec(x) -> str:
-  aval = jax.typeof(x) if hasattr(x, "dtype") else type(x)
-  return f"{aval}|{getattr(x, 'sharding', None)!r}"
+def _signature(args) -> tuple:
+  """(pytree structure, (aval, sharding) per leaf): what picks a program for ``args``. It
+  is computed on every call, so it holds objects, not formatted strings."""
+  leaves, tree = jax.tree.flatten(args)
+  return tree, tuple((jax.typeof(x), getattr(x, "sharding", None)) for x in leaves)
 
 
 def program_key(traced: "jax.stages.Traced", args: tuple, donate_argnums: tuple[int, ...]) -> str:
@@ -160,8 +163,8 @@ def program_key(traced: "jax.stages.Traced", args: tuple, donate_argnums: tuple[
     fp.add(s, repr(getattr(jax.config, s, None)))
   fp.add("library", library_digest())
   fp.add("donate", repr(tuple(donate_argnums)))
-  leaves, tree = jax.tree.flatten(args)
-  fp.add("args", repr(tree), *map(_leaf_spec, leaves))
+  tree, leaves = _signature(args)
+  fp.add("args", repr(tree), *(f"{aval}|{sharding!r}" for aval, sharding in leaves))
   fp.add("out", repr(jax.tree.structure(traced.out_info)))
   fp.jaxpr(traced.jaxpr.jaxpr, traced.jaxpr.consts)
   return fp.hexdigest()
@@ -199,9 +202,10 @@ def _write(path: Path, data: bytes) -> None:
     raise
 
 
-def _read(path: Path, leaves) -> "jax.export.Exported | None":
-  """The exported program at ``path``, or None when there is none or it cannot be used (a
-  damaged file, or one whose arguments do not match: logged)."""
+def _read(path: Path) -> "jax.export.Exported | None":
+  """The exported program at ``path``, or None when there is none or it cannot be read
+  (a damaged file: logged). Its argument types are the key's; ``Exported.call`` checks
+  them again."""
   if not path.exists():
     return None
   try:
@@ -209,12 +213,6 @@ def _read(path: Path, leaves) -> "jax.export.Exported | None":
   except Exception as e:  # noqa: BLE001 (any failure to parse means: export again)
     announce(f"program cache: {path} could not be read ({type(e).__name__}: {e}); "
              "exporting the program again")
-    return None
-  want = [(tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves]
-  have = [(tuple(a.shape), np.dtype(a.dtype)) for a in exp.in_avals]
-  if want != have:
-    announce(f"program cache: {path} takes other arguments than its key says; exporting "
-             "the program again")
     return None
   return exp
 
@@ -236,13 +234,8 @@ class CachedJit:
     self._jit = jax.jit(fun, donate_argnums=self.donate_argnums)
     self._programs: dict[Any, tuple[Callable, str]] = {}
 
-  def _signature(self, args):
-    # hashable objects, not the key's strings: this runs on every call (~2 us a leaf)
-    leaves, tree = jax.tree.flatten(args)
-    return tree, tuple((jax.typeof(x), getattr(x, "sharding", None)) for x in leaves)
-
   def _program(self, args) -> tuple[Callable, str]:
-    sig = self._signature(args)
+    sig = _signature(args)
     if sig not in self._programs:
       self._programs[sig] = self._make(args)
     return self._programs[sig]
@@ -252,8 +245,7 @@ class CachedJit:
     key = program_key(traced, args, self.donate_argnums)
     name = getattr(self.fun, "__name__", "fun").strip("<>") or "fun"
     path = self.cache_dir / f"{name}-{key[:32]}{SUFFIX}"
-    leaves = jax.tree.leaves(args)
-    exp, source = _read(path, leaves), f"loaded from {path}"
+    exp, source = _read(path), f"loaded from {path}"
     if exp is None:
       try:
         exp = _flat_export(self.fun, args)
