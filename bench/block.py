@@ -15,6 +15,7 @@ baseline, with wall-clock times that say nothing about GPU speed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -29,6 +30,8 @@ from pallas_kernels import autotune
 from coda_jax import blocks, layout
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as ref
+
+HEAD_GRADS = F.HEAD_GRADS
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 BLOCK = 32  # SwiGLU pair block of our w13 layout
@@ -272,10 +275,14 @@ def compare_row(op, shape_name, dims, measure, prov, impl, ours, ours_args, xla,
 
 
 def run_shape(name, s: Shape, impl, measure, prov, key, only=None, lm_chunk_rows=None,
-              head_grad="logits", rounds=1):
+              head_grads=("logits",), rounds=1):
+  """The rows of shape ``s``: each op of ``only`` (default all), and at 1b and tiny the
+  post-block once per entry of ``head_grads`` (``BlockConfig.head_grad``)."""
+  if not head_grads or any(h not in HEAD_GRADS for h in head_grads):
+    raise ValueError(f"head_grads={head_grads!r}: one or more of {HEAD_GRADS}")
   x = make_inputs(s, key)
   std, pos, tgt = x["params"], x["positions"], x["targets"]
-  cfg, post_cfg = block_configs(s, impl, lm_chunk_rows, head_grad)
+  cfg, post_cfg = block_configs(s, impl, lm_chunk_rows)
   mine = ours_params(std, blocks.SHIFTED_KEYS)
   ours_block = lambda a, b, c, p: blocks.shifted_block(a, b, c, p, cfg)
   xla_block = xla_shifted_block(s)
@@ -314,11 +321,16 @@ def run_shape(name, s: Shape, impl, measure, prov, key, only=None, lm_chunk_rows
   if name in ("1b", "tiny"):
     grad = lambda loss: jax.grad(loss, argnums=(0, 1, 3))
     std_post = {k: std[k] for k in ("wo", "g_mlp", "w_gate", "w_up", "w2", "g_final", "wlm")}
-    compare("post_block_fwd_bwd",
-            grad(lambda a, b, t, p: blocks.post_block(a, b, t, p, post_cfg)),
+    for head in head_grads:  # one row per way of forming the head's gradient
+      cfg_h = dataclasses.replace(post_cfg, head_grad=head)
+      if not only or "post_block_fwd_bwd" in only:
+        rows.append(compare_row(
+            "post_block_fwd_bwd", name, s._asdict(), measure, prov, impl,
+            grad(lambda a, b, t, p, c=cfg_h: blocks.post_block(a, b, t, p, c)),
             (x["x0"], x["y0"], tgt, ours_params(std, blocks.POST_KEYS)),
             grad(xla_post_block), (x["x0"], x["y0"], tgt, std_post),
-            to_std=grads_to_standard, memory=True)
+            to_std=grads_to_standard, memory=True, rounds=rounds))
+        rows[-1]["head_grad"] = head
   return rows
 
 
@@ -339,6 +351,11 @@ def timer(on_gpu, iterations):
 
 LLAMA_NOTE = ("XLA's block: separate gate/up matmuls, one fused qkv matmul. LM head per-op: "
               "all M rows, full vocabulary.")
+
+
+def op_cell(row) -> str:
+  """The op as a table cell; a post-block row names its head's gradient."""
+  return row["op"] + (f" ({row['head_grad']} head)" if "head_grad" in row else "")
 
 
 def speedup_cell(row) -> str:
@@ -363,9 +380,9 @@ def markdown(rows, prov, on_gpu, title="Llama blocks: ours vs jax.jit of the sta
         "ours err | XLA err | ours peak MiB | XLA peak MiB |", "|" + "---|" * 11]
   for r in rows:
     if "error" in r:
-      md.append(f"| {r['shape']} | {r['op']} | failed: {r['error']} |" + " |" * 8)
+      md.append(f"| {r['shape']} | {op_cell(r)} | failed: {r['error']} |" + " |" * 8)
       continue
-    md.append(f"| {r['shape']} | {r['op']} | {fmt(r['ours_ms'])} | {fmt(r['baseline_ms'])} | "
+    md.append(f"| {r['shape']} | {op_cell(r)} | {fmt(r['ours_ms'])} | {fmt(r['baseline_ms'])} | "
               f"{fmt(r.get('gemms_ms'))} | {speedup_cell(r)} | "
               f"{fmt(r.get('ours_vs_gemms'), 3)} | {r['ours_err_vs_fp32']:.1e} | "
               f"{r['baseline_err_vs_fp32']:.1e} | "
@@ -402,12 +419,16 @@ def main():
                  help="comma-separated ops to time (default all), e.g. post_block_fwd_bwd")
   p.add_argument("--lm-chunk-rows", type=int, default=None,
                  help="the post-block LM head's rows per chunk (default the library's choice)")
-  p.add_argument("--head-grad", default="logits", choices=["logits", "exp"],
-                 help="the post-block LM head's unit gradient (BlockConfig.head_grad)")
+  p.add_argument("--head-grad", default="logits",
+                 help="the post-block LM head's unit gradient (BlockConfig.head_grad), "
+                 f"comma-separated of {list(HEAD_GRADS)}: a post-block row for each")
   p.add_argument("--rounds", type=int, default=1,
                  help="time ours and XLA alternately this many times each (ABBA) and "
                  "report the median ratio and its range (default 1)")
   args = p.parse_args()
+  head_grads = tuple(args.head_grad.split(","))
+  if any(h not in HEAD_GRADS for h in head_grads):
+    p.error(f"--head-grad {args.head_grad}: comma-separated of {list(HEAD_GRADS)}")
   on_gpu = jax.devices()[0].platform == "gpu"
   check_baseline()
   measure = timer(on_gpu, args.iterations or (30 if on_gpu else 1))
@@ -420,7 +441,7 @@ def main():
   rows, only = [], set(args.ops.split(",")) if args.ops else None
   for i, name in enumerate(names):
     rows += run_shape(name, SHAPES[name], impl, measure, prov, jax.random.key(i), only,
-                      args.lm_chunk_rows, args.head_grad, args.rounds)
+                      args.lm_chunk_rows, head_grads, args.rounds)
   md = markdown(rows, prov, on_gpu)
   out = common.write_results("block", rows, md, out=args.out)
   print(f"wrote {out / 'block.json'} and {out / 'block.md'}\n")

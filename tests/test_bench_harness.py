@@ -26,6 +26,24 @@ def test_family_block_rows(name):
     assert r["rel_diff_vs_baseline"] < 0.05, (r["op"], r["rel_diff_vs_baseline"])
 
 
+def test_post_block_rows_one_per_head():
+  """``bench.block`` times the post-block once per requested way of forming the LM
+  head's gradient, each row naming its head, both within the tolerance rule of the
+  same XLA baseline; an unknown head is refused before anything runs."""
+  rows = B.run_shape("tiny", B.SHAPES["tiny"], "xla", B.timer(False, 1),
+                     common.provenance(), jax.random.key(0), {"post_block_fwd_bwd"},
+                     head_grads=("logits", "exp"))
+  assert [(r["op"], r["head_grad"]) for r in rows] == [
+      ("post_block_fwd_bwd", "logits"), ("post_block_fwd_bwd", "exp")]
+  for r in rows:
+    assert "error" not in r, r["error"]
+    assert 0 < r["ours_err_vs_fp32"] <= 2 * r["baseline_err_vs_fp32"], r
+  assert "(exp head)" in B.markdown(rows, common.provenance(), False)
+  with pytest.raises(ValueError, match="head_grads"):
+    B.run_shape("tiny", B.SHAPES["tiny"], "xla", B.timer(False, 1), common.provenance(),
+                jax.random.key(0), {"post_block_fwd_bwd"}, head_grads=("softmax",))
+
+
 def test_timed_rounds_alternate_and_take_medians():
   """``bench.block.timed_rounds`` times ours and XLA's block ABBA: on a machine that
   slows down steadily, the rounds' ratios straddle the true one and their median is it,
