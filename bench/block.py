@@ -194,7 +194,7 @@ def peak_bytes(fn, *args):
           - m.alias_size_in_bytes)
 
 
-def block_configs(s: Shape, impl="auto", lm_chunk_rows=None, head_grad="logits"):
+def block_configs(s: Shape, impl="auto", lm_chunk_rows=None, head_grad="auto"):
   """(shifted block, post-block) configs of our fused path at shape ``s``, as timed here
   and as bench/tune_gemm.py traces them (``lm_chunk_rows``: the LM head's rows per chunk,
   default the library's choice; ``head_grad``: ``BlockConfig.head_grad``)."""
@@ -275,7 +275,7 @@ def compare_row(op, shape_name, dims, measure, prov, impl, ours, ours_args, xla,
 
 
 def run_shape(name, s: Shape, impl, measure, prov, key, only=None, lm_chunk_rows=None,
-              head_grads=("logits",), rounds=1):
+              head_grads=("auto",), rounds=1):
   """The rows of shape ``s``: each op of ``only`` (default all), and at 1b and tiny the
   post-block once per entry of ``head_grads`` (``BlockConfig.head_grad``)."""
   if not head_grads or any(h not in HEAD_GRADS for h in head_grads):
@@ -419,7 +419,7 @@ def main():
                  help="comma-separated ops to time (default all), e.g. post_block_fwd_bwd")
   p.add_argument("--lm-chunk-rows", type=int, default=None,
                  help="the post-block LM head's rows per chunk (default the library's choice)")
-  p.add_argument("--head-grad", default="logits",
+  p.add_argument("--head-grad", default="auto",
                  help="the post-block LM head's unit gradient (BlockConfig.head_grad), "
                  f"comma-separated of {list(HEAD_GRADS)}: a post-block row for each")
   p.add_argument("--rounds", type=int, default=1,

@@ -39,7 +39,7 @@ import orbax.checkpoint as ocp  # flax depends on it
 from flax import nnx
 
 from bench import common, corpus
-from coda_jax import epilogue_gemm
+from coda_jax import epilogue_gemm, fused_ops
 from flax_layers import CONFIGS, Llama, LlamaConfig, get_config, load_hf_checkpoint, train
 from flax_layers.gpt2 import (GPT2, GPT2_CONFIGS, GPT2Config, get_gpt2_config,
                               load_gpt2_checkpoint)
@@ -64,9 +64,9 @@ def parse_args():
                    f"{DEFAULTS['tiny'][flag]})")
   p.add_argument("--warmup-steps", type=int, help="learning-rate warm-up (default steps/10)")
   p.add_argument("--seed", type=int, default=0, help="parameters and batch order")
-  p.add_argument("--head-grad", choices=("logits", "exp"), default=None,
+  p.add_argument("--head-grad", choices=fused_ops.HEAD_GRADS, default=None,
                  help="the fused LM head's unit gradient (LlamaConfig.head_grad; default "
-                      "the config's, \"logits\")")
+                      "the config's, \"auto\": \"exp\" unless float16)")
   p.add_argument("--paths", default="fused,reference", help="comma-separated, in run order")
   p.add_argument("--micro-batches", type=int, help="gradient accumulation pieces per step "
                  "(default: 1, or as many as the compiled step needs to fit the device)")
@@ -412,7 +412,7 @@ def main():
           + (f"_{args.mesh.replace('=', '').replace(',', '_')}" if args.mesh else "")
           + ("_fsdp" if args.fsdp else "")
           + ("_jit" if args.mesh and args.partitioner == "jit" else "")
-          + (f"_{args.head_grad}_head" if args.head_grad == "exp" else ""))
+          + (f"_{args.head_grad}_head" if args.head_grad not in (None, "auto") else ""))
   try:
     data = corpus.load(args.batch, args.seq)
   except ValueError as e:

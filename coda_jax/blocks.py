@@ -57,7 +57,7 @@ class BlockConfig:
   reduction: str = "mean"
   lm_chunk_rows: int | None = None
   wlm_layout: str = "dv"  # post-block head: "dv" (D, V), or "vd" (V, D): a tied embedding
-  head_grad: str = "logits"  # post-block head's unit gradient: fused_ops.HEAD_GRADS
+  head_grad: str = "auto"  # post-block head's unit gradient: fused_ops.HEAD_GRADS
   qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm in the QKV epilogue (eps = eps)
   impl: str | tuple[str, ...] = "auto"  # implementations to try (coda_jax.dispatch)
 
@@ -313,11 +313,11 @@ def post_block(x0, y0, targets, params, cfg: BlockConfig):
   F.check_rows("targets", targets, x0.shape[:-1], "int")
   if cfg.reduction not in F.REDUCTIONS:
     raise ValueError(f"reduction={cfg.reduction!r}: one of {F.REDUCTIONS}")
-  F.check_head_grad(cfg.head_grad, x0.dtype)
+  head_grad = F.resolve_head_grad(cfg.head_grad, x0.dtype)
   rows = S.row_chunks(targets.size, _vocab(params, cfg), cfg.lm_chunk_rows,
                       buffers=1 if cfg.reduction == "none" else 2)
   loss = _post(F.flat_rows(x0), F.flat_rows(y0), targets.reshape(-1).astype(jnp.int32),
-               params, dataclasses.replace(cfg, lm_chunk_rows=rows))
+               params, dataclasses.replace(cfg, lm_chunk_rows=rows, head_grad=head_grad))
   return loss.reshape(targets.shape) if cfg.reduction == "none" else loss
 
 

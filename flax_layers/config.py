@@ -59,7 +59,7 @@ class LlamaConfig:
   qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
   norm_weight_offset: float = 0.0  # Gemma: every RMSNorm applies 1 + g, g stored from 0
   impl: str = "auto"  # coda_jax kernel dispatch ("auto", "mosaic", "interpret", "xla")
-  head_grad: str = "logits"  # fused LM head's unit gradient (coda_jax.fused_ops.HEAD_GRADS)
+  head_grad: str = "auto"  # fused LM head's unit gradient (coda_jax.fused_ops.HEAD_GRADS)
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_q_heads", "n_kv_heads", "head_dim",

@@ -316,7 +316,7 @@ BAD = {
     "post-head-grad": (
         lambda a: B.post_block(a["x0"], a["y0"], a["tgt"], a["pp"],
                                dataclasses.replace(CFG, head_grad="exps")),
-        r"head_grad='exps': one of \('logits', 'exp'\)"),
+        r"head_grad='exps': one of \('auto', 'logits', 'exp'\)"),
     "post-head-grad-fp16": (
         lambda a: B.post_block(a["x0"].astype(jnp.float16), a["y0"].astype(jnp.float16),
                                a["tgt"], a["pp"], dataclasses.replace(CFG, head_grad="exp")),
@@ -370,6 +370,26 @@ def test_post_block_scalar_loss(reduction, wlm_layout, head_grad, key, kernel_im
   want = np.asarray(per_token, np.float64)[counted]
   want = want.mean() if reduction == "mean" else want.sum()
   np.testing.assert_allclose(float(loss), 0.75 * want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dt, want", [(jnp.bfloat16, "exp"), (jnp.float16, "logits")])
+def test_post_block_default_head_grad(dt, want, key, monkeypatch):
+  """``BlockConfig``'s default head_grad ("auto") reaches the head as "exp" for
+  bfloat16 activations and as "logits" for float16, which "exp" refuses."""
+  assert CFG.head_grad == "auto"
+  stores, unit_grads = [], B.F.lm_head_unit_grads
+
+  def recording(*args, store="logits", **kwargs):
+    stores.append(store)
+    return unit_grads(*args, store=store, **kwargs)
+
+  monkeypatch.setattr(B.F, "lm_head_unit_grads", recording)
+  args = _args(key, dt)
+  tgt = jax.random.randint(jax.random.fold_in(key, 1), (M,), 0, V)
+  cfg = dataclasses.replace(CFG, impl="xla")
+  grads = jax.grad(lambda x0: B.post_block(x0, args[1], tgt, args[5], cfg))(args[0])
+  assert stores == [want], stores
+  assert bool(jnp.all(jnp.isfinite(grads.astype(jnp.float32))))
 
 
 @pytest.mark.parametrize("reduction, wlm_layout", [("mean", "vd"), ("none", "dv")])

@@ -212,11 +212,36 @@ def test_exp_store_outside_its_range(key, kernel_impl):
 
 def test_head_grad_checks(key):
   x = _inputs(key, 64, D, V, -100)
-  with pytest.raises(ValueError, match=r"head_grad='exps': one of \('logits', 'exp'\)"):
+  with pytest.raises(ValueError, match=r"head_grad='exps': one of \('auto', 'logits', 'exp'\)"):
     F.rmsnorm_lm_head_loss(x["h"], x["r"], x["wlm"], x["tgt"], head_grad="exps")
   with pytest.raises(ValueError, match="overflows float16"):
     F.rmsnorm_lm_head_loss(x["h"].astype(jnp.float16), x["r"], x["wlm"].astype(jnp.float16),
                            x["tgt"], head_grad="exp")
+
+
+@pytest.mark.parametrize("dt, want", [(jnp.bfloat16, "exp"), (jnp.float32, "exp"),
+                                      (jnp.float16, "logits")])
+def test_head_grad_auto_by_dtype(key, monkeypatch, dt, want):
+  """The default head_grad ("auto") runs "exp" wherever it can and "logits" for float16
+  (which "exp" refuses): the store that the forward-formed gradient receives, through
+  the fused op and through the post-block, and the same gradient as naming it."""
+  assert F.resolve_head_grad("auto", dt) == want
+  assert F.resolve_head_grad("logits", dt) == "logits"
+  stores, unit_grads = [], F.lm_head_unit_grads
+
+  def recording(*args, store="logits", **kwargs):
+    stores.append(store)
+    return unit_grads(*args, store=store, **kwargs)
+
+  monkeypatch.setattr(F, "lm_head_unit_grads", recording)
+  x = _inputs(key, 64, D, V, -100, dt)
+  grad = lambda hg: jax.grad(lambda h, w: F.rmsnorm_lm_head_loss(
+      h, x["r"], w, x["tgt"], head_grad=hg, impl="xla"), argnums=(0, 1))(
+          x["h"], x["wlm"])
+  auto, named = grad("auto"), grad(want)
+  assert stores == [want, want], stores
+  for a, b in zip(auto, named):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 V_ODD = 201  # not a multiple of 64, as GPT-2's 50257: padded to 256 columns
