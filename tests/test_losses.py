@@ -400,13 +400,18 @@ def test_row_chunks_odd_token_counts():
     S.row_chunks(1000, v, 300)
 
 
-@pytest.mark.parametrize("reduction, lm_gemms", [("mean", 3), ("sum", 3), ("none", 4)])
+@pytest.mark.parametrize("reduction, head_grad, lm_gemms",
+                         [("mean", "logits", 3), ("sum", "logits", 3), ("mean", "exp", 4),
+                          ("sum", "auto", 4), ("none", "auto", 4)])
 @pytest.mark.parametrize("op", ["fused_op", "post_block"])
-def test_lm_head_gemm_count(monkeypatch, reduction, lm_gemms, op):
+def test_lm_head_gemm_count(monkeypatch, reduction, head_grad, lm_gemms, op):
   """The LM head's forward+backward costs 3 vocabulary-sized GEMMs per chunk for a
   scalar loss (logits, dh, dW: its gradient is formed while the logits are at hand)
   and 4 for a per-row loss (the backward recomputes the logits). Counted on the traced
-  gradient: gemm_epilogue calls with an operand V wide."""
+  gradient: gemm_epilogue calls with an operand V wide. The "exp" head (the default
+  for bfloat16) traces its logits GEMM twice, once in each branch of the ``lax.cond``
+  that reruns a chunk outside exp's range (docs/lm_head_exp_store.md): one of the two
+  runs, so it too costs 3."""
   from coda_jax import blocks
   m, d, v, f = 128, 64, 320, 128
   calls = []
@@ -424,11 +429,12 @@ def test_lm_head_gemm_count(monkeypatch, reduction, lm_gemms, op):
   if op == "fused_op":
     h = normal(ks[1], (m, d), jnp.bfloat16)
     fn = lambda h, w: jnp.sum(ct * F.rmsnorm_lm_head_loss(
-        h, jnp.ones((m,)), w, tgt, reduction=reduction, chunk_rows=64, impl="xla"))
+        h, jnp.ones((m,)), w, tgt, reduction=reduction, chunk_rows=64, impl="xla",
+        head_grad=head_grad))
     args = (h, normal(ks[2], (d, v)))
   else:
     cfg = blocks.BlockConfig(n_q_heads=2, n_kv_heads=1, head_dim=32, reduction=reduction,
-                             lm_chunk_rows=64, impl="xla")
+                             lm_chunk_rows=64, impl="xla", head_grad=head_grad)
     params = {k: normal(ks[3], shape) for k, shape in (
         ("wo", (64, d)), ("g_mlp", (d,)), ("w13", (d, 2 * f)), ("w2", (f, d)),
         ("g_final", (d,)), ("wlm", (d, v)))}
@@ -438,6 +444,8 @@ def test_lm_head_gemm_count(monkeypatch, reduction, lm_gemms, op):
   jax.make_jaxpr(jax.grad(fn, (0, 1)))(*args)
   # 2 chunks of 64 rows, each loop a scan or a map: one trace of each chunk's GEMMs
   assert len(calls) == lm_gemms, calls
+  if reduction != "none" and F.resolve_head_grad(head_grad, jnp.bfloat16) == "exp":
+    assert calls[0] == calls[1] and "ExpShifted" in calls[0], calls  # the cond's branches
 
 
 @pytest.mark.parametrize("ignore_index", [-100, 0])
