@@ -791,6 +791,18 @@ MUTATIONS = [
         ("tests/test_blocks.py", "-k", "post_block_scalar_loss and exp"),
         "the final norm's zdz term not divided by D on the exp-store path"),
     Mutation(
+        "auto_head_grad_always_logits", "coda_jax/fused_ops.py",
+        '  return "logits" if jnp.dtype(dtype) == jnp.float16 else "exp"',
+        '  return "logits"',
+        ("tests/test_losses.py", "-k", "head_grad_auto"),
+        "the default head_grad runs the slower 'logits' head for bfloat16 too"),
+    Mutation(
+        "post_block_head_grad_unresolved", "coda_jax/blocks.py",
+        "lm_chunk_rows=rows, head_grad=head_grad))",
+        "lm_chunk_rows=rows))",
+        ("tests/test_blocks.py", "-k", "default_head_grad"),
+        "the post-block passes 'auto' through to the head unresolved"),
+    Mutation(
         "nearby_m_config_not_tiling", "pallas_kernels/autotune.py",
         "      continue  # e.g. M not a multiple of that config's cluster tile, or K of its tile_k",
         "      pass  # e.g. M not a multiple of that config's cluster tile, or K of its tile_k",
