@@ -32,6 +32,7 @@ any: remove the folder to reclaim the space.
 from __future__ import annotations
 
 import collections.abc
+import functools
 import hashlib
 import os
 import tempfile
@@ -64,8 +65,10 @@ KERNEL_TARGETS = tuple("__cudnn$" + n for n in (
     "fusion"))
 
 
+@functools.cache
 def library_digest() -> str:
-  """sha256 of coda_jax's and pallas_kernels' Python sources and the shipped tuning cache."""
+  """sha256 of coda_jax's and pallas_kernels' Python sources and the shipped tuning cache,
+  read once per process (the code a process lowers is the code it imported)."""
   h = hashlib.sha256()
   for root in _LIBRARY:
     for f in sorted(list(root.rglob("*.py")) + list(root.rglob("*.json"))):
@@ -153,8 +156,10 @@ def _signature(args) -> tuple:
   return tree, tuple((jax.typeof(x), getattr(x, "sharding", None)) for x in leaves)
 
 
-def program_key(traced: "jax.stages.Traced", args: tuple, donate_argnums: tuple[int, ...]) -> str:
-  """The cache key of one traced call: see the module docstring for what it covers."""
+def program_key(traced: "jax.stages.Traced", args: tuple, donate_argnums: tuple[int, ...],
+                signature: tuple | None = None) -> str:
+  """The cache key of one traced call: see the module docstring for what it covers.
+  ``signature``: ``_signature(args)``, where the caller has it already."""
   fp = _Fingerprint()
   fp.add(FORMAT, jax.__version__, jaxlib.__version__, jax.default_backend())
   for d in jax.devices():
@@ -163,7 +168,7 @@ def program_key(traced: "jax.stages.Traced", args: tuple, donate_argnums: tuple[
     fp.add(s, repr(getattr(jax.config, s, None)))
   fp.add("library", library_digest())
   fp.add("donate", repr(tuple(donate_argnums)))
-  tree, leaves = _signature(args)
+  tree, leaves = signature or _signature(args)
   fp.add("args", repr(tree), *(f"{aval}|{sharding!r}" for aval, sharding in leaves))
   fp.add("out", repr(jax.tree.structure(traced.out_info)))
   fp.jaxpr(traced.jaxpr.jaxpr, traced.jaxpr.consts)
@@ -209,12 +214,11 @@ def _read(path: Path) -> "jax.export.Exported | None":
   if not path.exists():
     return None
   try:
-    exp = jax.export.deserialize(bytearray(path.read_bytes()))
+    return jax.export.deserialize(bytearray(path.read_bytes()))
   except Exception as e:  # noqa: BLE001 (any failure to parse means: export again)
     announce(f"program cache: {path} could not be read ({type(e).__name__}: {e}); "
              "exporting the program again")
     return None
-  return exp
 
 
 class CachedJit:
@@ -237,12 +241,12 @@ class CachedJit:
   def _program(self, args) -> tuple[Callable, str]:
     sig = _signature(args)
     if sig not in self._programs:
-      self._programs[sig] = self._make(args)
+      self._programs[sig] = self._make(args, sig)
     return self._programs[sig]
 
-  def _make(self, args) -> tuple[Callable, str]:
+  def _make(self, args, sig) -> tuple[Callable, str]:
     traced = self._jit.trace(*args)  # errors in fun surface here, as with jax.jit
-    key = program_key(traced, args, self.donate_argnums)
+    key = program_key(traced, args, self.donate_argnums, sig)
     name = getattr(self.fun, "__name__", "fun").strip("<>") or "fun"
     path = self.cache_dir / f"{name}-{key[:32]}{SUFFIX}"
     exp, source = _read(path), f"loaded from {path}"
