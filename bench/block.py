@@ -31,8 +31,6 @@ from coda_jax import blocks, layout
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as ref
 
-HEAD_GRADS = F.HEAD_GRADS
-
 f32, bf16 = jnp.float32, jnp.bfloat16
 BLOCK = 32  # SwiGLU pair block of our w13 layout
 THETA, EPS, SEQ = 500000.0, 1e-5, 2048  # RoPE base, RMSNorm eps, packed sequence length
@@ -194,14 +192,14 @@ def peak_bytes(fn, *args):
           - m.alias_size_in_bytes)
 
 
-def block_configs(s: Shape, impl="auto", lm_chunk_rows=None, head_grad="auto"):
+def block_configs(s: Shape, impl="auto", lm_chunk_rows=None):
   """(shifted block, post-block) configs of our fused path at shape ``s``, as timed here
   and as bench/tune_gemm.py traces them (``lm_chunk_rows``: the LM head's rows per chunk,
-  default the library's choice; ``head_grad``: ``BlockConfig.head_grad``)."""
+  default the library's choice; the head's gradient is the library's default)."""
   return (blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, rope_theta=THETA, eps=EPS,
                              swiglu_block=BLOCK, impl=impl),
           blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, eps=EPS, swiglu_block=BLOCK,
-                             impl=impl, lm_chunk_rows=lm_chunk_rows, head_grad=head_grad))
+                             impl=impl, lm_chunk_rows=lm_chunk_rows))
 
 
 def timed_rounds(measure, ours, ours_args, xla, xla_args, rounds=1):
@@ -239,13 +237,13 @@ def timed_rounds(measure, ours, ours_args, xla, xla_args, rounds=1):
 
 
 def compare_row(op, shape_name, dims, measure, prov, impl, ours, ours_args, xla, xla_args,
-                to_std=lambda t: t, gemm_fns=None, memory=False, rounds=1):
+                to_std=lambda t: t, gemm_fns=None, memory=False, rounds=1, labels=None):
   """One table row: ``ours`` and ``xla`` timed on their arguments (CUPTI kernel time on a
   GPU; ``rounds`` > 1 alternates them, see ``timed_rounds``), their outputs compared with
   each other and with the fp32 truth (``xla`` run in fp32 at HIGHEST precision), and
-  optionally the GEMMs alone and the compiled peaks. A failing measurement is reported in
-  the row, not raised."""
-  row = dict(op=op, shape=shape_name, dims=dims, baseline="xla_jit", **prov)
+  optionally the GEMMs alone and the compiled peaks; ``labels``, more fields naming the
+  row (e.g. its head_grad). A failing measurement is reported in the row, not raised."""
+  row = dict(op=op, shape=shape_name, dims=dims, baseline="xla_jit", **(labels or {}), **prov)
   try:
     timed = timed_rounds(measure, ours, ours_args, xla, xla_args, rounds)
     got, want = timed.pop("got"), timed.pop("want")
@@ -274,12 +272,17 @@ def compare_row(op, shape_name, dims, measure, prov, impl, ours, ours_args, xla,
   return row
 
 
+def check_head_grads(head_grads) -> None:
+  """ValueError, naming ``head_grads``, unless it is one or more of ``F.HEAD_GRADS``."""
+  if not head_grads or any(h not in F.HEAD_GRADS for h in head_grads):
+    raise ValueError(f"head_grads={tuple(head_grads)!r}: one or more of {F.HEAD_GRADS}")
+
+
 def run_shape(name, s: Shape, impl, measure, prov, key, only=None, lm_chunk_rows=None,
               head_grads=("auto",), rounds=1):
   """The rows of shape ``s``: each op of ``only`` (default all), and at 1b and tiny the
   post-block once per entry of ``head_grads`` (``BlockConfig.head_grad``)."""
-  if not head_grads or any(h not in HEAD_GRADS for h in head_grads):
-    raise ValueError(f"head_grads={head_grads!r}: one or more of {HEAD_GRADS}")
+  check_head_grads(head_grads)
   x = make_inputs(s, key)
   std, pos, tgt = x["params"], x["positions"], x["targets"]
   cfg, post_cfg = block_configs(s, impl, lm_chunk_rows)
@@ -323,14 +326,11 @@ def run_shape(name, s: Shape, impl, measure, prov, key, only=None, lm_chunk_rows
     std_post = {k: std[k] for k in ("wo", "g_mlp", "w_gate", "w_up", "w2", "g_final", "wlm")}
     for head in head_grads:  # one row per way of forming the head's gradient
       cfg_h = dataclasses.replace(post_cfg, head_grad=head)
-      if not only or "post_block_fwd_bwd" in only:
-        rows.append(compare_row(
-            "post_block_fwd_bwd", name, s._asdict(), measure, prov, impl,
-            grad(lambda a, b, t, p, c=cfg_h: blocks.post_block(a, b, t, p, c)),
-            (x["x0"], x["y0"], tgt, ours_params(std, blocks.POST_KEYS)),
-            grad(xla_post_block), (x["x0"], x["y0"], tgt, std_post),
-            to_std=grads_to_standard, memory=True, rounds=rounds))
-        rows[-1]["head_grad"] = head
+      compare("post_block_fwd_bwd",
+              grad(lambda a, b, t, p, c=cfg_h: blocks.post_block(a, b, t, p, c)),
+              (x["x0"], x["y0"], tgt, ours_params(std, blocks.POST_KEYS)),
+              grad(xla_post_block), (x["x0"], x["y0"], tgt, std_post),
+              to_std=grads_to_standard, memory=True, labels={"head_grad": head})
   return rows
 
 
@@ -421,14 +421,16 @@ def main():
                  help="the post-block LM head's rows per chunk (default the library's choice)")
   p.add_argument("--head-grad", default="auto",
                  help="the post-block LM head's unit gradient (BlockConfig.head_grad), "
-                 f"comma-separated of {list(HEAD_GRADS)}: a post-block row for each")
+                 f"comma-separated of {list(F.HEAD_GRADS)}: a post-block row for each")
   p.add_argument("--rounds", type=int, default=1,
                  help="time ours and XLA alternately this many times each (ABBA) and "
                  "report the median ratio and its range (default 1)")
   args = p.parse_args()
   head_grads = tuple(args.head_grad.split(","))
-  if any(h not in HEAD_GRADS for h in head_grads):
-    p.error(f"--head-grad {args.head_grad}: comma-separated of {list(HEAD_GRADS)}")
+  try:
+    check_head_grads(head_grads)
+  except ValueError as e:
+    p.error(f"--head-grad: {e}")
   on_gpu = jax.devices()[0].platform == "gpu"
   check_baseline()
   measure = timer(on_gpu, args.iterations or (30 if on_gpu else 1))

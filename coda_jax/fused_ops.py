@@ -473,9 +473,8 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
   sums over all rows). Under ``shard_map`` with the rows split, dW and the sums are this
   shard's: ``reduce_like`` them once scaled by the cotangent (which may vary too).
   ``wlm`` and ``vmask`` as ``pad_vocab`` returns them (dW then has the pad columns)."""
-  if store not in ("logits", "exp"):
+  if resolve_head_grad(store, h.dtype) != store:  # checks it, and that it is resolved
     raise ValueError(f"store={store!r}: 'logits' or 'exp' (resolve_head_grad first)")
-  check_head_grad(store, h.dtype)
   w = wlm.astype(h.dtype)
   # A scan over the chunks: its body's kernels are lowered and compiled once (written
   # out, 8 chunks lowered 24 kernels: the fused 8B training step compiled in 134 s on

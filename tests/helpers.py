@@ -170,3 +170,18 @@ def projected(fn, cts):
     outs = jax.tree.leaves(fn({**rest, **diff}))
     return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outs, cts))
   return loss
+
+
+def record_head_stores(monkeypatch) -> list:
+  """Wraps ``fused_ops.lm_head_unit_grads`` (which the fused op and the post-block call)
+  so that every call appends the ``store`` it received to the returned list: which LM
+  head's gradient the forward formed."""
+  from coda_jax import fused_ops
+  stores, unit_grads = [], fused_ops.lm_head_unit_grads
+
+  def recording(*args, store="logits", **kwargs):
+    stores.append(store)
+    return unit_grads(*args, store=store, **kwargs)
+
+  monkeypatch.setattr(fused_ops, "lm_head_unit_grads", recording)
+  return stores

@@ -18,7 +18,7 @@ import pytest
 from coda_jax import blocks as B
 from coda_jax import jnp_reference as R
 from helpers import (assert_within_baseline, f32_tree, normal, rel_err, residual_cotangent,
-                     spread_rows, unit_rows)
+                     record_head_stores, spread_rows, unit_rows)
 
 M, D, F, V = 128, 192, 256, 384
 CFG = B.BlockConfig(n_q_heads=4, n_kv_heads=2, head_dim=32, lm_chunk_rows=64)
@@ -377,13 +377,7 @@ def test_post_block_default_head_grad(dt, want, key, monkeypatch):
   """``BlockConfig``'s default head_grad ("auto") reaches the head as "exp" for
   bfloat16 activations and as "logits" for float16, which "exp" refuses."""
   assert CFG.head_grad == "auto"
-  stores, unit_grads = [], B.F.lm_head_unit_grads
-
-  def recording(*args, store="logits", **kwargs):
-    stores.append(store)
-    return unit_grads(*args, store=store, **kwargs)
-
-  monkeypatch.setattr(B.F, "lm_head_unit_grads", recording)
+  stores = record_head_stores(monkeypatch)
   args = _args(key, dt)
   tgt = jax.random.randint(jax.random.fold_in(key, 1), (M,), 0, V)
   cfg = dataclasses.replace(CFG, impl="xla")

@@ -16,7 +16,7 @@ import pytest
 from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as R
 from coda_jax import block_gemms as S
-from helpers import assert_within_baseline, f64, normal, spread_rows
+from helpers import assert_within_baseline, f64, normal, record_head_stores, spread_rows
 
 D, V = 192, 384  # distinct from each other and from the row counts
 EPS = 1e-5
@@ -224,16 +224,10 @@ def test_head_grad_checks(key):
 def test_head_grad_auto_by_dtype(key, monkeypatch, dt, want):
   """The default head_grad ("auto") runs "exp" wherever it can and "logits" for float16
   (which "exp" refuses): the store that the forward-formed gradient receives, through
-  the fused op and through the post-block, and the same gradient as naming it."""
+  the fused op (the post-block's: test_blocks), and the same gradient as naming it."""
   assert F.resolve_head_grad("auto", dt) == want
   assert F.resolve_head_grad("logits", dt) == "logits"
-  stores, unit_grads = [], F.lm_head_unit_grads
-
-  def recording(*args, store="logits", **kwargs):
-    stores.append(store)
-    return unit_grads(*args, store=store, **kwargs)
-
-  monkeypatch.setattr(F, "lm_head_unit_grads", recording)
+  stores = record_head_stores(monkeypatch)
   x = _inputs(key, 64, D, V, -100, dt)
   grad = lambda hg: jax.grad(lambda h, w: F.rmsnorm_lm_head_loss(
       h, x["r"], w, x["tgt"], head_grad=hg, impl="xla"), argnums=(0, 1))(
