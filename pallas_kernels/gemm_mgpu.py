@@ -1,15 +1,12 @@
-"""Persistent, warp-specialised Hopper GEMM with a composable epilogue, in three schedules.
+"""Persistent, warp-specialised Hopper GEMM with a composable epilogue, in two schedules.
 
 Cooperative (``_kernel_cooperative``, the default): one memory warpgroup streams A and B
 tiles through a ``stages``-deep TMA ring into shared memory; two compute warpgroups each
 own half of a CTA tile and issue wgmma into fp32 register accumulators.
 Ping-pong (``_kernel_pingpong``): the compute warpgroups own whole tiles in turn, so one
 warpgroup's epilogue runs under the other's mainloop (see ``Schedule``).
-Staggered (``_kernel_staggered``): cooperative tiles, with warpgroup 1 held a few K
-steps behind warpgroup 0, so each warpgroup's epilogue runs while the other finishes
-its last steps alone.
 
-In all three, when a tile's K loop ends, each compute warpgroup walks its
+In both, when a tile's K loop ends, each compute warpgroup walks its
 accumulator in (epi_tile_m, epi_tile_n) sub-tiles and calls the epilogue closure on each
 (see ``epilogue.py``), then TMA-stores what the closure wrote. Stores are left in flight
 while the next tile's mainloop starts; the memory warpgroup has already prefetched the
@@ -53,17 +50,9 @@ class Schedule(enum.Enum):
   PINGPONG: each owns a whole tile of its own, and the CTA's tiles alternate between
     them. The memory warpgroup fills one ring of stages in tile order, so one
     warpgroup's mainloop runs while the other's epilogue reads and writes memory.
-  STAGGERED: cooperative tiles and stages, but warpgroup 1 issues each K step only
-    after warpgroup 0 has issued the one ``GemmConfig.stagger_steps`` later. When
-    warpgroup 0 finishes a tile and runs its epilogue, warpgroup 1 still has that many
-    steps to run, alone and so at the tensor cores' full rate; then warpgroup 0 starts
-    the next tile while warpgroup 1 runs its epilogue. Up to ``stagger_steps`` steps of
-    each epilogue are hidden (``stages - 2`` at most: the ring must hold the gap). The
-    epilogues take turns, warpgroup 0's first, as under ping-pong.
   """
   COOPERATIVE = "cooperative"
   PINGPONG = "pingpong"
-  STAGGERED = "staggered"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +101,6 @@ class GemmConfig:
   # tile-operand GEMMs of the 1B and 8B blocks and GPT-2 (bench/NOTES.md, fifteenth
   # session).
   epi_operand_refetch_early: bool = True
-  # Schedule.STAGGERED only (None otherwise): the K steps warpgroup 1 trails warpgroup 0
-  # by, from 0 (the cooperative tile on the staggered kernel's own ring) to stages - 2.
-  stagger_steps: int | None = None
 
   def __post_init__(self):
     self.check()
@@ -139,8 +125,6 @@ class GemmConfig:
     """A short name for tables: schedule, warpgroup tile x K step, stages, epilogue
     sub-tile, split, cluster."""
     split = "" if self.schedule == Schedule.PINGPONG else f" wg{self.wg_dim.name}"
-    if self.stagger_steps is not None:
-      split += f" lag{self.stagger_steps}"
     cl = f" cl{self.cluster_dim.name}" if self.cluster_dim is not None else ""
     slots = f" in{self.epi_operand_slots}" if self.epi_operand_slots != 2 else ""
     slots += f" out{self.epi_out_slots}" if self.epi_out_slots != 2 else ""
@@ -192,15 +176,6 @@ class GemmConfig:
                        f"{self.epi_operand_refetch_early!r}: True or False")
     if self.grid_tile_width < 1:
       raise ValueError(f"GemmConfig.grid_tile_width={self.grid_tile_width} must be >= 1")
-    if self.schedule == Schedule.STAGGERED:
-      lag = self.stagger_steps
-      if not isinstance(lag, int) or isinstance(lag, bool) or not 0 <= lag <= self.stages - 2:
-        raise ValueError(f"GemmConfig.stagger_steps={lag!r}: the staggered schedule needs "
-                         f"an int from 0 to stages - 2 = {self.stages - 2} (the ring must "
-                         "hold the gap between the warpgroups); raise stages or lower it")
-    elif self.stagger_steps is not None:
-      raise ValueError(f"GemmConfig.stagger_steps={self.stagger_steps!r} applies to "
-                       f"schedule=staggered only, not {self.schedule.value}: leave it None")
 
 
 def _swizzle_transforms(minor_elems: int, dtype) -> tuple:
@@ -242,12 +217,9 @@ def deepest_fitting(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: 
                     mainloop: bool = True) -> GemmConfig | None:
   """``config`` with the most stages, at most its own, whose shared memory fits; None
   if not even two stages fit. Without a mainloop (K = 0) stages mean nothing: the
-  config comes back with the fewest (2) if its epilogue fits. A staggered config's lag
-  shrinks with its stages where it must (to ``stages - 2``)."""
+  config comes back with the fewest (2) if its epilogue fits."""
   for stages in range(config.stages, 1, -1) if mainloop else (2,):
-    lag = config.stagger_steps
-    cfg = dataclasses.replace(config, stages=stages,
-                              stagger_steps=None if lag is None else min(lag, stages - 2))
+    cfg = dataclasses.replace(config, stages=stages)
     if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs,
                   mainloop=mainloop) <= SMEM_LIMIT_BYTES:
       return cfg
@@ -410,7 +382,7 @@ def check_operands(a, b, trans_a=False, trans_b=False,
 def _split_b_too_narrow(config: GemmConfig, trans_b: bool) -> bool:
   # B stored (K, N) is swizzled in 64-column tiles: the warpgroups can only split it
   # along N at multiples of 64.
-  return (config.schedule != Schedule.PINGPONG and config.wg_dim == MatDim.N
+  return (config.schedule == Schedule.COOPERATIVE and config.wg_dim == MatDim.N
           and not trans_b and config.tile_n % 64 != 0)
 
 
@@ -603,8 +575,8 @@ class _Epilogue:
                      "warpgroups' shared scratch; declare the sum as a col_partial output")
 
   def run(self, acc, row_base, col_base, *, first_tile=None):
-    """The epilogue of one tile. ``first_tile`` (ping-pong and staggered only): whether
-    this is the CTA's first epilogue, which waits for no earlier one."""
+    """The epilogue of one tile. ``first_tile`` (ping-pong only): whether this is the
+    CTA's first tile, whose epilogue waits for no earlier one."""
     if self.vecs_in:
       plgpu.barrier_wait(self.smem["vec_bar"].at[self.wg])
     if "turn" not in self.smem or self.sum_turns:
@@ -620,9 +592,8 @@ class _Epilogue:
       pl.when(self.wg == 1)(lambda: plgpu.barrier_arrive(turn.at[1]))
       pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(turn.at[1]))
       return
-    # Ping-pong: tiles alternate between the warpgroups, and so do their epilogues;
-    # staggered: warpgroup 0's half of each tile, then warpgroup 1's. Each waits for the
-    # other's previous epilogue to finish.
+    # Ping-pong: tiles alternate between the warpgroups, and so do their epilogues. Each
+    # waits for the other's previous epilogue (the tile before its own) to finish.
     @pl.when(jnp.logical_not(first_tile))
     def _wait_for_previous():
       plgpu.barrier_wait(turn.at[1 - self.wg])
@@ -1001,155 +972,6 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
   )
 
 
-def _kernel_staggered(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, trans_b,
-                      input_names, input_kinds, outputs, epilogue, in_place, num_clusters,
-                      column_sum_turns):
-  """Cooperative tiles (each compute warpgroup owns half of a CTA tile, and both read
-  every stage) on a ring of its own, with warpgroup 1 kept ``stagger_steps`` K steps
-  behind warpgroup 0 (``Schedule.STAGGERED``).
-
-  Stage ``g`` (counted over the CTA's whole run) sits in slot ``g % stages``; both
-  warpgroups wait for its "full" barrier and both release it (the "consumed" barrier,
-  two arrivals, cluster-wide when an operand is multicast) once their wgmma reading it
-  has finished. Warpgroup 0 arrives on ``issued[g % stages]`` when it has issued step
-  ``g``; warpgroup 1 waits for that before its own step ``g - lag``. Each warpgroup
-  observes every phase of the barriers it waits on, in order, so the automatic phase
-  tracking holds; ``issued`` cannot run a phase ahead, because warpgroup 0 reaching step
-  ``g + stages`` needs the slot warpgroup 1 releases after its step ``g + 1 - lag``.
-  The lag is at most the tile's K steps: warpgroup 0's epilogue waits for warpgroup 1's
-  previous one, which must not need steps of a tile warpgroup 0 has not started."""
-  del column_sum_turns  # the epilogues alternate whole (``_Epilogue.run``)
-  in_gmem, out_gmem = _bind_refs(refs, input_names, outputs, in_place)
-  dtype = a_gmem.dtype
-  tk, stages = cfg.tile_k, cfg.stages
-  cm, cn = cfg.cta_tile
-  cluster_tile_m, cluster_tile_n = cfg.cluster_tile
-  m_iters, n_iters, k_iters = -(-m // cluster_tile_m), n // cluster_tile_n, k // tk
-  lag = min(cfg.stagger_steps, k_iters)
-  num_tiles = m_iters * n_iters
-  multicast_a = ("cluster",) if cfg.cluster_dim == MatDim.N else None
-  multicast_b = ("cluster",) if cfg.cluster_dim == MatDim.M else None
-  a_block = (tk, cm) if trans_a else (cm, tk)
-  b_block = (cn, tk) if trans_b else (tk, cn)
-  if cfg.cluster_dim is None:
-    consumed = plgpu.Barrier(num_arrivals=_COMPUTE_WARPGROUPS, num_barriers=stages)
-  else:  # a multicast writes the peer CTA's slot too: both must have released it
-    consumed = plgpu.ClusterBarrier(collective_axes=("cluster",),
-                                    num_arrivals=_COMPUTE_WARPGROUPS, num_barriers=stages)
-  # Without a lag there is nothing to wait for; a barrier is allocated all the same.
-  issued = plgpu.Barrier(num_arrivals=1, num_barriers=stages)
-
-  def scope(a_ring, b_ring, full, consumed, issued, **smem):
-    wg = lax.axis_index("wg")
-    cluster_id = lax.axis_index("sm")
-    # This cluster's tiles: cluster_id, cluster_id + num_clusters, ...
-    local_tiles = (num_tiles - cluster_id + num_clusters - 1) // num_clusters
-    total_steps = local_tiles * k_iters
-
-    @pl.when(wg == 2)
-    def _memory():
-      plgpu.set_max_registers(40, action="decrease")
-
-      def tile_body(t, step):
-        mi, ni = _tile_origin(cluster_id + t * num_clusters, cfg, m_iters, n_iters)
-
-        def k_body(kk, step):
-          slot = step % stages
-
-          @pl.when(step >= stages)
-          def _wait_released():
-            plgpu.barrier_wait(consumed.at[slot])
-
-          ks = pl.ds(pl.multiple_of(kk * tk, tk), tk)
-          rows, cols = pl.ds(mi * cm, cm), pl.ds(ni * cn, cn)
-          a_src = a_gmem.at[ks, rows] if trans_a else a_gmem.at[rows, ks]
-          b_src = b_gmem.at[cols, ks] if trans_b else b_gmem.at[ks, cols]
-          bar = full.at[slot]
-          plgpu.copy_gmem_to_smem(a_src, a_ring.at[slot], bar, collective_axes=multicast_a)
-          plgpu.copy_gmem_to_smem(b_src, b_ring.at[slot], bar, collective_axes=multicast_b)
-          return step + 1
-
-        return lax.fori_loop(0, k_iters, k_body, step)
-
-      total = lax.fori_loop(0, local_tiles, tile_body, jnp.int32(0))
-
-      # Observe the last releases, so that no barrier ends with a phase unseen.
-      @pl.loop(jnp.maximum(total - stages, 0), total)
-      def _drain(step):
-        plgpu.barrier_wait(consumed.at[step % stages])
-
-    @pl.when(wg < 2)
-    def _compute():
-      plgpu.set_max_registers(232, action="increase")
-      ep = _Epilogue(cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg)
-      if cfg.wg_dim == MatDim.M:
-        wg_m, wg_n = pl.ds(wg * cfg.tile_m, cfg.tile_m), slice(None)
-      else:
-        wg_m, wg_n = slice(None), pl.ds(wg * cfg.tile_n, cfg.tile_n)
-
-      if lag:
-        @pl.when(wg == 1)
-        def _start_behind():  # warpgroup 0's first `lag` steps (or all, if fewer)
-          @pl.loop(0, jnp.minimum(lag, total_steps))
-          def _(step):
-            plgpu.barrier_wait(issued.at[step % stages])
-
-      def tile_body(t, _):
-        mi, ni, row_base, col_base = _warpgroup_origin(cluster_id + t * num_clusters, cfg,
-                                                       m_iters, n_iters, wg)
-        ep.prefetch(row_base, col_base)
-        first_step = t * k_iters
-
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n),
-                                                             jnp.float32))
-        def _acc_scope(acc_ref):
-          def k_body(kk, _):
-            step = first_step + kk
-            slot = step % stages
-            if lag:
-              @pl.when((wg == 1) & (step + lag < total_steps))
-              def _stay_behind():
-                plgpu.barrier_wait(issued.at[(step + lag) % stages])
-
-            plgpu.barrier_wait(full.at[slot])
-            plgpu.wgmma(acc_ref, *_operand_views(a_ring.at[slot], b_ring.at[slot],
-                                                 trans_a, trans_b, wg_m, wg_n))
-            if lag:
-              pl.when(wg == 0)(lambda: plgpu.barrier_arrive(issued.at[slot]))
-            plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
-
-            @pl.when(kk > 0)
-            def _release_previous():
-              plgpu.barrier_arrive(consumed.at[(step - 1) % stages])
-
-          lax.fori_loop(0, k_iters, k_body, None)
-          plgpu.wgmma_wait(0)
-          plgpu.barrier_arrive(consumed.at[(first_step + k_iters - 1) % stages])
-          ep.run(acc_ref[...], row_base, col_base, first_tile=(t == 0) & (wg == 0))
-
-      lax.fori_loop(0, local_tiles, tile_body, None)
-      if "turn" in smem:  # warpgroup 1 ran the last epilogue: observe its turn
-
-        @pl.when(wg == 0)
-        def _last_turn():
-          plgpu.barrier_wait(smem["turn"].at[1])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-
-  pl.run_scoped(
-      scope,
-      a_ring=plgpu.SMEM((stages, *a_block), dtype,
-                        transforms=_swizzle_transforms(a_block[1], dtype)),
-      b_ring=plgpu.SMEM((stages, *b_block), dtype,
-                        transforms=_swizzle_transforms(b_block[1], dtype)),
-      full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      consumed=consumed,
-      issued=issued,
-      collective_axes="wg",
-      **_Epilogue.scratch(cfg, input_kinds, {nm: r.dtype for nm, r in in_gmem.items()},
-                          outputs),
-  )
-
-
 def gemm(a: jax.Array, b: jax.Array, *,
          inputs: dict[str, tuple[epi.InputKind, jax.Array]] | None = None,
          epilogue: Callable | None = None,
@@ -1289,10 +1111,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
   if not mainloop:  # K = 0: the product is zero; a, b are not passed to the kernel
     body = functools.partial(_kernel_no_product, cfg=config, m=m, n=n)
   else:
-    kernels = {Schedule.COOPERATIVE: _kernel_cooperative, Schedule.PINGPONG: _kernel_pingpong,
-               Schedule.STAGGERED: _kernel_staggered}
     body = functools.partial(
-        kernels[config.schedule],
+        _kernel_pingpong if config.schedule == Schedule.PINGPONG else _kernel_cooperative,
         num_clusters=grid, cfg=config, m=m, n=n, k=k, trans_a=trans_a, trans_b=trans_b)
   body = functools.partial(body, column_sum_turns=column_sum_turns)
   kernel_name = (f"coda_gemm_{config.schedule.name.lower()}" if mainloop

@@ -185,14 +185,3 @@ def record_head_stores(monkeypatch) -> list:
 
   monkeypatch.setattr(fused_ops, "lm_head_unit_grads", recording)
   return stores
-
-
-def schedule_fields(schedule, stages: int) -> dict:
-  """GemmConfig fields that run a test's config under ``schedule`` with ``stages``: a
-  staggered config gets at least 3 stages and the largest lag they hold (stages - 2),
-  so that warpgroup 1 really trails warpgroup 0."""
-  from pallas_kernels import Schedule
-  if schedule != Schedule.STAGGERED:
-    return dict(schedule=schedule, stages=stages)
-  stages = max(stages, 3)
-  return dict(schedule=schedule, stages=stages, stagger_steps=stages - 2)

@@ -36,20 +36,6 @@ CONFIGS = {
     "pingpong_cluster_m": GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=3,
                                      cluster_dim=M_, grid_minor_dim=M_, grid_tile_width=2,
                                      schedule=Schedule.PINGPONG),
-    # staggered: cooperative tiles, warpgroup 1 kept stagger_steps K steps behind
-    "staggered": GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=4, epi_tile_n=32,
-                            wg_dim=N_, cluster_dim=None, schedule=Schedule.STAGGERED,
-                            stagger_steps=2),
-    "staggered_no_lag": GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=2,
-                                   wg_dim=M_, cluster_dim=None,
-                                   schedule=Schedule.STAGGERED, stagger_steps=0),
-    "staggered_cluster_n": GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=3,
-                                      epi_tile_n=32, wg_dim=M_, cluster_dim=N_,
-                                      schedule=Schedule.STAGGERED, stagger_steps=1),
-    "staggered_cluster_m": GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=5,
-                                      wg_dim=N_, cluster_dim=M_, grid_minor_dim=M_,
-                                      grid_tile_width=2, schedule=Schedule.STAGGERED,
-                                      stagger_steps=3),
     "default": None,
 }
 # (M, N, K, dtype): non-square, K = 3 x tile_k; M, N divisible by every cluster tile.
@@ -106,10 +92,9 @@ def test_default_config_single_k_step(key, interpret):
   check_gemm(a, b, interpret, num_sms=2)
 
 
-@pytest.mark.parametrize("config", ["wg_n", "pingpong", "staggered"])
+@pytest.mark.parametrize("config", ["wg_n", "pingpong"])
 def test_more_sms_than_tiles(key, interpret, config):
-  """Some CTAs get one tile (under ping-pong, warpgroup 1 then has none; staggered,
-  warpgroup 1 trails by as many steps as the CTA has)."""
+  """Some CTAs get one tile (under ping-pong, warpgroup 1 then has none)."""
   a, b = gemm_inputs(key, 128, 256, 128, jnp.bfloat16, trans_b=True)
   check_gemm(a, b, interpret, trans_b=True, config=CONFIGS[config], num_sms=6)
 
@@ -124,27 +109,10 @@ def test_fewer_sms_than_a_cluster(key, interpret):
 @pytest.mark.parametrize("k,config", [(128, "wg_n"), (128, "cluster_n"), (128, "wg_m"),
                                       (64, "default"), (128, "pingpong"),
                                       (192, "pingpong_two_stages"),
-                                      (128, "pingpong_cluster_n"), (192, "staggered"),
-                                      (128, "staggered_cluster_n"),
-                                      (64, "staggered_cluster_m")])
+                                      (128, "pingpong_cluster_n")])
 def test_race_free(key, race_detector, k, config):
   """Several tiles per SM, so that buffer reuse across tiles is exercised; the
   interpreter's happens-before checker sees races that its eager copies hide."""
   a, b = gemm_inputs(key, 512, 256, k, jnp.bfloat16)
   check_gemm(a, b, race_detector.params, config=CONFIGS[config], num_sms=2)
   assert not race_detector.races_found(), "data race in the kernel (see stdout)"
-
-
-def test_staggered_lag_checked():
-  """The staggered schedule's lag must fit its ring, and means nothing elsewhere."""
-  with pytest.raises(ValueError, match=r"stagger_steps=3: .* 0 to stages - 2 = 2"):
-    GemmConfig(stages=4, schedule=Schedule.STAGGERED, stagger_steps=3)
-  with pytest.raises(ValueError, match="stagger_steps=None: the staggered schedule needs"):
-    GemmConfig(schedule=Schedule.STAGGERED)
-  with pytest.raises(ValueError, match="applies to schedule=staggered only, not pingpong"):
-    GemmConfig(schedule=Schedule.PINGPONG, stagger_steps=1)
-  cfg = GemmConfig(stages=5, schedule=Schedule.STAGGERED, stagger_steps=3)
-  assert "lag3" in cfg.describe() and cfg.cta_tile == (256, 128)
-  # fewer stages take a smaller lag with them
-  fitted = pk.gemm_mgpu.deepest_fitting(cfg, jnp.bfloat16, {}, {}, ())
-  assert fitted.stages == 4 and fitted.stagger_steps == 2

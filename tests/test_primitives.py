@@ -14,7 +14,7 @@ from coda_jax.primitives import PickColumn
 import pallas_kernels
 from pallas_kernels import GemmConfig, MatDim, Schedule
 from helpers import (GATED_ACTS, assert_within_baseline, f64, gemm_inputs, matmul_f32,
-                     normal, rel_err, rope_freqs, schedule_fields)
+                     normal, rel_err, rope_freqs)
 
 # K = 128: two K steps even with the default tile_k (a single K step is a mainloop case,
 # covered in test_gemm_mainloop.py).
@@ -228,9 +228,8 @@ def test_tile_operand_slots(key, kernel_impl, races_checked, schedule, slots, ea
   epilogue, over several tiles per SM, each slot refilled after its sub-tile's program
   or (``early``) as soon as its operands are in registers; under the race detector
   when interpreted."""
-  _check_slots(key, kernel_impl, races_checked, "residual_norm",
-               **schedule_fields(schedule, 2), epi_operand_slots=slots,
-               epi_operand_refetch_early=early)
+  _check_slots(key, kernel_impl, races_checked, "residual_norm", schedule=schedule,
+               epi_operand_slots=slots, epi_operand_refetch_early=early)
 
 
 @pytest.mark.parametrize("slots", [1, 3, 8])
@@ -240,19 +239,19 @@ def test_output_slots(key, kernel_impl, races_checked, schedule, slots):
   store waits for the previous one to be read), 3 (not dividing the 8 sub-tiles, so a
   tile's slots restart mid-cycle) or all 8 slots, beside a tile operand in 2, over
   several tiles per SM; under the race detector when interpreted."""
-  _check_slots(key, kernel_impl, races_checked, "everything",
-               **schedule_fields(schedule, 2), epi_out_slots=slots)
+  _check_slots(key, kernel_impl, races_checked, "everything", schedule=schedule,
+               epi_out_slots=slots)
 
 
 def _check_slots(key, kernel_impl, races_checked, name, **config_fields):
   """PROGRAMS[name] at 256 x 256 on 128x128 warpgroup tiles of 8 (64, 32) epilogue
-  sub-tiles, with ``config_fields`` (the schedule, stages and a slot count), against
-  the truth and, when interpreted, the race detector."""
+  sub-tiles, with ``config_fields`` (the schedule and a slot count), against the truth
+  and, when interpreted, the race detector."""
   program = PROGRAMS[name]
   a, b = gemm_inputs(key, 256, 256, K, jnp.bfloat16)
   ops = make_operands(jax.random.fold_in(key, 1), program, 256, 256, a.dtype)
-  config = GemmConfig(tile_m=128, tile_n=128, tile_k=64, epi_tile_n=32, cluster_dim=None,
-                      **config_fields)
+  config = GemmConfig(tile_m=128, tile_n=128, tile_k=64, stages=2, epi_tile_n=32,
+                      cluster_dim=None, **config_fields)
   check_program(a, b, program, ops, kernel_impl, config=config)
   assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 
@@ -265,10 +264,9 @@ def test_race_free(key, race_detector, name, schedule):
   program = PROGRAMS[name]
   a, b = gemm_inputs(key, 256, 256, K, jnp.bfloat16)
   ops = make_operands(jax.random.fold_in(key, 1), program, 256, 256, a.dtype)
-  # cooperative and staggered: 4 CTA tiles; ping-pong: 8 warpgroup tiles. Two sub-tiles
-  # per warpgroup.
-  config = GemmConfig(tile_m=128, tile_n=64, tile_k=64, epi_tile_n=64, wg_dim=MatDim.N,
-                      cluster_dim=None, **schedule_fields(schedule, 3))
+  # cooperative: 4 CTA tiles; ping-pong: 8 warpgroup tiles. Two sub-tiles per warpgroup.
+  config = GemmConfig(tile_m=128, tile_n=64, tile_k=64, stages=3, epi_tile_n=64,
+                      wg_dim=MatDim.N, cluster_dim=None, schedule=schedule)
   check_program(a, b, program, ops, "interpret", config=config)
   assert not race_detector.races_found(), "data race in the kernel (see stdout)"
 
@@ -293,8 +291,8 @@ def test_stores_in_parts(key, kernel_impl, races_checked, name, schedule):
   m, n = 512, 256
   a, b = gemm_inputs(key, m, n, K, jnp.bfloat16)
   ops = make_operands(jax.random.fold_in(key, 1), program, m, n, a.dtype)
-  config = GemmConfig(tile_m=64, tile_n=128, tile_k=64, epi_tile_n=128, epi_store_n=64,
-                      cluster_dim=None, **schedule_fields(schedule, 2))
+  config = GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=2, epi_tile_n=128,
+                      epi_store_n=64, cluster_dim=None, schedule=schedule)
   check_program(a, b, program, ops, kernel_impl, config=config)
   assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 
@@ -308,9 +306,9 @@ def test_stores_in_parts_beside_whole_stores(key, kernel_impl, races_checked, sc
   m, n = 512, 256
   a, b = gemm_inputs(key, m, n, K, jnp.bfloat16)
   ops = make_operands(jax.random.fold_in(key, 1), program, m, n, a.dtype)
-  config = GemmConfig(tile_m=64, tile_n=256, tile_k=64, epi_tile_n=128, epi_store_n=64,
-                      cluster_dim=None, **schedule_fields(schedule, 2), wg_dim=MatDim.M,
-                      epi_out_slots=1, epi_operand_slots=1)
+  config = GemmConfig(tile_m=64, tile_n=256, tile_k=64, stages=2, epi_tile_n=128,
+                      epi_store_n=64, cluster_dim=None, schedule=schedule,
+                      wg_dim=MatDim.M, epi_out_slots=1, epi_operand_slots=1)
   check_program(a, b, program, ops, kernel_impl, config=config)
   assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 
