@@ -9,7 +9,9 @@
 Problems: those of ``--workloads`` (``bench.tune_gemm``'s; ``--match`` filters their key
 text) and ``--plain MxNxK:ORDER`` plain GEMMs. Each variant is ``NAME=FIELD=VALUE,...``:
 ``GemmConfig`` fields replaced in the chosen config (enums by name, ``None``, ints,
-``True``/``False``); ``num_sms=N`` sets the persistent grid instead. Stages are lowered
+``True``/``False``); ``num_sms=N`` sets the persistent grid instead, and
+``clip_m=True`` runs the problem with ``gemm``'s ``clip_m`` (tiles need not divide M:
+e.g. 192-row tiles at M = 16384). Stages are lowered
 until the variant fits in shared memory; one that still does not fit, or does not tile
 the problem, is reported with the reason. ``--ncu`` runs each (problem, variant)
 twice without timing, for Nsight Compute (profile the second launch). Prints a table:
@@ -30,7 +32,9 @@ from pallas_kernels import gemm_mgpu as g
 
 
 def parse_variant(text: str) -> tuple[str, dict, int | None]:
-  """``NAME=FIELD=VALUE,...`` -> (name, GemmConfig field overrides, num_sms or None)."""
+  """``NAME=FIELD=VALUE,...`` -> (name, GemmConfig field overrides, num_sms or None).
+  ``clip_m`` is not a config field: it comes back among the overrides, and ``run``
+  applies it to the problem."""
   name, sep, rest = text.partition("=")
   if not sep or not name:
     raise ValueError(f"--variant {text!r}: expected NAME=FIELD=VALUE,...")
@@ -44,6 +48,11 @@ def parse_variant(text: str) -> tuple[str, dict, int | None]:
       raise ValueError(f"--variant {name}: {item!r} is not FIELD=VALUE")
     if field == "num_sms":
       num_sms = int(value)
+      continue
+    if field == "clip_m":
+      if value not in ("True", "False"):
+        raise ValueError(f"--variant {name}: clip_m={value!r} is not True or False")
+      overrides["clip_m"] = value == "True"
       continue
     if field not in fields:
       raise ValueError(f"--variant {name}: {field!r} is not a GemmConfig field "
@@ -75,13 +84,15 @@ def run(problem: autotune.Problem, variants, iterations: int, ncu: bool) -> list
   rows = []
   for name, overrides, num_sms in [("base", {}, None), *variants]:
     row = dict(variant=name)
+    overrides = dict(overrides)
+    clip_m = overrides.pop("clip_m", problem.clip_m)
     try:
       cfg = g.deepest_fitting(dataclasses.replace(base, **overrides), problem.a.dtype,
                               problem.input_kinds, problem.input_dtypes, problem.outputs,
                               mainloop=problem.key.k > 0)
       if cfg is None:
         raise ValueError("no stage count fits in shared memory")
-      fn = problem.jitted(cfg, num_sms)
+      fn = dataclasses.replace(problem, clip_m=clip_m).jitted(cfg, num_sms)
       row["config"] = cfg.describe() + (f" sms{num_sms}" if num_sms else "")
       if ncu:
         for _ in range(2):

@@ -18,6 +18,9 @@ widths, the deepest pipeline that fits) and written into ``--out``, by default t
 cache shipped with the library, ``pallas_kernels/tuned/gemm_configs.json``. Every
 candidate's time and every skipped candidate's reason is printed; the table printed
 last has the winner against the heuristic default for each problem.
+``--challenge-tile-m 192`` times each problem's current config against the search's
+192-row candidates only, and keeps the faster (a new tile height, without a whole
+search).
 """
 from __future__ import annotations
 
@@ -103,6 +106,24 @@ def train_problems(spec: str):
   return {k: (f"train {spec}", problem) for k, problem in rec.items()}
 
 
+def challengers(problem: autotune.Problem, tile_m: int, extra: bool = False):
+  """The current config of ``problem`` (from the cache at ``autotune.lookup``'s path,
+  or the heuristic) first, then the search's candidates with ``tile_m``-row warpgroup
+  tiles; None when no such candidate tiles the problem and fits. ``autotune.tune``
+  times them (and the heuristic) in one process, so the record it returns keeps the
+  current config unless a challenger beats it."""
+  k = problem.key
+  found, _ = autotune.candidates(
+      k.m, k.n, k.k, problem.a.dtype, problem.staged_kinds, problem.input_dtypes,
+      problem.outputs, trans_a=k.trans_a, trans_b=k.trans_b,
+      min_epi_tile_n=problem.min_epi_tile_n, extra=extra, clip_m=problem.clip_m,
+      tile_m=tile_m)
+  if not found:
+    return None
+  current, _ = autotune.chosen_config(problem)
+  return [current] + [c for c in found if c != current]
+
+
 def find_problems(args) -> dict:
   """key text -> (where, problem) of every GEMM the ``--workloads`` trace."""
   from bench import gemm_epilogue as ge
@@ -144,6 +165,10 @@ def main():
   p.add_argument("--list", action="store_true", help="list the problems and stop")
   p.add_argument("--retune", action="store_true",
                  help="tune problems that --out already has too (default: skip them)")
+  p.add_argument("--challenge-tile-m", type=int, default=None,
+                 help="time each problem's current config (tuned or heuristic) against "
+                 "only the search's candidates with warpgroup tiles this tall, in one "
+                 "process, and keep the faster (problems --out has are included)")
   args = p.parse_args()
   on_gpu = jax.devices()[0].platform == "gpu"
   if not on_gpu and not args.list:
@@ -163,7 +188,7 @@ def main():
     return
   out = Path(args.out)
   have = set(json.loads(out.read_text())["entries"]) if out.exists() else set()
-  if not args.retune and have & set(problems):
+  if not args.retune and args.challenge_tile_m is None and have & set(problems):
     print(f"{len(have & set(problems))} problems already in {out}: skipped (--retune to "
           "redo them)", flush=True)
     problems = {k: v for k, v in problems.items() if k not in have}
@@ -178,8 +203,14 @@ def main():
           f"{'t' if k.trans_a else 'n'}{'t' if k.trans_b else 'n'} "
           f"{k.signature[:120]}", flush=True)
     try:
+      configs = None
+      if args.challenge_tile_m is not None:
+        configs = challengers(problem, args.challenge_tile_m, args.extra)
+        if configs is None:
+          print("  no candidate that tall tiles it: kept", flush=True)
+          continue
       rec = autotune.tune(problem, iterations=args.iterations, extra=args.extra,
-                          log=lambda s: print(s, flush=True))
+                          configs=configs, log=lambda s: print(s, flush=True))
     except Exception as e:  # noqa: BLE001  one problem failing does not stop the run
       print(f"  FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue

@@ -400,8 +400,8 @@ class SearchStructure:
 
 def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: dict,
                outputs: tuple, *, trans_a: bool, trans_b: bool, min_epi_tile_n: int = 1,
-               max_stages: int = 7, extra: bool = False,
-               clip_m: bool = False) -> tuple[list[g.GemmConfig], list[tuple[str, str]]]:
+               max_stages: int = 7, extra: bool = False, clip_m: bool = False,
+               tile_m: int | None = None) -> tuple[list[g.GemmConfig], list[tuple[str, str]]]:
   """The search space for one problem: both schedules, the tile shapes, clusters and
   grid orders below, each with epilogue sub-tiles of 64 or 32 columns (a multiple of
   the column group; wider ones are also tried with their tile outputs stored in halves:
@@ -409,8 +409,13 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   in shared memory, with tile operands staged 2 sub-tiles ahead or 1 (one slot frees
   shared memory for a deeper pipeline: the SwiGLU backward at 8B shapes gets 3 stages
   of 64 instead of 5 of 32, 4.6% faster); ``extra`` adds bands of 8, tile_k 32 and
-  tile operands staged 4 sub-tiles ahead or all of them during the mainloop. Returns
-  (configs, [(description, reason skipped)])."""
+  tile operands staged 4 sub-tiles ahead or all of them during the mainloop.
+  Ping-pong also tries 192-row warpgroup tiles: 192 accumulator registers a thread,
+  1.2x the operand reuse of 128 x 128 (3.6% faster than our cooperative GEMM on the
+  H100 at 16384 x 8192 x 2048, level on the heavy GPT-2 epilogues; bench/NOTES.md,
+  eighteenth session); they tile M = 16384 only with ``clip_m``. ``tile_m``: only the
+  structures with warpgroup tiles that tall (``bench.tune_gemm --challenge-tile-m``).
+  Returns (configs, [(description, reason skipped)])."""
   M_, N_ = g.MatDim.M, g.MatDim.N
   PP, CO = g.Schedule.PINGPONG, g.Schedule.COOPERATIVE
   # Pruned by measurement on the H100 (bench/NOTES.md, issue 10): 64-row or 64-column
@@ -420,12 +425,16 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   structures = [S(CO, 128, 128, M_, N_, N_), S(CO, 128, 128, M_, None, N_),
                 S(PP, 128, 128, M_, N_, N_), S(PP, 128, 128, M_, M_, M_),
                 S(PP, 128, 128, M_, N_, M_, epi_widths=(32,)),
-                S(PP, 128, 128, M_, M_, N_, epi_widths=(32,))]
+                S(PP, 128, 128, M_, M_, N_, epi_widths=(32,)),
+                S(PP, 192, 128, M_, N_, N_, epi_widths=(32,)),
+                S(PP, 192, 128, M_, N_, M_, epi_widths=(32,))]
   if k == 0:  # an epilogue pass: unclustered cooperative tiles (gemm_mgpu._no_product_config)
     structures = [S(CO, 128, 128, M_, None, N_), S(CO, 64, 128, M_, None, N_),
                   S(CO, 128, 128, N_, None, N_)]
   if extra:
     structures += [dataclasses.replace(s, grid_tile_width=8) for s in structures]
+  if tile_m is not None:
+    structures = [s for s in structures if s.tile_m == tile_m]
   mn_major = trans_a or not trans_b
   tile_ks = (64,) if mn_major or not extra else (64, 32)
   has_tiles = any(kind in g._TILE_KINDS for kind in input_kinds.values())
@@ -485,9 +494,10 @@ def measure_ms(fn, *args, iterations: int = 20) -> float:
 def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] = print,
          configs: list[g.GemmConfig] | None = None, compile_threads: int = 12,
          extra: bool = False) -> dict:
-  """Times every candidate config of ``problem`` on the device; returns the cache
-  record: the best config, its time, the heuristic default's time and what was
-  skipped and why."""
+  """Times every candidate config of ``problem`` (``configs``, default the whole
+  search of ``candidates``) and the heuristic default on the device; returns the cache
+  record: the best config, its time, the heuristic default's time and what was skipped
+  and why."""
   key = problem.key
   skipped = []
   if configs is None:

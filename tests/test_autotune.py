@@ -181,6 +181,27 @@ def test_candidates_fit_or_say_why():
   assert any("must be multiples of the cluster tile" in why for _, why in skipped)
 
 
+def test_tall_pingpong_candidates():
+  """The search has 192-row ping-pong tiles where they tile M (or with clip_m), and
+  ``tile_m`` keeps only those (``bench.tune_gemm --challenge-tile-m``)."""
+  outs = (EpilogueOutput("out"),)
+  found, skipped = autotune.candidates(768, 512, 256, jnp.bfloat16, {}, {}, outs,
+                                       trans_a=False, trans_b=True)
+  tall = [c for c in found if c.tile_m == 192]
+  assert tall and all(c.schedule == Schedule.PINGPONG and c.epi_tile_n == 32 for c in tall)
+  assert len(tall) < len(found)
+  only, _ = autotune.candidates(768, 512, 256, jnp.bfloat16, {}, {}, outs,
+                                trans_a=False, trans_b=True, tile_m=192)
+  assert only == tall
+  # M = 512: 192 does not divide it; with clip_m TMA drops the rows past it
+  _, skipped = autotune.candidates(512, 512, 256, jnp.bfloat16, {}, {}, outs,
+                                   trans_a=False, trans_b=True, tile_m=192)
+  assert skipped and all("must be multiples of the cluster tile" in why for _, why in skipped)
+  clipped, _ = autotune.candidates(512, 512, 256, jnp.bfloat16, {}, {}, outs,
+                                   trans_a=False, trans_b=True, tile_m=192, clip_m=True)
+  assert {c.tile_m for c in clipped} == {192}
+
+
 def test_candidates_respect_the_column_group():
   found, _ = autotune.candidates(512, 512, 128, jnp.bfloat16, {}, {}, (EpilogueOutput("out"),),
                                  trans_a=False, trans_b=False, min_epi_tile_n=64)

@@ -10,6 +10,7 @@ import pytest
 from bench import block as B
 from bench import common
 from bench import family_blocks as fb
+from pallas_kernels import autotune
 
 
 @pytest.mark.parametrize("name", ["gpt2_tiny", "qwen3_tiny"])
@@ -192,7 +193,7 @@ def test_step_gemms_table():
 
 def test_compare_configs_variants_and_plain_problems():
   """bench.compare_configs: a variant's fields parse to GemmConfig values (enums by name,
-  None, booleans, ints, num_sms apart); bad ones name the field and the fix; a plain
+  None, booleans, ints, num_sms and clip_m apart); bad ones name the field and the fix; a plain
   problem records the GEMM at its shape and operand order."""
   from bench import compare_configs as cc
   from pallas_kernels import MatDim, Schedule
@@ -202,6 +203,10 @@ def test_compare_configs_variants_and_plain_problems():
   assert (name, sms) == ("pp", 64)
   assert over == dict(schedule=Schedule.PINGPONG, cluster_dim=None, wg_dim=MatDim.N,
                       stages=5, epi_operand_slots=4)
+  assert cc.parse_variant("pp192=tile_m=192,clip_m=True") == (
+      "pp192", dict(tile_m=192, clip_m=True), None)
+  with pytest.raises(ValueError, match="clip_m='yes' is not True or False"):
+    cc.parse_variant("x=clip_m=yes")
   with pytest.raises(ValueError, match="'tile' is not a GemmConfig field"):
     cc.parse_variant("x=tile=128")
   with pytest.raises(ValueError, match="is not FIELD=VALUE"):
@@ -215,6 +220,18 @@ def test_compare_configs_variants_and_plain_problems():
   assert problem.a.shape == (128, 512) and problem.b.shape == (128, 256)
   with pytest.raises(ValueError, match="expected MxNxK:ORDER"):
     cc.plain_problem("512x256:nn")
+
+
+def test_tune_gemm_challengers():
+  """``--challenge-tile-m``: the problem's current config first, then only the
+  search's candidates that tall; None where none tiles the problem."""
+  from bench import tune_gemm
+  problem = autotune.plain_problem(768, 512, 256, trans_b=True)
+  current, _ = autotune.chosen_config(problem)
+  configs = tune_gemm.challengers(problem, 192)
+  assert configs[0] == current and current.tile_m != 192
+  assert len(configs) > 1 and all(c.tile_m == 192 for c in configs[1:])
+  assert tune_gemm.challengers(autotune.plain_problem(512, 512, 256, trans_b=True), 192) is None
 
 
 def test_ncu_source_summary(tmp_path):

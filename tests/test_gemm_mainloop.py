@@ -116,3 +116,36 @@ def test_race_free(key, race_detector, k, config):
   a, b = gemm_inputs(key, 512, 256, k, jnp.bfloat16)
   check_gemm(a, b, race_detector.params, config=CONFIGS[config], num_sms=2)
   assert not race_detector.races_found(), "data race in the kernel (see stdout)"
+
+
+# Ping-pong with 192-row warpgroup tiles: three 64-row wgmma blocks and three rows of
+# epilogue sub-tiles per tile (the tuner's tall structures).
+TALL = {"tall": GemmConfig(tile_m=192, tile_n=64, tile_k=64, stages=3, epi_tile_n=32,
+                           cluster_dim=None, schedule=Schedule.PINGPONG),
+        "tall_cluster_n": GemmConfig(tile_m=192, tile_n=64, tile_k=64, stages=4,
+                                     epi_tile_n=32, cluster_dim=N_,
+                                     schedule=Schedule.PINGPONG)}
+
+
+@pytest.mark.parametrize("config", TALL)
+def test_tall_pingpong_tiles(key, interpret, config):
+  """M = 768: four rows of 192-row tiles, 16 (or 8 cluster) tiles over 2 SMs."""
+  a, b = gemm_inputs(key, 768, 256, 192, jnp.bfloat16)
+  check_gemm(a, b, interpret, config=TALL[config], num_sms=2)
+
+
+def test_tall_pingpong_race_free(key, race_detector):
+  a, b = gemm_inputs(key, 384, 256, 128, jnp.bfloat16)
+  check_gemm(a, b, race_detector.params, config=TALL["tall_cluster_n"], num_sms=2)
+  assert not race_detector.races_found(), "data race in the kernel (see stdout)"
+
+
+@pytest.mark.parametrize("m", [200, 16384 // 32])
+def test_tall_pingpong_tiles_clip_m(key, interpret, m):
+  """192-row tiles at M that they do not divide (M = 512 stands for 16384: both leave
+  a third of the last row of tiles past M): TMA drops what lies past M."""
+  if interpret is not None:
+    pytest.skip("clip_m needs the compiled kernel: the interpreter clamps out-of-range "
+                "slices instead of filling zeros")
+  a, b = gemm_inputs(key, m, 256, 128, jnp.bfloat16)
+  check_gemm(a, b, interpret, config=TALL["tall_cluster_n"], num_sms=2, clip_m=True)

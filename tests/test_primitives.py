@@ -256,6 +256,19 @@ def _check_slots(key, kernel_impl, races_checked, name, **config_fields):
   assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 
 
+def test_tall_pingpong_tiles(key, kernel_impl, races_checked):
+  """Ping-pong 192-row warpgroup tiles (three rows of sub-tiles) with a scaled store, a
+  tile operand and row and column partials, over several tiles per warpgroup; under the
+  race detector when interpreted."""
+  program = PROGRAMS["everything"]
+  a, b = gemm_inputs(key, 384, 512, K, jnp.bfloat16)
+  ops = make_operands(jax.random.fold_in(key, 1), program, 384, 512, a.dtype)
+  config = GemmConfig(tile_m=192, tile_n=128, tile_k=64, stages=3, epi_tile_n=64,
+                      cluster_dim=MatDim.N, schedule=Schedule.PINGPONG)
+  check_program(a, b, program, ops, kernel_impl, config=config)
+  assert not races_checked.races_found(), "data race in the kernel (see stdout)"
+
+
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
 @pytest.mark.parametrize("name", ["residual_norm", "norm_rope", "colsum_store"])
 def test_race_free(key, race_detector, name, schedule):
