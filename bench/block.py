@@ -354,8 +354,10 @@ LLAMA_NOTE = ("XLA's block: separate gate/up matmuls, one fused qkv matmul. LM h
 
 
 def op_cell(row) -> str:
-  """The op as a table cell; a post-block row names its head's gradient."""
-  return row["op"] + (f" ({row['head_grad']} head)" if "head_grad" in row else "")
+  """The op as a table cell; a post-block row names its head's gradient, a GPT-2 row
+  its MLP's saved residuals."""
+  return (row["op"] + (f" ({row['head_grad']} head)" if "head_grad" in row else "")
+          + (f" (MLP keeps {row['mlp_residuals']})" if "mlp_residuals" in row else ""))
 
 
 def speedup_cell(row) -> str:

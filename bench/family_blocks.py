@@ -94,12 +94,12 @@ def gpt2_inputs(s: Shape, key):
               cts=(normal((s.m, s.d)), normal((s.m, s.qkv_width))))
 
 
-def gpt2_ours(s: Shape, impl):
+def gpt2_ours(s: Shape, impl, mlp_residuals="slope"):
   def block(x0, y0, p):
     x1, h1, mu1, r1 = L.residual_layernorm(y0, p["wo"], x0, p["g_mlp"], bias=p["bo"],
                                            eps=s.eps, impl=impl)
     x2 = L.layernorm_gelu_mlp(x1, h1, mu1, r1, p["g_mlp"], p["beta_mlp"], p["w1"], p["b1"],
-                              p["w2"], p["b2"], impl=impl)
+                              p["w2"], p["b2"], impl=impl, residuals=mlp_residuals)
     mu2, r2 = ref.layernorm_stats(x2, s.eps)  # in XLA, as flax_layers.gpt2 does
     h2 = (x2.astype(f32) * p["g_attn"]).astype(x2.dtype)
     return x2, L.layernorm_matmul(h2, mu2, r2, p["g_attn"], p["beta_attn"], p["wqkv"],
@@ -178,12 +178,12 @@ def inputs(s: Shape, key):
   return dict(x, params=std, mine=mine)
 
 
-def cases(s: Shape, x, impl):
+def cases(s: Shape, x, impl, mlp_residuals="slope"):
   """[(op, backward, ours, ours_args, xla, xla_args, to_std)] for the forward and the
   forward+backward of shape ``s``'s block on ``inputs(s, ...)``: what ``run_shape`` times
-  and what tune_gemm traces."""
+  and what tune_gemm traces. ``mlp_residuals``: GPT-2's ``layernorm_gelu_mlp``'s."""
   if s.family == "gpt2":
-    ours, xla = gpt2_ours(s, impl), gpt2_xla(s)
+    ours, xla = gpt2_ours(s, impl, mlp_residuals), gpt2_xla(s)
     ours_args = xla_args = (x["x0"], x["y0"], x["params"])
     fwd_bwd = lambda block: lambda x0, y0, p, cts: jax.vjp(block, x0, y0, p)[1](cts)
     to_std = lambda t: t
@@ -199,13 +199,19 @@ def cases(s: Shape, x, impl):
            (*xla_args, x["cts"]), to_std)]
 
 
-def run_shape(name, s: Shape, impl, measure, prov, key, rounds=1):
+def run_shape(name, s: Shape, impl, measure, prov, key, rounds=1, mlp_residuals=("slope",)):
+  """The rows of shape ``s``: its block's forward and forward+backward, a pair per entry
+  of ``mlp_residuals`` for GPT-2 (each row then names it)."""
   x, gemm_key = inputs(s, key), jax.random.fold_in(key, 1)
+  variants = mlp_residuals if s.family == "gpt2" else (None,)
   return [B.compare_row(op, name, s._asdict(), measure, prov, impl, ours, ours_args, xla,
                         xla_args, to_std=to_std,
                         gemm_fns=B.gemms_of(gemm_mkn(s), backward, gemm_key), memory=backward,
-                        rounds=rounds)
-          for op, backward, ours, ours_args, xla, xla_args, to_std in cases(s, x, impl)]
+                        rounds=rounds,
+                        labels=None if len(variants) == 1 else {"mlp_residuals": keep})
+          for keep in variants
+          for op, backward, ours, ours_args, xla, xla_args, to_std in cases(
+              s, x, impl, *(() if keep is None else (keep,)))]
 
 
 def main():
@@ -221,7 +227,13 @@ def main():
   p.add_argument("--rounds", type=int, default=1,
                  help="time ours and XLA alternately this many times each (ABBA) and "
                  "report the median ratio and its range (default 1)")
+  p.add_argument("--mlp-residuals", default="slope",
+                 help="GPT-2's MLP residuals (layernorm_gelu_mlp's residuals), comma-"
+                 f"separated of {list(L.MLP_RESIDUALS)}: a pair of GPT-2 rows for each")
   args = p.parse_args()
+  mlp_residuals = tuple(args.mlp_residuals.split(","))
+  if not mlp_residuals or any(v not in L.MLP_RESIDUALS for v in mlp_residuals):
+    p.error(f"--mlp-residuals {args.mlp_residuals!r}: one or more of {list(L.MLP_RESIDUALS)}")
   on_gpu = jax.devices()[0].platform == "gpu"
   measure = B.timer(on_gpu, args.iterations or (30 if on_gpu else 1))
   names, impl = (args.shapes.split(","), "mosaic") if on_gpu else (
@@ -237,7 +249,7 @@ def main():
     if name not in SHAPES:
       p.error(f"unknown shape {name!r}: one of {list(SHAPES)}")
     rows += run_shape(name, SHAPES[name], impl, measure, prov, jax.random.key(i),
-                      args.rounds)
+                      args.rounds, mlp_residuals)
   md = B.markdown(rows, prov, on_gpu, title="GPT-2 and Qwen3 shifted blocks: ours vs "
                   "jax.jit of the standard block",
                   note="Shifted block: attention output and residual in, the next layer's "

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from coda_jax import block_gemms as S
 from coda_jax.fused_ops import check_act, check_residual, check_rows, check_weight, flat_rows
 from coda_jax.epilogue_gemm import gemm_epilogue
-from coda_jax.primitives import (ACTIVATIONS, AddBias, AddTile, ColSum, Primitive, RowSum,
-                                 ScaleCol, ScaleRow, Store)
+from coda_jax.primitives import (ACTIVATIONS, AddBias, AddTile, ColSum, MulTile, Primitive,
+                                 RowSum, ScaleCol, ScaleRow, Store)
 from coda_jax.sharding import reduce_like
 from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 
@@ -86,12 +86,28 @@ class AddOuter(Primitive):
 
 @dataclasses.dataclass(frozen=True)
 class Gelu(Primitive):
-  """gelu(x), tanh form (GPT-2's); the same definition as ``Gated``'s "gelu"."""
-  _keeps_zero_rows = True
+  """gelu(x), tanh form (GPT-2's); the same definition as ``Gated``'s "gelu". With
+  ``slope``, also stores gelu'(x) (in ``slope_dtype``) as that (M, N) output, for a
+  backward that multiplies by it (``MulTile``) instead of recomputing it."""
+  _keeps_zero_rows = True  # gelu(0) = 0 (a stored slope row is gelu'(0) = 1/2: sliced off)
   _column_sums_via_env = True
+  slope: str | None = None
+  slope_dtype: Any = jnp.bfloat16
+
+  def outputs(self, width):
+    if self.slope is None:
+      return ()
+    return (EpilogueOutput(self.slope, OutputKind.TILE, jnp.dtype(self.slope_dtype)),)
 
   def apply(self, x, env):
-    return ACTIVATIONS["gelu"][0](x)
+    if self.slope is None:
+      return ACTIVATIONS["gelu"][0](x)
+    f, df = ACTIVATIONS["gelu"][1](x)
+    env.store(self.slope, df)
+    return f
+
+  def finish(self, raw):
+    return {} if self.slope is None else {self.slope: raw[self.slope]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,7 +381,12 @@ _ln_matmul.defvjp(_ln_matmul_fwd, _ln_matmul_bwd)
 
 
 # ---- GPT-2's MLP: LayerNorm -> w1 + b1 -> gelu -> w2 + b2 -> + residual --------------------
-def layernorm_gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, *, impl: str = "auto"):
+# What the GPT-2 MLP keeps for its backward (``layernorm_gelu_mlp``'s ``residuals``).
+MLP_RESIDUALS = ("slope", "recompute")
+
+
+def layernorm_gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, *, impl: str = "auto",
+                       residuals: str = "slope"):
   """x + gelu(LN(x) @ w1 + b1) @ w2 + b2 (GELU in its tanh form, as GPT-2).
 
   Args:
@@ -374,10 +395,18 @@ def layernorm_gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, *, impl: str = "aut
     g, beta: (D,) LayerNorm weight and bias.
     w1: (D, F), b1: (F,), w2: (F, D), b2: (D,).
     impl: as ``coda_jax.gemm_epilogue``.
+    residuals: what the forward keeps of the (..., F) hidden layer for the backward.
+      "slope" (default): a = gelu(z) and gelu'(z), both in x's dtype; the backward's
+      first GEMM multiplies by the slope and stores dz only. "recompute": z alone, half
+      the memory; that GEMM recomputes gelu and gelu' from z and stores a as well
+      (``docs/layernorm_math.md`` section 3).
 
   Returns:
     (..., D) in x's dtype.
   """
+  if residuals not in MLP_RESIDUALS:
+    raise ValueError(f"residuals={residuals!r}: one of {MLP_RESIDUALS} (\"slope\" keeps "
+                     "gelu(z) and gelu'(z), \"recompute\" keeps z alone)")
   check_act("x", x)
   check_act("h", h, x.shape[-1])
   if h.shape != x.shape or h.dtype != x.dtype:
@@ -392,35 +421,48 @@ def layernorm_gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, *, impl: str = "aut
   check_vector("b1", b1, w1.shape[-1])
   check_vector("b2", b2, d)
   out = _gelu_mlp(flat_rows(x), flat_rows(h), _f32(mu.reshape(-1)), _f32(r.reshape(-1)), g,
-                  beta, w1, b1, w2, b2, impl)
+                  beta, w1, b1, w2, b2, impl, residuals)
   return out.reshape(x.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
-def _gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, impl):
-  return _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, impl)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
+def _gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, impl, residuals):
+  return _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, impl, residuals)[0]
 
 
-def _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, impl):
+def _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, impl, residuals):
   dt = x.dtype
   w1d = w1.astype(dt)
   gw, cw = norm_columns(g, beta, w1d, b1)
-  first = gemm_epilogue(h, w1d, norm_matmul_program([Store("z", dt), Gelu(), Store("a", dt)]),
+  # "slope": gelu'(z) is stored where z was (the same bytes), and a is kept.
+  keep = ([Gelu(slope="s", slope_dtype=dt)] if residuals == "slope"
+          else [Store("z", dt), Gelu()])
+  first = gemm_epilogue(h, w1d, norm_matmul_program([*keep, Store("a", dt)]),
                         norm_matmul_operands(mu, r, gw, cw), impl=impl)
   out = gemm_epilogue(first["a"], w2.astype(dt), [AddBias("b2"), AddTile("x"),
                                                    Store("out", dt)],
                       {"b2": b2.astype(_F32), "x": x}, impl=impl)["out"]
-  return out, (h, mu, r, g, beta, w1, b1, w2, b2, first["z"])
+  hidden = (first["a"], first["s"]) if residuals == "slope" else (first["z"],)
+  return out, (h, mu, r, g, beta, w1, b1, w2, b2, hidden)
 
 
-def _gelu_mlp_bwd(impl, saved, dout):
-  h, mu, r, g, beta, w1, b1, w2, b2, z = saved
+def _gelu_mlp_bwd(impl, residuals, saved, dout):
+  h, mu, r, g, beta, w1, b1, w2, b2, hidden = saved
   dt = dout.dtype
-  # B1: da = dout @ w2^T; gelu' rides here, with db1's column sums and the recomputed a.
-  b1_out = gemm_epilogue(dout, w2.astype(dt), [GeluGrad("z", "a", dt), ColSum("db1"),
-                                               Store("dz", dt)],
-                         {"z": z}, trans_b=True, impl=impl)
-  dz, a, db1 = b1_out["dz"], b1_out["a"], b1_out["db1"]
+  # B1: da = dout @ w2^T; gelu' rides here, with db1's column sums: read from the
+  # forward's stored slope, or recomputed from z along with a (dW2's A operand).
+  if residuals == "slope":
+    a, s = hidden
+    b1_out = gemm_epilogue(dout, w2.astype(dt), [MulTile("s"), ColSum("db1"),
+                                                 Store("dz", dt)],
+                           {"s": s}, trans_b=True, impl=impl)
+  else:
+    (z,) = hidden
+    b1_out = gemm_epilogue(dout, w2.astype(dt), [GeluGrad("z", "a", dt), ColSum("db1"),
+                                                 Store("dz", dt)],
+                           {"z": z}, trans_b=True, impl=impl)
+    a = b1_out["a"]
+  dz, db1 = b1_out["dz"], b1_out["db1"]
   # B2: dn = dz @ w1^T -> dh and the LayerNorm terms. B3, B4: weight gradients.
   dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, w1.astype(dt), h, mu, r, g, beta, impl)
   dw1 = S.weight_grad(n, dz, impl, S.grad_dtype(w1))
@@ -435,5 +477,5 @@ _gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
 
 
 __all__ = ["AddBias", "AddOuter", "Gelu", "GeluGrad", "LayerNormConfig", "LayerNormGrad",
-           "layernorm_gelu_mlp", "layernorm_matmul", "norm_columns", "residual_layernorm",
+           "MLP_RESIDUALS", "layernorm_gelu_mlp", "layernorm_matmul", "norm_columns", "residual_layernorm",
            "stats_from_sums"]

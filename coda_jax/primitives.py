@@ -161,6 +161,21 @@ class AddTile(Primitive):
     return x + env.load(self.name).astype(jnp.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class MulTile(Primitive):
+  """x * t[m, n]; ``name`` is an (M, N) operand (a saved activation slope: GPT-2's MLP
+  backward multiplies da by the gelu'(z) its forward stored)."""
+  _keeps_zero_rows = True  # a zero row stays zero whatever the operand holds
+  _column_sums_via_env = True
+  name: str
+
+  def inputs(self):
+    return {self.name: InputKind.TILE}
+
+  def apply(self, x, env):
+    return x * env.load(self.name).astype(jnp.float32)
+
+
 # ---- pairwise --------------------------------------------------------------------------
 def _blocks(x, p):
   """Splits the columns into (first, second) halves of each 2p-wide block."""

@@ -77,6 +77,9 @@ class GPT2Config:
     attention_impl: ``jax.nn.dot_product_attention``'s; None: cuDNN on a GPU for 16-bit
       activations, XLA elsewhere.
     impl: coda_jax kernel dispatch ("auto", "mosaic", "interpret", "xla").
+    mlp_residuals: what the fused MLP keeps for its backward
+      (``coda_jax.layernorm_gelu_mlp``'s ``residuals``): "slope" (default; gelu(z) and
+      gelu'(z), the faster backward) or "recompute" (z alone, half that memory).
   """
   vocab_size: int
   n_positions: int
@@ -90,6 +93,7 @@ class GPT2Config:
   init_std: float = 0.02
   attention_impl: str | None = None
   impl: str = "auto"
+  mlp_residuals: str = "slope"
 
   def __post_init__(self):
     if self.ffn_dim is None:
@@ -118,6 +122,9 @@ class GPT2Config:
         raise ValueError(f"GPT2Config.{name}={getattr(self, name)!r}: one of {_DTYPES}")
     if self.impl not in _IMPLS:
       raise ValueError(f"GPT2Config.impl={self.impl!r}: one of {_IMPLS}")
+    if self.mlp_residuals not in L.MLP_RESIDUALS:
+      raise ValueError(f"GPT2Config.mlp_residuals={self.mlp_residuals!r}: one of "
+                       f"{L.MLP_RESIDUALS}")
 
   # The fields bench/train.py prints for any model.
   @property
@@ -288,7 +295,7 @@ def block_forward(p, x, c: GPT2Config, fused: bool):
                                            bias=p["c_proj_bias"], eps=c.eps, impl=c.impl)
     return L.layernorm_gelu_mlp(x1, h1, mu1, r1, p["norm_mlp"], p["norm_mlp_bias"],
                                 p["c_fc"], p["c_fc_bias"], p["mlp_proj"], p["mlp_proj_bias"],
-                                impl=c.impl)
+                                impl=c.impl, residuals=c.mlp_residuals)
   dt = x.dtype
   n = ref.layer_norm(x, p["norm_attn"].astype(_F32), p["norm_attn_bias"].astype(_F32), c.eps)
   qkv = n @ p["c_attn"].astype(dt) + p["c_attn_bias"].astype(dt)

@@ -27,6 +27,26 @@ def test_family_block_rows(name):
     assert r["rel_diff_vs_baseline"] < 0.05, (r["op"], r["rel_diff_vs_baseline"])
 
 
+def test_gpt2_rows_one_pair_per_mlp_residuals():
+  """``bench.family_blocks --mlp-residuals slope,recompute``: GPT-2's forward and
+  forward+backward once per way of keeping the MLP's hidden layer, each row naming it
+  and within the tolerance rule; Qwen3's rows do not multiply."""
+  rows = fb.run_shape("gpt2_tiny", fb.SHAPES["gpt2_tiny"], "xla", B.timer(False, 1),
+                      common.provenance(), jax.random.key(0),
+                      mlp_residuals=("slope", "recompute"))
+  assert [(r["op"], r["mlp_residuals"]) for r in rows] == [
+      ("gpt2_block_fwd", "slope"), ("gpt2_block_fwd_bwd", "slope"),
+      ("gpt2_block_fwd", "recompute"), ("gpt2_block_fwd_bwd", "recompute")]
+  assert "(MLP keeps recompute)" in B.op_cell(rows[-1])
+  for r in rows:
+    assert "error" not in r, r["error"]
+    assert 0 < r["ours_err_vs_fp32"] <= 2 * r["baseline_err_vs_fp32"], r["op"]
+  qwen = fb.run_shape("qwen3_tiny", fb.SHAPES["qwen3_tiny"], "xla", B.timer(False, 1),
+                      common.provenance(), jax.random.key(0),
+                      mlp_residuals=("slope", "recompute"))
+  assert len(qwen) == 2 and all("mlp_residuals" not in r for r in qwen)
+
+
 def test_post_block_rows_one_per_head():
   """``bench.block`` times the post-block once per requested way of forming the LM
   head's gradient, each row naming its head, both within the tolerance rule of the

@@ -56,10 +56,12 @@ def _check_loss_and_grads(cfg, key, b=B, t=T):
                              tgt.at[0, :3].set(-100), N_PARAMS)
 
 
-def test_loss_and_every_gradient():
+@pytest.mark.parametrize("mlp_residuals", ["slope", "recompute"])
+def test_loss_and_every_gradient(mlp_residuals):
   """The training loss token by token and the gradient of every parameter (embeddings,
-  LayerNorm weights and biases, GEMM weights and biases), fused vs reference."""
-  _check_loss_and_grads(CFG, jax.random.key(11))
+  LayerNorm weights and biases, GEMM weights and biases), fused vs reference, with
+  either of the MLP's saved residuals."""
+  _check_loss_and_grads(CFG.replace(mlp_residuals=mlp_residuals), jax.random.key(11))
 
 
 def test_loss_and_gradients_through_kernels(kernel_impl):
@@ -245,7 +247,7 @@ def test_named_configs_round_trip_hf(name):
     ("n_heads", 16, "head_dim .* = 8 must be a multiple of 16"), ("eps", 0.0, "eps=0.0"),
     ("eps", float("nan"), "eps=nan"), ("init_std", -0.1, "init_std=-0.1"),
     ("dtype", jnp.int8, "dtype="), ("impl", "cuda", "impl='cuda'"),
-    ("ffn_dim", 0, "ffn_dim=0")])
+    ("ffn_dim", 0, "ffn_dim=0"), ("mlp_residuals", "z", "mlp_residuals='z'")])
 def test_bad_config_values(field, value, match):
   with pytest.raises(ValueError, match=match):
     CFG.replace(**{field: value})

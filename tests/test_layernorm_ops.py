@@ -120,6 +120,14 @@ OPS = {
         lambda p: R.layernorm_gelu_mlp(p["x"], p["h"], p["mu"], p["r"], p["g"], p["beta"],
                                        p["w1"], p["b1"], p["w2"], p["b2"]),
         ("x", "h", "mu", "r", "g", "beta", "w1", "b1", "w2", "b2")),
+    # z kept instead of gelu(z) and gelu'(z): the backward recomputes both
+    "layernorm_gelu_mlp_recompute": (
+        lambda p, impl: L.layernorm_gelu_mlp(p["x"], p["h"], p["mu"], p["r"], p["g"],
+                                             p["beta"], p["w1"], p["b1"], p["w2"], p["b2"],
+                                             impl=impl, residuals="recompute"),
+        lambda p: R.layernorm_gelu_mlp(p["x"], p["h"], p["mu"], p["r"], p["g"], p["beta"],
+                                       p["w1"], p["b1"], p["w2"], p["b2"]),
+        ("x", "h", "mu", "r", "g", "beta", "w1", "b1", "w2", "b2")),
     # jax.grad through a composition is the whole LayerNorm backward, checked against the
     # plain LayerNorm of the reference (statistics of x, not (h, mu, r)).
     "composed_ln_matmul": (*_composed_qkv, ("y", "w", "res", "g", "b", "beta", "wq", "bq"),
@@ -189,7 +197,7 @@ def test_odd_shapes_fp16(name, m, key):
 
 
 @pytest.mark.parametrize("name", ["residual_layernorm", "layernorm_matmul",
-                                  "layernorm_gelu_mlp"])
+                                  "layernorm_gelu_mlp", "layernorm_gelu_mlp_recompute"])
 def test_op_and_grads_kernel(name, key, kernel_impl):
   """The real kernel (Mosaic GPU interpreter on CPU; compiled on sm90), one small case
   per op: M = 128, widths 64-256 (every call of the forward and backward programs)."""
@@ -266,15 +274,49 @@ def test_gelu_is_gpt2s_tanh_form():
   np.testing.assert_allclose(np.asarray(cj.GeluGrad("z", "a").apply(jnp.ones((1, 1001)), env)[0]),
                              np.asarray(jax.vmap(jax.grad(GATED_ACTS["gelu"]))(z)),
                              rtol=1e-5, atol=1e-6)
+  # Gelu with a slope output: the same gelu, and the derivative stored beside it
+  stored = {}
+  env2 = type("E", (), {"store": lambda self, nm, v: stored.update({nm: v})})()
+  np.testing.assert_allclose(np.asarray(cj.Gelu(slope="s").apply(z, env2)),
+                             np.asarray(GATED_ACTS["gelu"](z)), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(stored["s"]),
+                             np.asarray(jax.vmap(jax.grad(GATED_ACTS["gelu"]))(z)),
+                             rtol=1e-5, atol=1e-6)
 
 
 def test_zero_row_claims():
   """A bias moves a zero row (it must not claim keeps_zero_rows); the rank-1 update, the
   activation steps and LayerNormGrad keep it."""
   assert not cj.AddBias("b").keeps_zero_rows()
-  for prim in (cj.AddOuter("u", "v"), cj.Gelu(), cj.GeluGrad("z", "a"),
-               cj.LayerNormGrad("h", "mu", "r", "g", "beta")):
+  for prim in (cj.AddOuter("u", "v"), cj.Gelu(), cj.Gelu(slope="s"), cj.GeluGrad("z", "a"),
+               cj.MulTile("s"), cj.LayerNormGrad("h", "mu", "r", "g", "beta")):
     assert prim.keeps_zero_rows(), prim
+
+
+@pytest.mark.parametrize("residuals", L.MLP_RESIDUALS)
+def test_mlp_residuals(key, monkeypatch, residuals):
+  """What the MLP's backward reads: "slope" multiplies by the stored gelu'(z)
+  (``MulTile``) and recomputes nothing; "recompute" runs ``GeluGrad`` on z. Both give
+  the reference's gradients (``check_op`` holds each to the tolerance rule); a bad
+  value is an error that names the choices."""
+  programs = []
+  real = L.gemm_epilogue
+  monkeypatch.setattr(L, "gemm_epilogue", lambda a, b, program, *args, **kw: (
+      programs.append(tuple(type(p).__name__ for p in program)), real(a, b, program, *args,
+                                                                      **kw))[1])
+  p = _inputs(key, 64, 64, 64, 64, 128)
+  run = lambda x: L.layernorm_gelu_mlp(x, p["h"], p["mu"], p["r"], p["g"], p["beta"], p["w1"],
+                                       p["b1"], p["w2"], p["b2"], impl="xla",
+                                       residuals=residuals)
+  jax.grad(lambda x: jnp.sum(run(x).astype(jnp.float32)))(p["x"])
+  backward_first = programs[2]  # forward: F1, F2; then B1
+  assert ("MulTile" in backward_first) == (residuals == "slope"), programs
+  assert ("GeluGrad" in backward_first) == (residuals == "recompute"), programs
+  # F1 stores a, and z too only when it is to be recomputed from (the slope is Gelu's)
+  assert programs[0].count("Store") == (1 if residuals == "slope" else 2), programs
+  with pytest.raises(ValueError, match=r"residuals='z': one of \('slope', 'recompute'\)"):
+    L.layernorm_gelu_mlp(p["x"], p["h"], p["mu"], p["r"], p["g"], p["beta"], p["w1"], p["b1"],
+                         p["w2"], p["b2"], residuals="z")
 
 
 def test_layernorm_grad_matches_autodiff(key):
