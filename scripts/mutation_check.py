@@ -928,6 +928,26 @@ MUTATIONS = [
         ("tests/test_program_cache.py", "-k", "lowering_reads"),
         "the donated arguments are not in the key (they are not in the traced program): a "
         "step without donation loads one that deletes its inputs"),
+    # ---- eighteenth session: GPT-2's stored GELU slope, 192-row ping-pong tiles ----------
+    Mutation(
+        "gelu_slope_stores_gelu", "coda_jax/layernorm_ops.py",
+        "    env.store(self.slope, df)\n",
+        "    env.store(self.slope, f)\n",
+        ("tests/test_layernorm_ops.py", "-k", "gelu_is_gpt2s or (op_and_grads_xla and mlp)"),
+        "the forward stores gelu(z) where the backward expects gelu'(z)"),
+    Mutation(
+        "mlp_slope_backward_skips_slope", "coda_jax/layernorm_ops.py",
+        '    b1_out = gemm_epilogue(dout, w2.astype(dt), [MulTile("s"), ColSum("db1"),',
+        '    b1_out = gemm_epilogue(dout, w2.astype(dt), [ColSum("db1"),',
+        ("tests/test_layernorm_ops.py", "-k", "op_and_grads_xla and mlp"),
+        "the backward's first GEMM drops the stored slope: dz = da"),
+    Mutation(
+        "challenge_drops_current_config", "bench/tune_gemm.py",
+        "  return [current] + [c for c in found if c != current]",
+        "  return [c for c in found if c != current]",
+        ("tests/test_bench_harness.py", "-k", "challengers"),
+        "the challenge times only the tall candidates, so a slower one replaces the "
+        "current config"),
 ]
 
 
