@@ -203,15 +203,14 @@ def run_shape(name, s: Shape, impl, measure, prov, key, rounds=1, mlp_residuals=
   """The rows of shape ``s``: its block's forward and forward+backward, a pair per entry
   of ``mlp_residuals`` for GPT-2 (each row then names it)."""
   x, gemm_key = inputs(s, key), jax.random.fold_in(key, 1)
-  variants = mlp_residuals if s.family == "gpt2" else (None,)
+  variants = mlp_residuals if s.family == "gpt2" else mlp_residuals[:1]  # Qwen3: no MLP
   return [B.compare_row(op, name, s._asdict(), measure, prov, impl, ours, ours_args, xla,
                         xla_args, to_std=to_std,
                         gemm_fns=B.gemms_of(gemm_mkn(s), backward, gemm_key), memory=backward,
                         rounds=rounds,
                         labels=None if len(variants) == 1 else {"mlp_residuals": keep})
           for keep in variants
-          for op, backward, ours, ours_args, xla, xla_args, to_std in cases(
-              s, x, impl, *(() if keep is None else (keep,)))]
+          for op, backward, ours, ours_args, xla, xla_args, to_std in cases(s, x, impl, keep)]
 
 
 def main():

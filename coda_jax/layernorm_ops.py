@@ -477,5 +477,6 @@ _gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
 
 
 __all__ = ["AddBias", "AddOuter", "Gelu", "GeluGrad", "LayerNormConfig", "LayerNormGrad",
-           "MLP_RESIDUALS", "layernorm_gelu_mlp", "layernorm_matmul", "norm_columns", "residual_layernorm",
+           "MLP_RESIDUALS", "layernorm_gelu_mlp", "layernorm_matmul", "norm_columns",
+           "residual_layernorm",
            "stats_from_sums"]
