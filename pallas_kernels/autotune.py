@@ -491,13 +491,25 @@ def measure_ms(fn, *args, iterations: int = 20) -> float:
   return statistics.median(sum(t for _, t in it) for it in timings)
 
 
+def pick_best(times: dict, keep: g.GemmConfig | None = None, keep_within: float = 0.0):
+  """The fastest config of ``times`` (config -> ms), unless ``keep`` was timed and is
+  within ``keep_within`` (a fraction) of it: then ``keep``. A challenge keeps the
+  current config against a difference smaller than the timings' spread."""
+  best = min(times, key=times.get)
+  if keep is not None and keep in times and times[keep] <= times[best] * (1 + keep_within):
+    return keep
+  return best
+
+
 def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] = print,
          configs: list[g.GemmConfig] | None = None, compile_threads: int = 12,
-         extra: bool = False) -> dict:
+         extra: bool = False, keep: g.GemmConfig | None = None,
+         keep_within: float = 0.0) -> dict:
   """Times every candidate config of ``problem`` (``configs``, default the whole
   search of ``candidates``) and the heuristic default on the device; returns the cache
-  record: the best config, its time, the heuristic default's time and what was skipped
-  and why."""
+  record: the best config (``pick_best``: ``keep`` where it is within ``keep_within``
+  of the fastest), its time, the heuristic default's time and what was skipped and
+  why."""
   key = problem.key
   skipped = []
   if configs is None:
@@ -537,7 +549,7 @@ def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] =
         + ("  (default)" if cfg == default else ""))
   if not times:
     raise RuntimeError(f"no candidate config ran for {key.text()}")
-  best = min(times, key=times.get)
+  best = pick_best(times, keep, keep_within)
   return {"config": config_to_dict(best), "describe": best.describe(),
           "ms": round(times[best], 5),
           "default_ms": round(times[default], 5) if default in times else None,
@@ -549,5 +561,5 @@ def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] =
 __all__ = ["CACHE_ENV", "Problem", "ProblemKey", "SHIPPED_CACHE", "candidates",
            "chosen_config", "describe_workload",
            "config_from_dict", "config_to_dict", "lookup", "lookup_with_source", "measure_ms",
-           "plain_problem", "problem_key",
+           "pick_best", "plain_problem", "problem_key",
            "record", "recording", "signature", "store", "tune", "user_cache_path"]

@@ -948,6 +948,12 @@ MUTATIONS = [
         ("tests/test_bench_harness.py", "-k", "challengers"),
         "the challenge times only the tall candidates, so a slower one replaces the "
         "current config"),
+    Mutation(
+        "pick_best_ignores_margin", "pallas_kernels/autotune.py",
+        "  if keep is not None and keep in times and times[keep] <= times[best] * (1 + keep_within):",
+        "  if keep is not None and keep in times and times[keep] <= times[best]:",
+        ("tests/test_autotune.py", "-k", "pick_best"),
+        "a challenger 0.5% faster (within the timings' spread) replaces the current config"),
 ]
 
 

@@ -202,6 +202,15 @@ def test_tall_pingpong_candidates():
   assert {c.tile_m for c in clipped} == {192}
 
 
+def test_pick_best_keeps_the_incumbent_within_the_margin():
+  """``tune``'s choice: the fastest, unless the config to keep is within the margin."""
+  a, b = GemmConfig(), PINGPONG
+  assert autotune.pick_best({a: 1.000, b: 0.995}) == b
+  assert autotune.pick_best({a: 1.000, b: 0.995}, keep=a, keep_within=0.01) == a
+  assert autotune.pick_best({a: 1.000, b: 0.980}, keep=a, keep_within=0.01) == b
+  assert autotune.pick_best({b: 0.980}, keep=a, keep_within=0.01) == b  # a never ran
+
+
 def test_candidates_respect_the_column_group():
   found, _ = autotune.candidates(512, 512, 128, jnp.bfloat16, {}, {}, (EpilogueOutput("out"),),
                                  trans_a=False, trans_b=False, min_epi_tile_n=64)
