@@ -94,7 +94,7 @@ def gpt2_inputs(s: Shape, key):
               cts=(normal((s.m, s.d)), normal((s.m, s.qkv_width))))
 
 
-def gpt2_ours(s: Shape, impl, mlp_residuals="slope"):
+def gpt2_ours(s: Shape, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS):
   def block(x0, y0, p):
     x1, h1, mu1, r1 = L.residual_layernorm(y0, p["wo"], x0, p["g_mlp"], bias=p["bo"],
                                            eps=s.eps, impl=impl)
@@ -178,7 +178,7 @@ def inputs(s: Shape, key):
   return dict(x, params=std, mine=mine)
 
 
-def cases(s: Shape, x, impl, mlp_residuals="slope"):
+def cases(s: Shape, x, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS):
   """[(op, backward, ours, ours_args, xla, xla_args, to_std)] for the forward and the
   forward+backward of shape ``s``'s block on ``inputs(s, ...)``: what ``run_shape`` times
   and what tune_gemm traces. ``mlp_residuals``: GPT-2's ``layernorm_gelu_mlp``'s."""
@@ -199,7 +199,8 @@ def cases(s: Shape, x, impl, mlp_residuals="slope"):
            (*xla_args, x["cts"]), to_std)]
 
 
-def run_shape(name, s: Shape, impl, measure, prov, key, rounds=1, mlp_residuals=("slope",)):
+def run_shape(name, s: Shape, impl, measure, prov, key, rounds=1,
+              mlp_residuals=(L.DEFAULT_MLP_RESIDUALS,)):
   """The rows of shape ``s``: its block's forward and forward+backward, a pair per entry
   of ``mlp_residuals`` for GPT-2 (each row then names it)."""
   x, gemm_key = inputs(s, key), jax.random.fold_in(key, 1)
@@ -226,7 +227,7 @@ def main():
   p.add_argument("--rounds", type=int, default=1,
                  help="time ours and XLA alternately this many times each (ABBA) and "
                  "report the median ratio and its range (default 1)")
-  p.add_argument("--mlp-residuals", default="slope",
+  p.add_argument("--mlp-residuals", default=L.DEFAULT_MLP_RESIDUALS,
                  help="GPT-2's MLP residuals (layernorm_gelu_mlp's residuals), comma-"
                  f"separated of {list(L.MLP_RESIDUALS)}: a pair of GPT-2 rows for each")
   args = p.parse_args()

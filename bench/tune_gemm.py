@@ -119,12 +119,7 @@ def challengers(problem: autotune.Problem, tile_m: int, extra: bool = False):
   tiles; None when no such candidate tiles the problem and fits. ``autotune.tune``
   times them (and the heuristic) in one process and keeps the current config unless
   another is faster by more than ``CHALLENGE_MARGIN``."""
-  k = problem.key
-  found, _ = autotune.candidates(
-      k.m, k.n, k.k, problem.a.dtype, problem.staged_kinds, problem.input_dtypes,
-      problem.outputs, trans_a=k.trans_a, trans_b=k.trans_b,
-      min_epi_tile_n=problem.min_epi_tile_n, extra=extra, clip_m=problem.clip_m,
-      tile_m=tile_m)
+  found, _ = problem.candidates(extra=extra, tile_m=tile_m)
   if not found:
     return None
   current, _ = autotune.chosen_config(problem)
@@ -211,15 +206,16 @@ def main():
           f"{'t' if k.trans_a else 'n'}{'t' if k.trans_b else 'n'} "
           f"{k.signature[:120]}", flush=True)
     try:
-      configs, keep = None, {}
+      configs = None
       if args.challenge_tile_m is not None:
         configs = challengers(problem, args.challenge_tile_m, args.extra)
         if configs is None:
           print("  no candidate that tall tiles it: kept", flush=True)
           continue
-        keep = dict(keep=configs[0], keep_within=CHALLENGE_MARGIN)
+      # a challenge keeps the current config (its first) within the margin
       rec = autotune.tune(problem, iterations=args.iterations, extra=args.extra,
-                          configs=configs, log=lambda s: print(s, flush=True), **keep)
+                          configs=configs, keep=configs and configs[0],
+                          keep_within=CHALLENGE_MARGIN, log=lambda s: print(s, flush=True))
     except Exception as e:  # noqa: BLE001  one problem failing does not stop the run
       print(f"  FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue

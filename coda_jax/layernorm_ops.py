@@ -381,12 +381,14 @@ _ln_matmul.defvjp(_ln_matmul_fwd, _ln_matmul_bwd)
 
 
 # ---- GPT-2's MLP: LayerNorm -> w1 + b1 -> gelu -> w2 + b2 -> + residual --------------------
-# What the GPT-2 MLP keeps for its backward (``layernorm_gelu_mlp``'s ``residuals``).
+# What the GPT-2 MLP keeps for its backward (``layernorm_gelu_mlp``'s ``residuals``),
+# the default first.
 MLP_RESIDUALS = ("slope", "recompute")
+DEFAULT_MLP_RESIDUALS = MLP_RESIDUALS[0]
 
 
 def layernorm_gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, *, impl: str = "auto",
-                       residuals: str = "slope"):
+                       residuals: str = DEFAULT_MLP_RESIDUALS):
   """x + gelu(LN(x) @ w1 + b1) @ w2 + b2 (GELU in its tanh form, as GPT-2).
 
   Args:
@@ -435,15 +437,16 @@ def _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, impl, residuals):
   w1d = w1.astype(dt)
   gw, cw = norm_columns(g, beta, w1d, b1)
   # "slope": gelu'(z) is stored where z was (the same bytes), and a is kept.
-  keep = ([Gelu(slope="s", slope_dtype=dt)] if residuals == "slope"
-          else [Store("z", dt), Gelu()])
-  first = gemm_epilogue(h, w1d, norm_matmul_program([*keep, Store("a", dt)]),
+  if residuals == "slope":
+    steps, hidden = [Gelu(slope="s", slope_dtype=dt)], ("a", "s")
+  else:
+    steps, hidden = [Store("z", dt), Gelu()], ("z",)
+  first = gemm_epilogue(h, w1d, norm_matmul_program([*steps, Store("a", dt)]),
                         norm_matmul_operands(mu, r, gw, cw), impl=impl)
   out = gemm_epilogue(first["a"], w2.astype(dt), [AddBias("b2"), AddTile("x"),
                                                    Store("out", dt)],
                       {"b2": b2.astype(_F32), "x": x}, impl=impl)["out"]
-  hidden = (first["a"], first["s"]) if residuals == "slope" else (first["z"],)
-  return out, (h, mu, r, g, beta, w1, b1, w2, b2, hidden)
+  return out, (h, mu, r, g, beta, w1, b1, w2, b2, tuple(first[nm] for nm in hidden))
 
 
 def _gelu_mlp_bwd(impl, residuals, saved, dout):
@@ -453,15 +456,13 @@ def _gelu_mlp_bwd(impl, residuals, saved, dout):
   # forward's stored slope, or recomputed from z along with a (dW2's A operand).
   if residuals == "slope":
     a, s = hidden
-    b1_out = gemm_epilogue(dout, w2.astype(dt), [MulTile("s"), ColSum("db1"),
-                                                 Store("dz", dt)],
-                           {"s": s}, trans_b=True, impl=impl)
+    slope, ops = MulTile("s"), {"s": s}
   else:
     (z,) = hidden
-    b1_out = gemm_epilogue(dout, w2.astype(dt), [GeluGrad("z", "a", dt), ColSum("db1"),
-                                                 Store("dz", dt)],
-                           {"z": z}, trans_b=True, impl=impl)
-    a = b1_out["a"]
+    slope, ops = GeluGrad("z", "a", dt), {"z": z}
+  b1_out = gemm_epilogue(dout, w2.astype(dt), [slope, ColSum("db1"), Store("dz", dt)], ops,
+                         trans_b=True, impl=impl)
+  a = a if residuals == "slope" else b1_out["a"]
   dz, db1 = b1_out["dz"], b1_out["db1"]
   # B2: dn = dz @ w1^T -> dh and the LayerNorm terms. B3, B4: weight gradients.
   dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, w1.astype(dt), h, mu, r, g, beta, impl)
@@ -477,6 +478,6 @@ _gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
 
 
 __all__ = ["AddBias", "AddOuter", "Gelu", "GeluGrad", "LayerNormConfig", "LayerNormGrad",
-           "MLP_RESIDUALS", "layernorm_gelu_mlp", "layernorm_matmul", "norm_columns",
+           "DEFAULT_MLP_RESIDUALS", "MLP_RESIDUALS", "layernorm_gelu_mlp", "layernorm_matmul", "norm_columns",
            "residual_layernorm",
            "stats_from_sums"]

@@ -93,7 +93,7 @@ class GPT2Config:
   init_std: float = 0.02
   attention_impl: str | None = None
   impl: str = "auto"
-  mlp_residuals: str = "slope"
+  mlp_residuals: str = L.DEFAULT_MLP_RESIDUALS
 
   def __post_init__(self):
     if self.ffn_dim is None:

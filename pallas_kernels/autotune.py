@@ -295,6 +295,16 @@ class Problem:
         min_epi_tile_n=self.min_epi_tile_n, num_sms=num_sms,
         column_sum_turns=self.column_sum_turns, clip_m=self.clip_m))
 
+  def candidates(self, extra: bool = False, tile_m: int | None = None
+                 ) -> tuple[list[g.GemmConfig], list[tuple[str, str]]]:
+    """``candidates`` (the search) for this problem: (configs, [(description, why
+    skipped)])."""
+    k = self.key
+    return candidates(k.m, k.n, k.k, self.a.dtype, self.staged_kinds, self.input_dtypes,
+                      self.outputs, trans_a=k.trans_a, trans_b=k.trans_b,
+                      min_epi_tile_n=self.min_epi_tile_n, extra=extra, clip_m=self.clip_m,
+                      tile_m=tile_m)
+
   def default_config(self) -> g.GemmConfig:
     """The heuristic config ``gemm`` falls back to (raises ValueError if none tiles)."""
     k = self.key
@@ -513,11 +523,7 @@ def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] =
   key = problem.key
   skipped = []
   if configs is None:
-    configs, skipped = candidates(key.m, key.n, key.k, problem.a.dtype, problem.staged_kinds,
-                                  problem.input_dtypes,
-                                  problem.outputs, trans_a=key.trans_a, trans_b=key.trans_b,
-                                  min_epi_tile_n=problem.min_epi_tile_n, extra=extra,
-                                  clip_m=problem.clip_m)
+    configs, skipped = problem.candidates(extra=extra)
   try:
     default = problem.default_config()
     if default not in configs:

@@ -477,8 +477,8 @@ MUTATIONS = [
         "the producer's bias gradient sums the pass-through cotangent dx, not the whole dx~"),
     Mutation(
         "ln_mlp_db1_before_gelu_grad", "coda_jax/layernorm_ops.py",
-        'gemm_epilogue(dout, w2.astype(dt), [GeluGrad("z", "a", dt), ColSum("db1"),',
-        'gemm_epilogue(dout, w2.astype(dt), [ColSum("db1"), GeluGrad("z", "a", dt),',
+        'gemm_epilogue(dout, w2.astype(dt), [slope, ColSum("db1"), Store("dz", dt)]',
+        'gemm_epilogue(dout, w2.astype(dt), [ColSum("db1"), slope, Store("dz", dt)]',
         ("tests/test_layernorm_ops.py", "-k", "op_and_grads_xla and layernorm_gelu_mlp"),
         "b1's gradient summed from da, before the GELU derivative, instead of from dz "
         "(summing db2 over the wrong axis is no test of the suite: jax's custom_vjp shape "
@@ -937,10 +937,10 @@ MUTATIONS = [
         "the forward stores gelu(z) where the backward expects gelu'(z)"),
     Mutation(
         "mlp_slope_backward_skips_slope", "coda_jax/layernorm_ops.py",
-        '    b1_out = gemm_epilogue(dout, w2.astype(dt), [MulTile("s"), ColSum("db1"),',
-        '    b1_out = gemm_epilogue(dout, w2.astype(dt), [ColSum("db1"),',
+        '    slope, ops = MulTile("s"), {"s": s}',
+        '    slope, ops = AddTile("s"), {"s": s}',
         ("tests/test_layernorm_ops.py", "-k", "op_and_grads_xla and mlp"),
-        "the backward's first GEMM drops the stored slope: dz = da"),
+        "the backward's first GEMM adds the stored slope where it multiplies by it"),
     Mutation(
         "challenge_drops_current_config", "bench/tune_gemm.py",
         "  return [current] + [c for c in found if c != current]",
