@@ -10,8 +10,8 @@ times Llama's: the attention output y0 and residual x0 in, the next layer's QKV 
   ``flax_layers.gpt2`` composes them):
   x1 = x0 + y0 @ Wo + bo; x2 = x1 + gelu(LN_2(x1) @ W1 + b1) @ W2 + b2;
   qkv = LN_1'(x2) @ Wqkv + bqkv. Ours: ``residual_layernorm`` (bias, residual and LN_2's
-  statistics in the out-projection's epilogue), ``layernorm_gelu_mlp``, then LN_1's
-  statistics in XLA (as the model: the MLP's output GEMM does not emit them) and
+  statistics in the out-projection's epilogue), ``layernorm_gelu_mlp`` whose output GEMM
+  emits LN_1's statistics (``next_norm``, as the model runs it), then
   ``layernorm_matmul``.
 * Qwen3 (RMSNorm, SwiGLU, per-head q/k RMSNorm, RoPE): ``blocks.shifted_block`` with
   ``BlockConfig.qk_norm``.
@@ -25,6 +25,7 @@ a correctness check whose times say nothing about GPU speed.
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
@@ -35,8 +36,8 @@ import jax.numpy as jnp
 from bench import block as B
 from bench import common
 from coda_jax import blocks
-from coda_jax import jnp_reference as ref
 from coda_jax import layernorm_ops as L
+from coda_jax import unfused
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 
@@ -94,14 +95,25 @@ def gpt2_inputs(s: Shape, key):
               cts=(normal((s.m, s.d)), normal((s.m, s.qkv_width))))
 
 
-def gpt2_ours(s: Shape, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS):
+# Where the GPT-2 block's next LN_1 statistics come from (``--ln1-stats``): the MLP's
+# output GEMM (``layernorm_gelu_mlp(next_norm=)``, as flax_layers.gpt2 runs it), or an XLA
+# pass over the MLP's output (as before the nineteenth session).
+LN1_STATS = ("gemm", "xla")
+
+
+def gpt2_ours(s: Shape, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS, ln1_stats="gemm"):
   def block(x0, y0, p):
     x1, h1, mu1, r1 = L.residual_layernorm(y0, p["wo"], x0, p["g_mlp"], bias=p["bo"],
                                            eps=s.eps, impl=impl)
-    x2 = L.layernorm_gelu_mlp(x1, h1, mu1, r1, p["g_mlp"], p["beta_mlp"], p["w1"], p["b1"],
-                              p["w2"], p["b2"], impl=impl, residuals=mlp_residuals)
-    mu2, r2 = ref.layernorm_stats(x2, s.eps)  # in XLA, as flax_layers.gpt2 does
-    h2 = (x2.astype(f32) * p["g_attn"]).astype(x2.dtype)
+    mlp = functools.partial(L.layernorm_gelu_mlp, x1, h1, mu1, r1, p["g_mlp"], p["beta_mlp"],
+                            p["w1"], p["b1"], p["w2"], p["b2"], impl=impl,
+                            residuals=mlp_residuals)
+    if ln1_stats == "gemm":
+      x2, h2, mu2, r2 = mlp(next_norm=p["g_attn"], next_eps=s.eps)
+    else:
+      x2 = mlp()
+      mu2, r2 = unfused.layernorm_stats(x2, s.eps)
+      h2 = (x2.astype(f32) * p["g_attn"]).astype(x2.dtype)
     return x2, L.layernorm_matmul(h2, mu2, r2, p["g_attn"], p["beta_attn"], p["wqkv"],
                                   bias=p["bqkv"], impl=impl)
   return block
@@ -178,12 +190,13 @@ def inputs(s: Shape, key):
   return dict(x, params=std, mine=mine)
 
 
-def cases(s: Shape, x, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS):
+def cases(s: Shape, x, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS, ln1_stats="gemm"):
   """[(op, backward, ours, ours_args, xla, xla_args, to_std)] for the forward and the
   forward+backward of shape ``s``'s block on ``inputs(s, ...)``: what ``run_shape`` times
-  and what tune_gemm traces. ``mlp_residuals``: GPT-2's ``layernorm_gelu_mlp``'s."""
+  and what tune_gemm traces. ``mlp_residuals``: GPT-2's ``layernorm_gelu_mlp``'s;
+  ``ln1_stats``: one of ``LN1_STATS``."""
   if s.family == "gpt2":
-    ours, xla = gpt2_ours(s, impl, mlp_residuals), gpt2_xla(s)
+    ours, xla = gpt2_ours(s, impl, mlp_residuals, ln1_stats), gpt2_xla(s)
     ours_args = xla_args = (x["x0"], x["y0"], x["params"])
     fwd_bwd = lambda block: lambda x0, y0, p, cts: jax.vjp(block, x0, y0, p)[1](cts)
     to_std = lambda t: t
@@ -200,18 +213,30 @@ def cases(s: Shape, x, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS):
 
 
 def run_shape(name, s: Shape, impl, measure, prov, key, rounds=1,
-              mlp_residuals=(L.DEFAULT_MLP_RESIDUALS,)):
-  """The rows of shape ``s``: its block's forward and forward+backward, a pair per entry
-  of ``mlp_residuals`` for GPT-2 (each row then names it)."""
+              mlp_residuals=(L.DEFAULT_MLP_RESIDUALS,), ln1_stats=(LN1_STATS[0],)):
+  """The rows of shape ``s``: its block's forward and forward+backward, for GPT-2 a pair
+  per combination of ``mlp_residuals`` and ``ln1_stats`` (each row then names what
+  varies)."""
   x, gemm_key = inputs(s, key), jax.random.fold_in(key, 1)
-  variants = mlp_residuals if s.family == "gpt2" else mlp_residuals[:1]  # Qwen3: no MLP
+  if s.family != "gpt2":  # Qwen3: neither applies
+    mlp_residuals, ln1_stats = mlp_residuals[:1], ln1_stats[:1]
+  variants = [(keep, src) for keep in mlp_residuals for src in ln1_stats]
+
+  def labels(keep, src):
+    named = {}
+    if len(mlp_residuals) > 1:
+      named["mlp_residuals"] = keep
+    if len(ln1_stats) > 1:
+      named["ln1_stats"] = src
+    return named or None
+
   return [B.compare_row(op, name, s._asdict(), measure, prov, impl, ours, ours_args, xla,
                         xla_args, to_std=to_std,
                         gemm_fns=B.gemms_of(gemm_mkn(s), backward, gemm_key), memory=backward,
-                        rounds=rounds,
-                        labels=None if len(variants) == 1 else {"mlp_residuals": keep})
-          for keep in variants
-          for op, backward, ours, ours_args, xla, xla_args, to_std in cases(s, x, impl, keep)]
+                        rounds=rounds, labels=labels(keep, src))
+          for keep, src in variants
+          for op, backward, ours, ours_args, xla, xla_args, to_std in cases(s, x, impl, keep,
+                                                                             src)]
 
 
 def main():
@@ -230,10 +255,17 @@ def main():
   p.add_argument("--mlp-residuals", default=L.DEFAULT_MLP_RESIDUALS,
                  help="GPT-2's MLP residuals (layernorm_gelu_mlp's residuals), comma-"
                  f"separated of {list(L.MLP_RESIDUALS)}: a pair of GPT-2 rows for each")
+  p.add_argument("--ln1-stats", default=LN1_STATS[0],
+                 help="where GPT-2's next LN_1 statistics come from, comma-separated of "
+                 f"{list(LN1_STATS)} (the MLP's output GEMM, or an XLA pass): a pair of "
+                 "GPT-2 rows for each")
   args = p.parse_args()
   mlp_residuals = tuple(args.mlp_residuals.split(","))
   if not mlp_residuals or any(v not in L.MLP_RESIDUALS for v in mlp_residuals):
     p.error(f"--mlp-residuals {args.mlp_residuals!r}: one or more of {list(L.MLP_RESIDUALS)}")
+  ln1_stats = tuple(args.ln1_stats.split(","))
+  if any(v not in LN1_STATS for v in ln1_stats):
+    p.error(f"--ln1-stats {args.ln1_stats!r}: one or more of {list(LN1_STATS)}")
   on_gpu = jax.devices()[0].platform == "gpu"
   measure = B.timer(on_gpu, args.iterations or (30 if on_gpu else 1))
   names, impl = (args.shapes.split(","), "mosaic") if on_gpu else (
@@ -249,7 +281,7 @@ def main():
     if name not in SHAPES:
       p.error(f"unknown shape {name!r}: one of {list(SHAPES)}")
     rows += run_shape(name, SHAPES[name], impl, measure, prov, jax.random.key(i),
-                      args.rounds, mlp_residuals)
+                      args.rounds, mlp_residuals, ln1_stats)
   md = B.markdown(rows, prov, on_gpu, title="GPT-2 and Qwen3 shifted blocks: ours vs "
                   "jax.jit of the standard block",
                   note="Shifted block: attention output and residual in, the next layer's "

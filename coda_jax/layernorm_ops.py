@@ -229,10 +229,37 @@ def stats_from_sums(s1, s2, d, eps):
   return mu, jax.lax.rsqrt(var + eps)
 
 
+# How many 16-bit parts ``norm_columns`` splits g and beta into: three 8-bit (bfloat16)
+# or 11-bit (float16) significands cover fp32's 24.
+NORM_COLUMN_PARTS = 3
+
+
+def split_parts(v, dtype, parts=NORM_COLUMN_PARTS):
+  """fp32 ``v`` as ``parts`` stacked ``dtype`` arrays whose fp32 sum is v (to fp32
+  rounding for three parts): each part is the rounding of what the earlier ones left."""
+  out, rest = [], v.astype(_F32)
+  for _ in range(parts):
+    part = rest.astype(dtype)
+    out.append(part)
+    rest = rest - part.astype(_F32)
+  return jnp.concatenate(out)
+
+
 def norm_columns(g, beta, w, bias=None):
-  """(g @ w, beta @ w + bias) in fp32, from the 16-bit ``w`` the GEMM reads (one pass)."""
-  gb = jnp.matmul(jnp.stack([g, beta]).astype(_F32), w.astype(_F32),
-                  precision=jax.lax.Precision.HIGHEST)
+  """(g @ w, beta @ w + bias) in fp32, from the 16-bit ``w`` the GEMM reads.
+
+  One 16-bit GEMM with fp32 accumulation over ``w``: g and beta are split into 16-bit
+  parts (``split_parts``), so every product with a 16-bit w is exact in fp32, and the
+  parts' results are summed. This reads w once at its own width, where an fp32 product
+  at HIGHEST precision converted it first (three times the bytes; 48 against ~15 us at
+  GPT-2 1B shapes on the H100). A float32 w takes that fp32 product.
+  """
+  v = jnp.stack([g, beta]).astype(_F32)
+  if w.dtype in (jnp.bfloat16, jnp.float16):
+    parts = jnp.matmul(split_parts(v, w.dtype), w, preferred_element_type=_F32)
+    gb = parts.reshape(NORM_COLUMN_PARTS, 2, -1).sum(axis=0)
+  else:
+    gb = jnp.matmul(v, w.astype(_F32), precision=jax.lax.Precision.HIGHEST)
   return gb[0], gb[1] if bias is None else gb[1] + bias.astype(_F32)
 
 
@@ -290,30 +317,49 @@ def _residual_ln(y, w, residual, g, bias, cfg, impl):
   return _residual_ln_fwd(y, w, residual, g, bias, cfg, impl)[0]
 
 
-def _residual_ln_fwd(y, w, residual, g, bias, cfg, impl):
+def residual_stats_program(head, dt):
+  """The producer's epilogue after ``head`` (its bias): add the residual tile "res", emit
+  row partials s1 = sum x and s2 = sum x^2, store x, then h = x * g ("g", fp32)."""
+  return [*head, AddTile("res"), RowSum("s1"), RowSum("s2", square=True), Store("x", dt),
+          ScaleCol("g"), Store("h", dt)]
+
+
+def residual_stats(y, w, residual, g, head, operands, eps, impl):
+  """x = y @ w + head + residual with (x, h, mu, r) from one GEMM (``residual_stats_program``;
+  ``operands`` are ``head``'s)."""
   dt = y.dtype
-  head, operands = [], {"res": residual, "g": g.astype(_F32)}
-  if bias is not None:
-    head, operands["b"] = [AddBias("b")], bias.astype(_F32)
-  out = gemm_epilogue(y, w.astype(dt), head + [AddTile("res"), RowSum("s1"),
-                                              RowSum("s2", square=True), Store("x", dt),
-                                              ScaleCol("g"), Store("h", dt)],
-                      operands, impl=impl)
-  mu, r = stats_from_sums(out["s1"], out["s2"], w.shape[1], cfg.eps)
-  return (out["x"], out["h"], mu, r), (y, w, out["x"], g, mu, r, bias)
+  out = gemm_epilogue(y, w, residual_stats_program(head, dt),
+                      {**operands, "res": residual, "g": g.astype(_F32)}, impl=impl)
+  mu, r = stats_from_sums(out["s1"], out["s2"], w.shape[1], eps)
+  return out["x"], out["h"], mu, r
 
 
-def _residual_ln_bwd(cfg, impl, saved, cts):
-  y, w, x, g, mu, r, bias = saved
+def stats_cotangent(x, g, mu, r, cts):
+  """The producer backward of ``residual_stats`` (``docs/layernorm_math.md`` section 2):
+  from the cotangents (dx, dh, dmu, dr) of (x, h, mu, r), the cotangent of x's sum,
+  dxt = dx + g dh + dmu / D - (dr r^3 / D) (x - mu), in fp32 and in x's dtype, and g's
+  gradient sum_rows dh x (fp32)."""
   dx, dh, dmu, dr = cts
   d = x.shape[1]
   xf = x.astype(_F32)
   dhf = dh.astype(_F32)
-  # docs/layernorm_math.md section 2: dx + g dh + dmu / D - (dr r^3 / D) (x - mu).
   dxt32 = (dx.astype(_F32) + dhf * g.astype(_F32) + (dmu / d)[:, None]
            - (dr * r ** 3 / d)[:, None] * (xf - mu[:, None]))
-  dxt = dxt32.astype(x.dtype)
-  dg = jnp.sum(dhf * xf, axis=0)
+  return dxt32, dxt32.astype(x.dtype), jnp.sum(dhf * xf, axis=0)
+
+
+def _residual_ln_fwd(y, w, residual, g, bias, cfg, impl):
+  head, operands = [], {}
+  if bias is not None:
+    head, operands = [AddBias("b")], {"b": bias.astype(_F32)}
+  x, h, mu, r = residual_stats(y, w.astype(y.dtype), residual, g, head, operands, cfg.eps,
+                               impl)
+  return (x, h, mu, r), (y, w, x, g, mu, r, bias)
+
+
+def _residual_ln_bwd(cfg, impl, saved, cts):
+  y, w, x, g, mu, r, bias = saved
+  dxt32, dxt, dg = stats_cotangent(x, g, mu, r, cts)
   dy = S.input_grad(dxt, w.astype(y.dtype), impl)
   dw = S.weight_grad(y, dxt, impl, S.grad_dtype(w))
   db = None if bias is None else reduce_like(jnp.sum(dxt32, axis=0), bias).astype(bias.dtype)
@@ -388,7 +434,8 @@ DEFAULT_MLP_RESIDUALS = MLP_RESIDUALS[0]
 
 
 def layernorm_gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, *, impl: str = "auto",
-                       residuals: str = DEFAULT_MLP_RESIDUALS):
+                       residuals: str = DEFAULT_MLP_RESIDUALS, next_norm=None,
+                       next_eps: float = 1e-5):
   """x + gelu(LN(x) @ w1 + b1) @ w2 + b2 (GELU in its tanh form, as GPT-2).
 
   Args:
@@ -402,9 +449,18 @@ def layernorm_gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, *, impl: str = "aut
       first GEMM multiplies by the slope and stores dz only. "recompute": z alone, half
       the memory; that GEMM recomputes gelu and gelu' from z and stores a as well
       (``docs/layernorm_math.md`` section 3).
+    next_norm: optional (D,) weight of the LayerNorm that reads the output (the next
+      block's LN_1, or the final LN_f). With it the second GEMM's epilogue also emits
+      that norm's statistics, as ``residual_layernorm``'s does, instead of an XLA pass
+      over the output (``docs/layernorm_math.md`` section 5).
+    next_eps: that LayerNorm's epsilon (``LayerNormConfig``); used only with
+      ``next_norm``.
 
   Returns:
-    (..., D) in x's dtype.
+    out (..., D) in x's dtype; with ``next_norm``, (out, h', mu', r') as
+    ``residual_layernorm`` returns them: h' = out * next_norm, and the mean and
+    1/sqrt(var + next_eps) of each row of out (fp32), for ``layernorm_matmul`` or the
+    next ``layernorm_gelu_mlp``.
   """
   if residuals not in MLP_RESIDUALS:
     raise ValueError(f"residuals={residuals!r}: one of {MLP_RESIDUALS} (\"slope\" keeps "
@@ -422,17 +478,26 @@ def layernorm_gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, *, impl: str = "aut
   check_vector("beta", beta, d)
   check_vector("b1", b1, w1.shape[-1])
   check_vector("b2", b2, d)
+  cfg = None
+  if next_norm is not None:
+    check_vector("next_norm", next_norm, d)
+    cfg = LayerNormConfig(next_eps)
   out = _gelu_mlp(flat_rows(x), flat_rows(h), _f32(mu.reshape(-1)), _f32(r.reshape(-1)), g,
-                  beta, w1, b1, w2, b2, impl, residuals)
-  return out.reshape(x.shape)
+                  beta, w1, b1, w2, b2, next_norm, impl, residuals, cfg)
+  if next_norm is None:
+    return out.reshape(x.shape)
+  lead = x.shape[:-1]
+  xo, ho, muo, ro = out
+  return xo.reshape(x.shape), ho.reshape(x.shape), muo.reshape(lead), ro.reshape(lead)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
-def _gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, impl, residuals):
-  return _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, impl, residuals)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13))
+def _gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, g_next, impl, residuals, cfg):
+  return _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, g_next, impl, residuals,
+                       cfg)[0]
 
 
-def _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, impl, residuals):
+def _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, g_next, impl, residuals, cfg):
   dt = x.dtype
   w1d = w1.astype(dt)
   gw, cw = norm_columns(g, beta, w1d, b1)
@@ -443,14 +508,30 @@ def _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, impl, residuals):
     steps, hidden = [Store("z", dt), Gelu()], ("z",)
   first = gemm_epilogue(h, w1d, norm_matmul_program([*steps, Store("a", dt)]),
                         norm_matmul_operands(mu, r, gw, cw), impl=impl)
-  out = gemm_epilogue(first["a"], w2.astype(dt), [AddBias("b2"), AddTile("x"),
-                                                   Store("out", dt)],
-                      {"b2": b2.astype(_F32), "x": x}, impl=impl)["out"]
-  return out, (h, mu, r, g, beta, w1, b1, w2, b2, tuple(first[nm] for nm in hidden))
+  if g_next is None:
+    out = gemm_epilogue(first["a"], w2.astype(dt), [AddBias("b2"), AddTile("x"),
+                                                     Store("out", dt)],
+                        {"b2": b2.astype(_F32), "x": x}, impl=impl)["out"]
+    stats = None
+  else:  # the output GEMM is residual_layernorm's program: the next norm's statistics
+    out = residual_stats(first["a"], w2.astype(dt), x, g_next, [AddBias("b")],
+                         {"b": b2.astype(_F32)}, cfg.eps, impl)
+    stats = (out[0], g_next, out[2], out[3])
+  saved = (h, mu, r, g, beta, w1, b1, w2, b2, tuple(first[nm] for nm in hidden), stats)
+  return out, saved
 
 
-def _gelu_mlp_bwd(impl, residuals, saved, dout):
-  h, mu, r, g, beta, w1, b1, w2, b2, hidden = saved
+def _gelu_mlp_bwd(impl, residuals, cfg, saved, cts):
+  h, mu, r, g, beta, w1, b1, w2, b2, hidden, stats = saved
+  dg_next = None
+  if stats is None:
+    dout = cts
+    db2 = jnp.sum(dout.astype(_F32), axis=0)  # no GEMM produces dout
+  else:  # out also fed the next norm: the producer part of section 2, then as above
+    xo, g_next, muo, ro = stats
+    dout32, dout, dg_next = stats_cotangent(xo, g_next, muo, ro, cts)
+    db2 = jnp.sum(dout32, axis=0)
+    dg_next = reduce_like(dg_next, g_next).astype(g_next.dtype)
   dt = dout.dtype
   # B1: da = dout @ w2^T; gelu' rides here, with db1's column sums: read from the
   # forward's stored slope, or recomputed from z along with a (dW2's A operand).
@@ -468,16 +549,15 @@ def _gelu_mlp_bwd(impl, residuals, saved, dout):
   dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, w1.astype(dt), h, mu, r, g, beta, impl)
   dw1 = S.weight_grad(n, dz, impl, S.grad_dtype(w1))
   dw2 = S.weight_grad(a, dout, impl, S.grad_dtype(w2))
-  db2 = jnp.sum(dout.astype(_F32), axis=0)  # no GEMM produces dout
   cast = lambda grad, p: reduce_like(grad, p).astype(p.dtype)
   return (dout, dh, dmu, dr, cast(dg, g), cast(dbeta, beta), cast(dw1, w1), cast(db1, b1),
-          cast(dw2, w2), cast(db2, b2))
+          cast(dw2, w2), cast(db2, b2), dg_next)
 
 
 _gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
 
 
 __all__ = ["AddBias", "AddOuter", "Gelu", "GeluGrad", "LayerNormConfig", "LayerNormGrad",
-           "DEFAULT_MLP_RESIDUALS", "MLP_RESIDUALS", "layernorm_gelu_mlp", "layernorm_matmul", "norm_columns",
-           "residual_layernorm",
+           "DEFAULT_MLP_RESIDUALS", "MLP_RESIDUALS", "layernorm_gelu_mlp", "layernorm_matmul",
+           "norm_columns", "residual_layernorm", "residual_stats", "stats_cotangent",
            "stats_from_sums"]

@@ -11,18 +11,22 @@ Hugging Face's ``Conv1D`` stores them, so checkpoints convert without transposes
 
 ``fused=True`` runs ``coda_jax.layernorm_ops``; per layer:
 
-* LN_1's statistics (mu, r) and h = x * g come from XLA (the previous layer's MLP output
-  GEMM is ``layernorm_gelu_mlp``'s, which does not emit them; the embedding has no GEMM);
-  the LN application rides in the epilogue of the c_attn GEMM (``layernorm_matmul``,
-  with its bias);
+* LN_1's statistics (mu, r) and h = x * g come from the previous block's MLP output GEMM
+  (``layernorm_gelu_mlp(..., next_norm=)``); for the first block, from XLA (the
+  embedding has no GEMM). The LN application rides in the epilogue of the c_attn GEMM
+  (``layernorm_matmul``, with its bias);
 * attention: ``flax_layers.layers.causal_attention`` (``jax.nn.dot_product_attention``;
   cuDNN on a GPU);
 * c_proj: ``residual_layernorm``: bias + residual add and LN_2's row statistics ride in
   its epilogue;
 * the MLP: ``layernorm_gelu_mlp`` (LN_2 application + c_fc bias + GELU in one epilogue,
-  mlp_proj bias + residual in the next).
+  mlp_proj bias + residual + the next LayerNorm's statistics in the next).
 
-The LM head: LN_f is applied in XLA (n = LN(x), the activations' dtype), then
+The layers run under ``jax.lax.scan`` with (x, h, mu, r) as the carry; block i's MLP gets
+block i+1's LN_1 weight (LN_f's after the last block) as ``next_norm``.
+
+The LM head: LN_f is applied in XLA from the last block's (mu, r) (n = LN(x), the
+activations' dtype), then
 ``coda_jax.fused_ops.rmsnorm_lm_head_loss`` runs on h = n with r = 1 (the norm weight and
 bias are already in n): the (tokens, V) logits are never stored, which is where the head's
 memory goes (V = 50304). The fused head only has a row scale in its epilogue, not
@@ -273,6 +277,26 @@ def _ln_split(x, g, eps):
   return (x.astype(_F32) * g.astype(_F32)).astype(x.dtype), mu, r
 
 
+def _attention(c: GPT2Config):
+  heads = (c.n_heads, c.n_heads, c.head_dim)
+  return lambda qkv: Lyr.causal_attention(qkv, heads, c.attention_impl)
+
+
+def _fused_block(p, x, ln_1, c: GPT2Config, next_norm=None):
+  """One block on the fused ops, from x and LN_1's split ``ln_1`` = (h, mu, r) of it.
+  Returns x2, or with ``next_norm`` (the next LayerNorm's weight) (x2, h', mu', r') of
+  that norm, emitted by the MLP's output GEMM."""
+  h, mu, r = ln_1
+  qkv = L.layernorm_matmul(h, mu, r, p["norm_attn"], p["norm_attn_bias"], p["c_attn"],
+                           bias=p["c_attn_bias"], impl=c.impl)
+  x1, h1, mu1, r1 = L.residual_layernorm(_attention(c)(qkv), p["c_proj"], x, p["norm_mlp"],
+                                         bias=p["c_proj_bias"], eps=c.eps, impl=c.impl)
+  return L.layernorm_gelu_mlp(x1, h1, mu1, r1, p["norm_mlp"], p["norm_mlp_bias"],
+                              p["c_fc"], p["c_fc_bias"], p["mlp_proj"], p["mlp_proj_bias"],
+                              impl=c.impl, residuals=c.mlp_residuals, next_norm=next_norm,
+                              next_eps=c.eps)
+
+
 def block_forward(p, x, c: GPT2Config, fused: bool):
   """One GPT-2 block, fused ops or plain jnp.
 
@@ -285,17 +309,9 @@ def block_forward(p, x, c: GPT2Config, fused: bool):
   Returns:
     (B, T, D) in x's dtype.
   """
-  heads = (c.n_heads, c.n_heads, c.head_dim)
-  attend = lambda qkv: Lyr.causal_attention(qkv, heads, c.attention_impl)
   if fused:
-    h, mu, r = _ln_split(x, p["norm_attn"], c.eps)
-    qkv = L.layernorm_matmul(h, mu, r, p["norm_attn"], p["norm_attn_bias"], p["c_attn"],
-                             bias=p["c_attn_bias"], impl=c.impl)
-    x1, h1, mu1, r1 = L.residual_layernorm(attend(qkv), p["c_proj"], x, p["norm_mlp"],
-                                           bias=p["c_proj_bias"], eps=c.eps, impl=c.impl)
-    return L.layernorm_gelu_mlp(x1, h1, mu1, r1, p["norm_mlp"], p["norm_mlp_bias"],
-                                p["c_fc"], p["c_fc_bias"], p["mlp_proj"], p["mlp_proj_bias"],
-                                impl=c.impl, residuals=c.mlp_residuals)
+    return _fused_block(p, x, _ln_split(x, p["norm_attn"], c.eps), c)
+  attend = _attention(c)
   dt = x.dtype
   n = ref.layer_norm(x, p["norm_attn"].astype(_F32), p["norm_attn_bias"].astype(_F32), c.eps)
   qkv = n @ p["c_attn"].astype(dt) + p["c_attn_bias"].astype(dt)
@@ -357,22 +373,36 @@ class GPT2(nnx.Module):
     return x.astype(c.dtype)
 
   def _trunk(self, tokens, positions):
-    """Embeddings and every block: the final residual stream (B, T, D)."""
+    """Embeddings and every block. Returns the final residual stream (B, T, D), and on
+    the fused path LN_f's statistics (mu, r) of it, which the last block's MLP emits
+    (None on the reference path)."""
     c = self.config
     x = self._embed(tokens, positions)
     p = self.layers.params()
     # Matrices in the compute dtype once, before the scan slices them per layer.
     p = {k: (v.astype(c.dtype) if k in _MATRICES else v) for k, v in p.items()}
+    if not self.fused:
+      x, _ = jax.lax.scan(lambda x, lp: (block_forward(lp, x, c, False), None), x, p)
+      return x, None
+    # Each block's MLP output GEMM emits the statistics of the LayerNorm after it: the
+    # next block's LN_1, or LN_f after the last. Only the first LN_1 runs in XLA.
+    norm_f = self.norm_f[...].astype(p["norm_attn"].dtype)
+    p["next_norm"] = jnp.concatenate([p["norm_attn"][1:], norm_f[None]])
 
-    def layer(x, lp):
-      return block_forward(lp, x, c, self.fused), None
+    def layer(state, lp):
+      x, h, mu, r = state
+      return _fused_block(lp, x, (h, mu, r), c, next_norm=lp["next_norm"]), None
 
-    x, _ = jax.lax.scan(layer, x, p)
-    return x
+    (x, _, mu, r), _ = jax.lax.scan(layer, (x, *_ln_split(x, p["norm_attn"][0], c.eps)), p)
+    return x, (mu, r)
 
-  def _final_norm(self, x):
-    return ref.layer_norm(x, self.norm_f[...].astype(_F32), self.norm_f_bias[...].astype(_F32),
-                          self.config.eps)
+  def _final_norm(self, x, stats):
+    """LN_f(x) in x's dtype; from (mu, r) where the trunk emitted them."""
+    g, beta = self.norm_f[...].astype(_F32), self.norm_f_bias[...].astype(_F32)
+    if stats is None:
+      return ref.layer_norm(x, g, beta, self.config.eps)
+    mu, r = stats
+    return (((x.astype(_F32) - mu[..., None]) * r[..., None]) * g + beta).astype(x.dtype)
 
   def loss(self, tokens, targets, positions=None, *, reduction: str = "mean"):
     """Next-token cross-entropy of the whole model (the training path).
@@ -393,7 +423,7 @@ class GPT2(nnx.Module):
       raise ValueError(f"targets {targets.shape} must match tokens {tokens.shape}")
     if reduction not in REDUCTIONS:
       raise ValueError(f"reduction={reduction!r}: one of {REDUCTIONS}")
-    n = self._final_norm(self._trunk(tokens, positions))
+    n = self._final_norm(*self._trunk(tokens, positions))
     wte = self.wte[...].astype(c.dtype)
     if self.fused:  # n = LN_f(x) already holds g and beta: the head's row scale is 1
       ones = jnp.ones(n.shape[:-1], _F32)
@@ -405,7 +435,7 @@ class GPT2(nnx.Module):
 
   def __call__(self, tokens, positions=None):
     """tokens (B, T) int -> fp32 logits (B, T, V) (the head in XLA: inference, checks)."""
-    n = self._final_norm(self._trunk(tokens, positions))
+    n = self._final_norm(*self._trunk(tokens, positions))
     wte = self.wte[...].astype(n.dtype)
     return jnp.matmul(n, wte.T, preferred_element_type=_F32)
 

@@ -472,7 +472,7 @@ MUTATIONS = [
     Mutation(
         "ln_bias_grad_from_dx_only", "coda_jax/layernorm_ops.py",
         "reduce_like(jnp.sum(dxt32, axis=0), bias)",
-        "reduce_like(jnp.sum(dx.astype(_F32), axis=0), bias)",
+        "reduce_like(jnp.sum(cts[0].astype(_F32), axis=0), bias)",
         ("tests/test_layernorm_ops.py", "-k", "op_and_grads_xla and residual_layernorm"),
         "the producer's bias gradient sums the pass-through cotangent dx, not the whole dx~"),
     Mutation(
@@ -515,11 +515,11 @@ MUTATIONS = [
         "layernorm_matmul validates its bias and then never adds it"),
     Mutation(
         "ln_mlp_residual_dropped", "coda_jax/layernorm_ops.py",
-        '  out = gemm_epilogue(first["a"], w2.astype(dt), [AddBias("b2"), AddTile("x"),\n'
-        '                                                   Store("out", dt)],\n'
-        '                      {"b2": b2.astype(_F32), "x": x}, impl=impl)["out"]',
-        '  out = gemm_epilogue(first["a"], w2.astype(dt), [AddBias("b2"), Store("out", dt)],\n'
-        '                      {"b2": b2.astype(_F32)}, impl=impl)["out"]',
+        '    out = gemm_epilogue(first["a"], w2.astype(dt), [AddBias("b2"), AddTile("x"),\n'
+        '                                                     Store("out", dt)],\n'
+        '                        {"b2": b2.astype(_F32), "x": x}, impl=impl)["out"]',
+        '    out = gemm_epilogue(first["a"], w2.astype(dt), [AddBias("b2"), Store("out", dt)],\n'
+        '                        {"b2": b2.astype(_F32)}, impl=impl)["out"]',
         ("tests/test_layernorm_ops.py", "-k", "op_and_grads_xla and layernorm_gelu_mlp"),
         "layernorm_gelu_mlp returns the MLP's update without the residual stream"),
     Mutation(
@@ -669,8 +669,8 @@ MUTATIONS = [
         "default positions start at 1: wpe read one row off (both paths alike)"),
     Mutation(
         "gpt2_fused_c_proj_bias_dropped", "flax_layers/gpt2.py",
-        '                                           bias=p["c_proj_bias"], eps=c.eps, impl=c.impl)',
-        '                                           eps=c.eps, impl=c.impl)',
+        '                                         bias=p["c_proj_bias"], eps=c.eps, impl=c.impl)',
+        '                                         eps=c.eps, impl=c.impl)',
         ("tests/test_gpt2.py", "-k", "loss_and_every_gradient"),
         "the fused block's c_proj bias is dropped (the reference path keeps it)"),
     # ---- issue 12/13: the 3-GEMM LM head (coda_jax/fused_ops.py) ---------------------------
@@ -941,6 +941,35 @@ MUTATIONS = [
         '    slope, ops = AddTile("s"), {"s": s}',
         ("tests/test_layernorm_ops.py", "-k", "op_and_grads_xla and mlp"),
         "the backward's first GEMM adds the stored slope where it multiplies by it"),
+    # ---- nineteenth session: the next LayerNorm's statistics from GPT-2's MLP -----------
+    Mutation(
+        "mlp_next_norm_bwd_passes_dx", "coda_jax/layernorm_ops.py",
+        "    dout32, dout, dg_next = stats_cotangent(xo, g_next, muo, ro, cts)\n",
+        "    dout32, dout, dg_next = (cts[0].astype(_F32), cts[0],\n"
+        "                             jnp.zeros(g_next.shape, _F32))\n",
+        ("tests/test_layernorm_ops.py", "-k", "op_and_grads_xla and next_norm"),
+        "the MLP's backward takes only the output's cotangent, dropping what flowed back "
+        "through the next LayerNorm's (h, mu, r)"),
+    Mutation(
+        "mlp_next_norm_scales_by_own_g", "coda_jax/layernorm_ops.py",
+        "    out = residual_stats(first[\"a\"], w2.astype(dt), x, g_next, [AddBias(\"b\")],",
+        "    out = residual_stats(first[\"a\"], w2.astype(dt), x, g, [AddBias(\"b\")],",
+        ("tests/test_layernorm_ops.py", "-k", "op_and_grads_xla and next_norm"),
+        "h' = out * g of the MLP's own LayerNorm instead of the next one's"),
+    Mutation(
+        "norm_columns_one_part", "coda_jax/layernorm_ops.py",
+        "NORM_COLUMN_PARTS = 3\n",
+        "NORM_COLUMN_PARTS = 1\n",
+        ("tests/test_layernorm_ops.py", "-k", "rows_with_mean_offset and layernorm_matmul"),
+        "g @ W and beta @ W from g and beta rounded to 16 bits: the mean term no longer "
+        "cancels against h @ W"),
+    Mutation(
+        "gpt2_next_norm_off_by_one", "flax_layers/gpt2.py",
+        'p["next_norm"] = jnp.concatenate([p["norm_attn"][1:], norm_f[None]])',
+        'p["next_norm"] = jnp.concatenate([p["norm_attn"][:-1], norm_f[None]])',
+        ("tests/test_gpt2.py", "-k", "loss_and_every_gradient and slope"),
+        "block i's MLP emits statistics scaled by its own LN_1 weight instead of block "
+        "i+1's"),
     Mutation(
         "challenge_drops_current_config", "bench/tune_gemm.py",
         "  return [current] + [c for c in found if c != current]",

@@ -47,6 +47,23 @@ def test_gpt2_rows_one_pair_per_mlp_residuals():
   assert len(qwen) == 2 and all("mlp_residuals" not in r for r in qwen)
 
 
+def test_gpt2_rows_one_pair_per_ln1_stats():
+  """``bench.family_blocks --ln1-stats gemm,xla``: GPT-2's rows once with the next LN_1's
+  statistics from the MLP's output GEMM and once from an XLA pass, naming the source,
+  both within the tolerance rule of the same baseline and computing the same block."""
+  rows = fb.run_shape("gpt2_tiny", fb.SHAPES["gpt2_tiny"], "xla", B.timer(False, 1),
+                      common.provenance(), jax.random.key(0), ln1_stats=("gemm", "xla"))
+  assert [(r["op"], r["ln1_stats"]) for r in rows] == [
+      ("gpt2_block_fwd", "gemm"), ("gpt2_block_fwd_bwd", "gemm"),
+      ("gpt2_block_fwd", "xla"), ("gpt2_block_fwd_bwd", "xla")]
+  assert all("mlp_residuals" not in r for r in rows)
+  assert "(LN_1 stats from xla)" in B.op_cell(rows[-1])
+  for r in rows:
+    assert "error" not in r, r["error"]
+    assert 0 < r["ours_err_vs_fp32"] <= 2 * r["baseline_err_vs_fp32"], r["op"]
+    assert r["rel_diff_vs_baseline"] < 0.05, (r["op"], r["rel_diff_vs_baseline"])
+
+
 def test_post_block_rows_one_per_head():
   """``bench.block`` times the post-block once per requested way of forming the LM
   head's gradient, each row naming its head, both within the tolerance rule of the
