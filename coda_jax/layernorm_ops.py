@@ -28,10 +28,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from coda_jax import block_gemms as S
 from coda_jax.fused_ops import check_act, check_residual, check_rows, check_weight, flat_rows
-from coda_jax.epilogue_gemm import gemm_epilogue
+from coda_jax.epilogue_gemm import epilogue_pass, gemm_epilogue
 from coda_jax.primitives import (ACTIVATIONS, AddBias, AddTile, ColSum, MulTile, Primitive,
                                  RowSum, ScaleCol, ScaleRow, Store)
 from coda_jax.sharding import reduce_like
@@ -196,6 +197,44 @@ class LayerNormGrad(Primitive):
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerNormInputGrad(Primitive):
+  """acc -> acc + g dh + a - b (x - mu): the producer part of the LayerNorm backward
+  (``docs/layernorm_math.md`` section 2), with acc = dx (an ``AddTile`` before it), a =
+  dmu / D and b = dr r^3 / D, for h = x * g and the statistics (mu, r) of x. Also emits
+  g's gradient through h, ``dg`` = sum_rows dh x, as a column partial.
+
+  Operands: ``dh`` and ``x`` (M, N) tiles, ``g`` an (N,) column, ``mu``, ``a``, ``b`` (M,)
+  rows. A zero-padded row (zero tiles, a = b = 0) stays zero."""
+  _keeps_zero_rows = True
+  _column_sums_via_env = True
+  dh: str
+  x: str
+  g: str
+  mu: str
+  a: str
+  b: str
+  dg: str = "dg"
+
+  def inputs(self):
+    return {self.dh: InputKind.TILE, self.x: InputKind.TILE, self.g: InputKind.COL,
+            self.mu: InputKind.ROW, self.a: InputKind.ROW, self.b: InputKind.ROW}
+
+  def outputs(self, width):
+    return (EpilogueOutput(self.dg, OutputKind.COL_PARTIAL, _F32),)
+
+  def apply(self, acc, env):
+    dh = env.load(self.dh).astype(_F32)
+    x = env.load(self.x).astype(_F32)
+    env.store(self.dg, env.column_sum(dh * x))
+    g = env.load(self.g).astype(_F32)[None, :]
+    mu, a, b = (env.load(nm).astype(_F32)[:, None] for nm in (self.mu, self.a, self.b))
+    return acc + dh * g + a - b * (x - mu)
+
+  def finish(self, raw):
+    return {self.dg: jnp.sum(raw[self.dg], axis=0)}
+
+
 # ---- input checks ------------------------------------------------------------------------
 def check_vector(name, v, width):
   """A (width,) floating parameter (a bias or a norm weight)."""
@@ -235,14 +274,22 @@ NORM_COLUMN_PARTS = 3
 
 
 def split_parts(v, dtype, parts=NORM_COLUMN_PARTS):
-  """fp32 ``v`` as ``parts`` stacked ``dtype`` arrays whose fp32 sum is v (to fp32
-  rounding for three parts): each part is the rounding of what the earlier ones left."""
+  """fp32 ``v`` as ``parts`` stacked ``dtype`` arrays whose fp32 sum is v (exactly, for
+  three parts): each part is what the earlier ones left, its significand cut to
+  ``dtype``'s by masking the fp32 bits, so the subtraction is exact and the part converts
+  to ``dtype`` exactly (but for float16's range). The cut is a bit mask, not a rounding
+  convert: XLA on the GPU may drop a float32 -> 16-bit -> float32 round trip as excess
+  precision (``xla_allow_excess_precision``), which left every part after the first
+  zero there."""
+  drop = jnp.finfo(_F32).nmant - jnp.finfo(dtype).nmant
+  mask = np.uint32((0xFFFFFFFF << drop) & 0xFFFFFFFF)
   out, rest = [], v.astype(_F32)
   for _ in range(parts):
-    part = rest.astype(dtype)
+    part = jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(rest, jnp.uint32) & mask, _F32)
     out.append(part)
-    rest = rest - part.astype(_F32)
-  return jnp.concatenate(out)
+    rest = rest - part
+  return jnp.concatenate(out).astype(dtype)
 
 
 def norm_columns(g, beta, w, bias=None):
@@ -334,18 +381,20 @@ def residual_stats(y, w, residual, g, head, operands, eps, impl):
   return out["x"], out["h"], mu, r
 
 
-def stats_cotangent(x, g, mu, r, cts):
-  """The producer backward of ``residual_stats`` (``docs/layernorm_math.md`` section 2):
-  from the cotangents (dx, dh, dmu, dr) of (x, h, mu, r), the cotangent of x's sum,
-  dxt = dx + g dh + dmu / D - (dr r^3 / D) (x - mu), in fp32 and in x's dtype, and g's
-  gradient sum_rows dh x (fp32)."""
+def stats_cotangent(x, g, mu, r, cts, impl):
+  """The producer backward of ``residual_stats`` (``docs/layernorm_math.md`` section 2),
+  one pass over the rows with no GEMM (``epilogue_pass``): from the cotangents
+  (dx, dh, dmu, dr) of (x, h, mu, r), the cotangent of x's sum
+  dxt = dx + g dh + dmu / D - (dr r^3 / D) (x - mu) in x's dtype, its column sums in
+  fp32 (before rounding; a bias's gradient), and g's gradient sum_rows dh x (fp32)."""
   dx, dh, dmu, dr = cts
   d = x.shape[1]
-  xf = x.astype(_F32)
-  dhf = dh.astype(_F32)
-  dxt32 = (dx.astype(_F32) + dhf * g.astype(_F32) + (dmu / d)[:, None]
-           - (dr * r ** 3 / d)[:, None] * (xf - mu[:, None]))
-  return dxt32, dxt32.astype(x.dtype), jnp.sum(dhf * xf, axis=0)
+  out = epilogue_pass([AddTile("dx"), LayerNormInputGrad("dh", "x", "g", "mu", "a", "b"),
+                       ColSum("dsum"), Store("dxt", x.dtype)],
+                      {"dx": dx.astype(x.dtype), "dh": dh.astype(x.dtype), "x": x,
+                       "g": g.astype(_F32), "mu": mu, "a": dmu / d, "b": dr * r ** 3 / d},
+                      impl=impl)
+  return out["dxt"], out["dsum"], out["dg"]
 
 
 def _residual_ln_fwd(y, w, residual, g, bias, cfg, impl):
@@ -359,10 +408,10 @@ def _residual_ln_fwd(y, w, residual, g, bias, cfg, impl):
 
 def _residual_ln_bwd(cfg, impl, saved, cts):
   y, w, x, g, mu, r, bias = saved
-  dxt32, dxt, dg = stats_cotangent(x, g, mu, r, cts)
+  dxt, dsum, dg = stats_cotangent(x, g, mu, r, cts, impl)
   dy = S.input_grad(dxt, w.astype(y.dtype), impl)
   dw = S.weight_grad(y, dxt, impl, S.grad_dtype(w))
-  db = None if bias is None else reduce_like(jnp.sum(dxt32, axis=0), bias).astype(bias.dtype)
+  db = None if bias is None else reduce_like(dsum, bias).astype(bias.dtype)
   return (dy, reduce_like(dw, w).astype(w.dtype), dxt, reduce_like(dg, g).astype(g.dtype),
           db)
 
@@ -529,8 +578,7 @@ def _gelu_mlp_bwd(impl, residuals, cfg, saved, cts):
     db2 = jnp.sum(dout.astype(_F32), axis=0)  # no GEMM produces dout
   else:  # out also fed the next norm: the producer part of section 2, then as above
     xo, g_next, muo, ro = stats
-    dout32, dout, dg_next = stats_cotangent(xo, g_next, muo, ro, cts)
-    db2 = jnp.sum(dout32, axis=0)
+    dout, db2, dg_next = stats_cotangent(xo, g_next, muo, ro, cts, impl)
     dg_next = reduce_like(dg_next, g_next).astype(g_next.dtype)
   dt = dout.dtype
   # B1: da = dout @ w2^T; gelu' rides here, with db1's column sums: read from the
@@ -558,6 +606,7 @@ _gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
 
 
 __all__ = ["AddBias", "AddOuter", "Gelu", "GeluGrad", "LayerNormConfig", "LayerNormGrad",
+           "LayerNormInputGrad",
            "DEFAULT_MLP_RESIDUALS", "MLP_RESIDUALS", "layernorm_gelu_mlp", "layernorm_matmul",
            "norm_columns", "residual_layernorm", "residual_stats", "stats_cotangent",
            "stats_from_sums"]

@@ -472,3 +472,27 @@ def test_config_checks_itself():
     L.LayerNormConfig("1e-5")
   with pytest.raises(ValueError, match=r"AddOuter\.sign=2: must be 1 or -1"):
     cj.AddOuter("u", "v", 2)
+
+
+@pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
+def test_norm_columns_as_exact_as_fp32(key, dt):
+  """``norm_columns``' 16-bit parts sum back to g and beta (exactly in bfloat16; in
+  float16 to its smallest subnormal, 2^-24, where a third part underflows), and
+  (g @ W, beta @ W) from one 16-bit GEMM over them is within fp32 accumulation error of
+  float64 (a part lost, e.g. to XLA dropping a rounding round trip on the GPU, errs
+  ~2^-9 for bfloat16; run under jit, as the ops run it)."""
+  ks = jax.random.split(key, 3)
+  g = 1 + 0.2 * normal(ks[0], (512,))
+  beta = 0.3 * normal(ks[1], (512,))
+  w = normal(ks[2], (512, 384), dt) * 512 ** -0.5
+  parts = jax.jit(L.split_parts, static_argnums=1)(jnp.stack([g, beta]), dt)
+  assert parts.dtype == dt and parts.shape == (3 * 2, 512)
+  summed = np.asarray(parts.astype(jnp.float32)).reshape(3, 2, 512).sum(0, dtype=np.float64)
+  np.testing.assert_allclose(summed, np.stack([g, beta]).astype(np.float64), rtol=0,
+                             atol=0 if dt == jnp.bfloat16 else 2.0 ** -24)
+  gw, cw = jax.jit(L.norm_columns)(g, beta, w)
+  w64 = np.asarray(w.astype(jnp.float32), np.float64)
+  for got, v in ((gw, g), (cw, beta)):
+    want = np.asarray(v, np.float64) @ w64
+    err = np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want))
+    assert err < 2e-6, err

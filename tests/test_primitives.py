@@ -10,9 +10,10 @@ import pytest
 
 import coda_jax as cj
 from coda_jax import layout
+from coda_jax.layernorm_ops import LayerNormInputGrad
 from coda_jax.primitives import PickColumn
 import pallas_kernels
-from pallas_kernels import GemmConfig, MatDim, Schedule
+from pallas_kernels import GemmConfig, InputKind, MatDim, Schedule
 from helpers import (GATED_ACTS, assert_within_baseline, f64, gemm_inputs, matmul_f32,
                      normal, rel_err, rope_freqs)
 
@@ -73,8 +74,12 @@ def make_operands(key, program, m, n, dtype):
       "fr32": lambda: rope_freqs(n, P32),
       "fr64": lambda: rope_freqs(n, P64),
   }
-  names = {nm for prim in program for nm in prim.inputs()}
-  return {nm: pool[nm]() for nm in names}
+  # other names: unit normal by their kind ((M, N) tiles in ``dtype``)
+  by_kind = {InputKind.TILE: lambda k: normal(k, (m, n), dtype),
+             InputKind.ROW: lambda k: normal(k, (m,)), InputKind.COL: lambda k: normal(k, (n,))}
+  kinds = {nm: kind for prim in program for nm, kind in prim.inputs().items()}
+  return {nm: pool[nm]() if nm in pool else by_kind[kind](jax.random.fold_in(key, i + 4))
+          for i, (nm, kind) in enumerate(sorted(kinds.items()))}
 
 
 def f32_stores(program):
@@ -461,6 +466,10 @@ NO_PRODUCT_PROGRAMS = {
                    cj.ColSum("c"), cj.RowSum("s")],
     "rope_rowsum": [cj.AddTile("x0"), cj.ScaleRow("r"), cj.Rotate("pos", "fr32", P32),
                     cj.RowSum("ss", square=True), cj.Store("q")],
+    # LayerNorm's producer backward: three tile operands, two column sums
+    "layernorm_input_grad": [cj.AddTile("dx"), LayerNormInputGrad("dh", "x", "g", "mu", "a",
+                                                                  "b"),
+                             cj.ColSum("dsum"), cj.Store("dxt")],
 }
 NO_PRODUCT_CONFIGS = {
     "default": None,
@@ -473,8 +482,15 @@ NO_PRODUCT_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("config", NO_PRODUCT_CONFIGS)
-@pytest.mark.parametrize("name", NO_PRODUCT_PROGRAMS)
+# Every program under every config, except three tile operands in 128-wide sub-tiles with
+# two slots each: 236 KiB of shared memory, which the kernel refuses with a ValueError
+# naming the limit (the heuristic and the tuner pick narrower sub-tiles for it).
+NO_PRODUCT_CASES = [(name, config) for name in NO_PRODUCT_PROGRAMS
+                    for config in NO_PRODUCT_CONFIGS
+                    if (name, config) != ("layernorm_input_grad", "split_store")]
+
+
+@pytest.mark.parametrize(("name", "config"), NO_PRODUCT_CASES)
 def test_no_product(key, kernel_impl, races_checked, name, config):
   """K = 0 (``epilogue_pass``): the program on a zero accumulator with no mainloop, over
   several tiles per SM, every output against the truth; under the race detector when
