@@ -7,12 +7,16 @@ Math and derivation of the backward: ``docs/layernorm_math.md``.
     z   = layernorm_matmul(h, mu, r, g, beta, w, bias=c)          LN(x) @ w + c
     out = layernorm_gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2)
                                                     x + gelu(LN(x) @ w1 + b1) @ w2 + b2
+    out, h', mu', r' = layernorm_gelu_mlp(..., next_norm=g')
+                                                    the same, with the next norm's split
 
 As with RMSNorm (``fused_ops``), the norm is split: the GEMM that produces x emits row
 partials of sum(x) and sum(x^2) and stores x and h = x * g; the GEMM that consumes LN(x)
 applies ``ScaleRow(r)``, the rank-1 term ``-(r mu) (x) (g @ W)`` and the column vector
 ``beta @ W (+ bias)``. Compose the ops (feed one's (x, h, mu, r) to the next) and
-``jax.grad`` yields the whole LayerNorm backward.
+``jax.grad`` yields the whole LayerNorm backward; its producer part (the row terms, which
+are finished only after the GEMM that makes dh) is one ``epilogue_pass``
+(``LayerNormInputGrad``).
 
 Shapes, dtypes and ``impl`` as in ``fused_ops``: activations (..., D) bfloat16 or float16
 (float32 runs the XLA path), weights any float dtype (cast to the activations' dtype for
@@ -298,8 +302,8 @@ def norm_columns(g, beta, w, bias=None):
   One 16-bit GEMM with fp32 accumulation over ``w``: g and beta are split into 16-bit
   parts (``split_parts``), so every product with a 16-bit w is exact in fp32, and the
   parts' results are summed. This reads w once at its own width, where an fp32 product
-  at HIGHEST precision converted it first (three times the bytes; 48 against ~15 us at
-  GPT-2 1B shapes on the H100). A float32 w takes that fp32 product.
+  at HIGHEST precision converted it first (47.6 against 9.0 us at GPT-2 1B's w1 on the
+  H100). A float32 w takes that fp32 product.
   """
   v = jnp.stack([g, beta]).astype(_F32)
   if w.dtype in (jnp.bfloat16, jnp.float16):
@@ -389,6 +393,8 @@ def stats_cotangent(x, g, mu, r, cts, impl):
   fp32 (before rounding; a bias's gradient), and g's gradient sum_rows dh x (fp32)."""
   dx, dh, dmu, dr = cts
   d = x.shape[1]
+  if x.dtype not in (jnp.bfloat16, jnp.float16):
+    impl = "xla"  # float32 activations run the XLA path (the module's cast policy)
   out = epilogue_pass([AddTile("dx"), LayerNormInputGrad("dh", "x", "g", "mu", "a", "b"),
                        ColSum("dsum"), Store("dxt", x.dtype)],
                       {"dx": dx.astype(x.dtype), "dh": dh.astype(x.dtype), "x": x,
