@@ -112,8 +112,7 @@ def gpt2_ours(s: Shape, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS, ln1_stats="
       x2, h2, mu2, r2 = mlp(next_norm=p["g_attn"], next_eps=s.eps)
     else:
       x2 = mlp()
-      mu2, r2 = unfused.layernorm_stats(x2, s.eps)
-      h2 = (x2.astype(f32) * p["g_attn"]).astype(x2.dtype)
+      h2, mu2, r2 = unfused.layernorm_split(x2, p["g_attn"], s.eps)
     return x2, L.layernorm_matmul(h2, mu2, r2, p["g_attn"], p["beta_attn"], p["wqkv"],
                                   bias=p["bqkv"], impl=impl)
   return block

@@ -214,7 +214,7 @@ def main():
           continue
       # a challenge keeps the current config (its first) within the margin
       rec = autotune.tune(problem, iterations=args.iterations, extra=args.extra,
-                          configs=configs, keep=configs and configs[0],
+                          configs=configs, keep=configs[0] if configs else None,
                           keep_within=CHALLENGE_MARGIN, log=lambda s: print(s, flush=True))
     except Exception as e:  # noqa: BLE001  one problem failing does not stop the run
       print(f"  FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)

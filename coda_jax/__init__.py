@@ -16,11 +16,8 @@ from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 __all__ = [
     "IMPLS", "AddBias", "AddTile", "ColSum", "Env", "EpilogueOutput", "Gated", "InputKind",
     "MulTile", "OutputKind", "PickColumn", "Primitive", "Rotate", "RowDot", "RowLogSumExp",
-    "RowSum",
-    "ScaleCol",
-    "ScaleConst", "ScaleRow", "Store", "epilogue_pass", "finish_lse", "gemm_epilogue",
-    "kernel_config",
-    "reduce_like", "reference", "scalar_operand",
+    "RowSum", "ScaleCol", "ScaleConst", "ScaleRow", "Store", "epilogue_pass", "finish_lse",
+    "gemm_epilogue", "kernel_config", "reduce_like", "reference", "scalar_operand",
 ]
 
 # Each imports the library's own modules (above) first.

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from coda_jax.layout import qkv_freqs  # noqa: F401  (re-exported: the reference's API)
 from coda_jax.primitives import ACTIVATIONS
 # Shared with the fused path, which imports them from coda_jax.unfused, never from here.
-from coda_jax.unfused import gated_grad, layernorm_stats, rms_scale  # noqa: F401
+from coda_jax.unfused import (gated_grad, layernorm_apply, layernorm_split,  # noqa: F401
+                              layernorm_stats, rms_scale)
 from coda_jax.unfused import pair_blocks as _pairs
 
 
@@ -183,9 +184,7 @@ def rmsnorm_qkv_qknorm_rope(h, r, wqkv, positions, q_norm_w, k_norm_w, *, n_q_he
 # ---- LayerNorm, column bias, GPT-2's GELU MLP (coda_jax.layernorm_ops) --------------------
 def layer_norm(x, g, beta, eps=1e-5):
   """(x - mu) r g + beta, statistics and arithmetic in fp32, x's dtype out."""
-  mu, r = layernorm_stats(x, eps)
-  n = (x.astype(jnp.float32) - mu[..., None]) * r[..., None] * g + beta
-  return n.astype(x.dtype)
+  return layernorm_apply(x, *layernorm_stats(x, eps), g, beta)
 
 
 def _add_bias(z, bias):

@@ -27,6 +27,20 @@ def layernorm_stats(x: jax.Array, eps: float = 1e-5):
   return mu, jax.lax.rsqrt(var + eps)
 
 
+def layernorm_apply(x, mu, r, g, beta):
+  """(x - mu) r g + beta from the row statistics (mu, r), arithmetic in fp32, x's dtype
+  out."""
+  n = (x.astype(jnp.float32) - mu[..., None]) * r[..., None] * g + beta
+  return n.astype(x.dtype)
+
+
+def layernorm_split(x, g, eps: float = 1e-5):
+  """LayerNorm split as ``coda_jax.layernorm_ops`` takes it, in XLA: (h = x * g in x's
+  dtype (the product in fp32), mu, r)."""
+  mu, r = layernorm_stats(x, eps)
+  return (x.astype(jnp.float32) * g.astype(jnp.float32)).astype(x.dtype), mu, r
+
+
 def pair_blocks(x, block):
   """(M, N) pair-blocked -> (a, b), each (M, N / (2 block), block)."""
   blocks = x.reshape(*x.shape[:-1], -1, 2, block)

@@ -271,12 +271,6 @@ class GPT2Block(nnx.Module):
     return block_forward(self.params(), x, self.config, self.fused)
 
 
-def _ln_split(x, g, eps):
-  """LayerNorm split as ``layernorm_ops`` takes it, in XLA: (h = x * g, mu, r)."""
-  mu, r = unfused.layernorm_stats(x, eps)
-  return (x.astype(_F32) * g.astype(_F32)).astype(x.dtype), mu, r
-
-
 def _attention(c: GPT2Config):
   heads = (c.n_heads, c.n_heads, c.head_dim)
   return lambda qkv: Lyr.causal_attention(qkv, heads, c.attention_impl)
@@ -310,7 +304,7 @@ def block_forward(p, x, c: GPT2Config, fused: bool):
     (B, T, D) in x's dtype.
   """
   if fused:
-    return _fused_block(p, x, _ln_split(x, p["norm_attn"], c.eps), c)
+    return _fused_block(p, x, unfused.layernorm_split(x, p["norm_attn"], c.eps), c)
   attend = _attention(c)
   dt = x.dtype
   n = ref.layer_norm(x, p["norm_attn"].astype(_F32), p["norm_attn_bias"].astype(_F32), c.eps)
@@ -393,7 +387,8 @@ class GPT2(nnx.Module):
       x, h, mu, r = state
       return _fused_block(lp, x, (h, mu, r), c, next_norm=lp["next_norm"]), None
 
-    (x, _, mu, r), _ = jax.lax.scan(layer, (x, *_ln_split(x, p["norm_attn"][0], c.eps)), p)
+    first = unfused.layernorm_split(x, p["norm_attn"][0], c.eps)
+    (x, _, mu, r), _ = jax.lax.scan(layer, (x, *first), p)
     return x, (mu, r)
 
   def _final_norm(self, x, stats):
@@ -401,8 +396,7 @@ class GPT2(nnx.Module):
     g, beta = self.norm_f[...].astype(_F32), self.norm_f_bias[...].astype(_F32)
     if stats is None:
       return ref.layer_norm(x, g, beta, self.config.eps)
-    mu, r = stats
-    return (((x.astype(_F32) - mu[..., None]) * r[..., None]) * g + beta).astype(x.dtype)
+    return unfused.layernorm_apply(x, *stats, g, beta)
 
   def loss(self, tokens, targets, positions=None, *, reduction: str = "mean"):
     """Next-token cross-entropy of the whole model (the training path).

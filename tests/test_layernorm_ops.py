@@ -116,8 +116,7 @@ def _mlp_next_norm_ref(p):
   reference returns them."""
   out = R.layernorm_gelu_mlp(p["x"], p["h"], p["mu"], p["r"], p["g"], p["beta"], p["w1"],
                              p["b1"], p["w2"], p["b2"])
-  mu, r = R.layernorm_stats(out, EPS)
-  return out, (out.astype(jnp.float32) * p["g_next"]).astype(out.dtype), mu, r
+  return (out, *R.layernorm_split(out, p["g_next"], EPS))
 
 
 _MLP_ARGS = ("x", "h", "mu", "r", "g", "beta", "w1", "b1", "w2", "b2")
