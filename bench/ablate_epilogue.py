@@ -1,0 +1,190 @@
+"""What each step of a heavy epilogue program costs: the program timed with steps (or
+parts of a step) removed, all under the full program's config, in one process. GPU host
+only.
+
+    PYTHONPATH=. python -m bench.ablate_epilogue --shapes gpt2_1b
+
+For each program of the table below (GPT-2's heaviest at 1B shapes), the full program
+runs with the config ``gemm`` chooses for it (tuned, where the cache has it); every
+variant then runs with that same config (same stages, tiles, schedule), so a variant's
+time minus the plain GEMM's under that config is what its steps cost. "plain, own
+config" is our plain GEMM with the config chosen for it. Times: CUPTI, our GEMM kernel
+only, median of ``--iterations``, random normal inputs. Prints a table per program.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from bench import common
+from coda_jax import epilogue_gemm as eg
+from coda_jax import layernorm_ops as L
+from coda_jax import primitives as P
+from pallas_kernels import autotune
+from pallas_kernels import epilogue as epi
+
+_F32 = jnp.float32
+_LN_PARTS = ("dr", "dmu", "dbeta", "dg", "n")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerNormGradParts(L.LayerNormGrad):
+  """``LayerNormGrad`` computing only ``parts`` of its outputs (dh is always returned):
+  for cost attribution only, not a gradient."""
+  parts: tuple = _LN_PARTS
+
+  def outputs(self, width):
+    return tuple(o for o, part in zip(super().outputs(width), _LN_PARTS)
+                 if part in self.parts)
+
+  def apply(self, dn, env):
+    mu = env.load(self.mu).astype(_F32)
+    r = env.load(self.r).astype(_F32)
+    g = env.load(self.g).astype(_F32)[None, :]
+    dh = r[:, None] * dn
+    if {"dr", "n"} & set(self.parts):
+      hc = env.load(self.h).astype(_F32) - mu[:, None] * g
+    if "dr" in self.parts:
+      env.store(self.dr, jnp.sum(dn * hc, axis=1))
+    if "dmu" in self.parts:
+      env.store(self.dmu, -r * jnp.sum(dn * g, axis=1))
+    if "dbeta" in self.parts:
+      env.store(self.dbeta, env.column_sum(dn))
+    if "dg" in self.parts:
+      env.store(self.dg, -env.column_sum(mu[:, None] * dh.astype(self.dtype).astype(_F32)))
+    if "n" in self.parts:
+      beta = env.load(self.beta).astype(_F32)[None, :]
+      env.store(self.n, r[:, None] * hc + beta)
+    return dh
+
+  def finish(self, raw):
+    return {nm: raw[nm] if nm == self.n else jnp.sum(raw[nm], axis=0)
+            for nm, part in zip((self.dr, self.dmu, self.dbeta, self.dg, self.n), _LN_PARTS)
+            if part in self.parts}
+
+  def inputs(self):
+    ins = super().inputs()
+    if not {"dr", "n"} & set(self.parts):
+      ins.pop(self.h)
+    if "n" not in self.parts:
+      ins.pop(self.beta)
+    return ins
+
+
+SHAPES = {"gpt2_1b": dict(m=16384, d=2048, f=8192, qkv=6144)}
+
+
+def programs(s: dict, dt) -> list[tuple[str, tuple, dict, list[tuple[str, list]]]]:
+  """(name, (M, N, K, trans_b), operand kinds, [(variant, program)]): the full program
+  first."""
+  m, d, f = s["m"], s["d"], s["f"]
+  ln_ops = {"h": "tile", "mu": "row", "r": "row", "g": "col", "beta": "col"}
+  ln = lambda parts: [LayerNormGradParts("h", "mu", "r", "g", "beta", dtype=dt,
+                                         parts=parts), P.Store("dh", dt)]
+  ln_variants = [("full", ln(_LN_PARTS)),
+                 ("no column sums (dbeta, dg)", ln(("dr", "dmu", "n"))),
+                 ("no n store", ln(("dr", "dmu", "dbeta", "dg"))),
+                 ("no row sums (dr, dmu)", ln(("dbeta", "dg", "n"))),
+                 ("rows only (dr, dmu)", ln(("dr", "dmu"))),
+                 ("dh only", ln(())),
+                 ("plain", [P.Store("dh", dt)])]
+  out = []
+  for n_out in (f, s["qkv"]):
+    out.append((f"LayerNormGrad, dz @ w^T ({n_out} -> {d})", (m, d, n_out, True), ln_ops,
+                ln_variants))
+  out.append(("MLP slope backward, dout @ w2^T", (m, f, d, True), {"s": "tile"},
+              [("full", [P.MulTile("s"), P.ColSum("db1"), P.Store("dz", dt)]),
+               ("no ColSum", [P.MulTile("s"), P.Store("dz", dt)]),
+               ("no MulTile", [P.ColSum("db1"), P.Store("dz", dt)]),
+               ("plain", [P.Store("dz", dt)])]))
+  norm = lambda tail: L.norm_matmul_program(tail)
+  out.append(("LayerNorm + GELU forward, h @ w1", (m, f, d, False),
+              {"r": "row", "r_mu": "row", "gw": "col", "cw": "col"},
+              [("full", norm([L.Gelu(slope="s", slope_dtype=dt), P.Store("a", dt)])),
+               ("no slope store", norm([L.Gelu(), P.Store("a", dt)])),
+               ("no GELU", norm([P.Store("a", dt)])),
+               ("plain", [P.Store("a", dt)])]))
+  stats = L.residual_stats_program([L.AddBias("b")], dt)
+  for k in (f, d):
+    out.append((f"residual + LayerNorm statistics, K={k}", (m, d, k, False),
+                {"b": "col", "res": "tile", "g": "col"},
+                [("full", stats),
+                 ("no h store", stats[:-2]),
+                 ("no row sums", [s_ for s_ in stats if not isinstance(s_, P.RowSum)]),
+                 ("bias + residual, one store", [L.AddBias("b"), P.AddTile("res"),
+                                                 P.Store("x", dt)]),
+                 ("plain", [P.Store("x", dt)])]))
+  return out
+
+
+def operand(kind: str, key, m: int, n: int, dt):
+  if kind == "tile":
+    return jax.random.normal(key, (m, n), dt)
+  if kind == "row":  # positive: r and r mu are scales
+    return jax.random.uniform(key, (m,), _F32, 0.5, 1.5)
+  return jax.random.normal(key, (n,), _F32)
+
+
+def chosen(a, b, program, ops, trans_b):
+  """The config ``gemm`` runs this program with, and its source."""
+  jax.clear_caches()
+  with autotune.recording() as rec:
+    jax.eval_shape(lambda a, b, o: eg.gemm_epilogue(a, b, program, o, trans_b=trans_b,
+                                                    impl="mosaic"), a, b, ops)
+  (problem,) = rec.values()
+  return autotune.chosen_config(problem)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--shapes", default="gpt2_1b", choices=sorted(SHAPES))
+  p.add_argument("--iterations", type=int, default=30)
+  p.add_argument("--match", default="", help="run only programs whose name contains this")
+  args = p.parse_args(argv)
+  dt = jnp.bfloat16
+  lines = []
+  for name, (m, n, k, trans_b), kinds, variants in programs(SHAPES[args.shapes], dt):
+    if args.match not in name:
+      continue
+    keys = jax.random.split(jax.random.key(0), 2 + len(kinds))
+    a = jax.random.normal(keys[0], (m, k), dt)
+    b = jax.random.normal(keys[1], (n, k) if trans_b else (k, n), dt)
+    ops = {nm: operand(kd, kk, m, n, dt) for kk, (nm, kd) in zip(keys[2:], kinds.items())}
+    cfg, source = chosen(a, b, variants[0][1], ops, trans_b)
+    lines += [f"\n## {name}: {m}x{n}x{k} {'nt' if trans_b else 'nn'}",
+              f"config: {cfg.describe()} ({source})", "",
+              "| variant | ms | / full | - plain (same config), ms |", "|---|---|---|---|"]
+    times = {}
+    for vname, program in variants + [("plain, own config", None)]:
+      if program is None:
+        fn = jax.jit(lambda a, b: eg.gemm_epilogue(a, b, [P.Store("o", dt)], {},
+                                                   trans_b=trans_b, impl="mosaic"))
+        args_ = (a, b)
+      else:
+        used = {nm for st in program for nm in st.inputs()}
+        vops = {nm: v for nm, v in ops.items() if nm in used}
+        fn = jax.jit(lambda a, b, o, program=program: eg.gemm_epilogue(
+            a, b, program, o, trans_b=trans_b, impl="mosaic", config=cfg))
+        args_ = (a, b, vops)
+      try:
+        times[vname], _ = common.time_kernels(fn, *args_, iterations=args.iterations,
+                                              only="coda_gemm")
+      except Exception as e:  # a variant that does not fit is reported, not fatal
+        lines.append(f"| {vname} | failed: {type(e).__name__}: {str(e)[:120]} | | |")
+        continue
+      print(f"{name} / {vname}: {times[vname]:.4f} ms", flush=True)
+    for vname, t in times.items():
+      extra = t - times["plain"] if "plain" in times else float("nan")
+      lines.append(f"| {vname} | {t:.4f} | {t / times['full']:.3f} | {extra:+.4f} |")
+  prov = common.provenance()
+  print("\n# Epilogue cost by step", prov)
+  print("\n".join(lines))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
