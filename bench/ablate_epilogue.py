@@ -75,6 +75,24 @@ class LayerNormGradParts(L.LayerNormGrad):
     return ins
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerNormInputGradNoDg(L.LayerNormInputGrad):
+  """``LayerNormInputGrad`` without g's column sum: for cost attribution only."""
+
+  def outputs(self, width):
+    return ()
+
+  def apply(self, acc, env):
+    dh = env.load(self.dh).astype(_F32)
+    x = env.load(self.x).astype(_F32)
+    g = env.load(self.g).astype(_F32)[None, :]
+    mu, a, b = (env.load(nm).astype(_F32)[:, None] for nm in (self.mu, self.a, self.b))
+    return acc + dh * g + a - b * (x - mu)
+
+  def finish(self, raw):
+    return {}
+
+
 SHAPES = {"gpt2_1b": dict(m=16384, d=2048, f=8192, qkv=6144)}
 
 
@@ -120,6 +138,16 @@ def programs(s: dict, dt) -> list[tuple[str, tuple, dict, list[tuple[str, list]]
                  ("bias + residual, one store", [L.AddBias("b"), P.AddTile("res"),
                                                  P.Store("x", dt)]),
                  ("plain", [P.Store("x", dt)])]))
+  pass_ops = {"dx": "tile", "dh": "tile", "x": "tile", "g": "col", "mu": "row", "a": "row",
+              "b": "row"}
+  ig = ["dh", "x", "g", "mu", "a", "b"]
+  out.append(("LayerNorm producer backward pass (K = 0)", (m, d, 0, False), pass_ops,
+              [("full", [P.AddTile("dx"), L.LayerNormInputGrad(*ig), P.ColSum("dsum"),
+                         P.Store("dxt", dt)]),
+               ("no dsum", [P.AddTile("dx"), L.LayerNormInputGrad(*ig), P.Store("dxt", dt)]),
+               ("no column sums", [P.AddTile("dx"), LayerNormInputGradNoDg(*ig),
+                                   P.Store("dxt", dt)]),
+               ("plain", [P.AddTile("dx"), P.Store("dxt", dt)])]))
   return out
 
 
@@ -131,12 +159,18 @@ def operand(kind: str, key, m: int, n: int, dt):
   return jax.random.normal(key, (n,), _F32)
 
 
+def run(a, b, program, ops, trans_b, config=None):
+  """The program after ``a @ b``, or (``a`` None: K = 0) as an epilogue pass."""
+  if a is None:
+    return eg.epilogue_pass(program, ops, impl="mosaic", config=config)
+  return eg.gemm_epilogue(a, b, program, ops, trans_b=trans_b, impl="mosaic", config=config)
+
+
 def chosen(a, b, program, ops, trans_b):
   """The config ``gemm`` runs this program with, and its source."""
   jax.clear_caches()
   with autotune.recording() as rec:
-    jax.eval_shape(lambda a, b, o: eg.gemm_epilogue(a, b, program, o, trans_b=trans_b,
-                                                    impl="mosaic"), a, b, ops)
+    jax.eval_shape(lambda a, b, o: run(a, b, program, o, trans_b), a, b, ops)
   (problem,) = rec.values()
   return autotune.chosen_config(problem)
 
@@ -153,8 +187,8 @@ def main(argv=None) -> int:
     if args.match not in name:
       continue
     keys = jax.random.split(jax.random.key(0), 2 + len(kinds))
-    a = jax.random.normal(keys[0], (m, k), dt)
-    b = jax.random.normal(keys[1], (n, k) if trans_b else (k, n), dt)
+    a = jax.random.normal(keys[0], (m, k), dt) if k else None
+    b = jax.random.normal(keys[1], (n, k) if trans_b else (k, n), dt) if k else None
     ops = {nm: operand(kd, kk, m, n, dt) for kk, (nm, kd) in zip(keys[2:], kinds.items())}
     cfg, source = chosen(a, b, variants[0][1], ops, trans_b)
     lines += [f"\n## {name}: {m}x{n}x{k} {'nt' if trans_b else 'nn'}",
@@ -162,6 +196,8 @@ def main(argv=None) -> int:
               "| variant | ms | / full | - plain (same config), ms |", "|---|---|---|---|"]
     times = {}
     for vname, program in variants + [("plain, own config", None)]:
+      if program is None and not k:
+        continue  # no product: "plain" is the copy above
       if program is None:
         fn = jax.jit(lambda a, b: eg.gemm_epilogue(a, b, [P.Store("o", dt)], {},
                                                    trans_b=trans_b, impl="mosaic"))
@@ -169,8 +205,7 @@ def main(argv=None) -> int:
       else:
         used = {nm for st in program for nm in st.inputs()}
         vops = {nm: v for nm, v in ops.items() if nm in used}
-        fn = jax.jit(lambda a, b, o, program=program: eg.gemm_epilogue(
-            a, b, program, o, trans_b=trans_b, impl="mosaic", config=cfg))
+        fn = jax.jit(lambda a, b, o, program=program: run(a, b, program, o, trans_b, cfg))
         args_ = (a, b, vops)
       try:
         times[vname], _ = common.time_kernels(fn, *args_, iterations=args.iterations,
