@@ -211,10 +211,13 @@ def main(argv=None) -> int:
         times[vname], _ = common.time_kernels(fn, *args_, iterations=args.iterations,
                                               only="coda_gemm")
       except Exception as e:  # a variant that does not fit is reported, not fatal
-        lines.append(f"| {vname} | failed: {type(e).__name__}: {str(e)[:120]} | | |")
+        lines.append(f"| {vname} | failed: {type(e).__name__}: {str(e)[:300]} | | |")
+        print(lines[-1], flush=True)
         continue
       print(f"{name} / {vname}: {times[vname]:.4f} ms", flush=True)
     for vname, t in times.items():
+      if "full" not in times:
+        break
       extra = t - times["plain"] if "plain" in times else float("nan")
       lines.append(f"| {vname} | {t:.4f} | {t / times['full']:.3f} | {extra:+.4f} |")
   prov = common.provenance()

@@ -215,6 +215,20 @@ class KernelShape(NamedTuple):
   clip_m: bool
 
 
+def zero_rows_ok(call: Call) -> bool:
+  """Whether rows of zeros past M (padded, or clipped by TMA) leave every output as it
+  would be: they cannot reach a column partial when every step maps a zero row to zero
+  (``Primitive.keeps_zero_rows``)."""
+  has_cols = any(kind == "col" for kind, _ in finished_kinds(call).values())
+  return not has_cols or all(p.keeps_zero_rows() for p in call.program)
+
+
+def clip_allowed(call: Call, m: int) -> bool:
+  """Whether the compiled kernel may run ``call`` at M = ``m`` with TMA clipping the
+  last row of tiles (``pallas_kernels.gemm``'s ``clip_m``)."""
+  return zero_rows_ok(call) and m % pk.CLIP_M_MULTIPLE == 0
+
+
 def padded_shape(call: Call, a, b, operands, compiled: bool = False) -> KernelShape:
   """The (M, K) the kernel runs at: the operands' own when they tile, else the smallest
   zero-padded sizes that do (ValueError when none does). ``compiled`` (a GPU, not the
@@ -226,9 +240,8 @@ def padded_shape(call: Call, a, b, operands, compiled: bool = False) -> KernelSh
   to) the tile and row outputs, and add nothing to column partial sums as long as every
   step maps a zero row to zero (``Primitive.keeps_zero_rows``; else M is not padded)."""
   m, _, k = pk.check_operands(a, b, call.trans_a, call.trans_b, dtypes=(a.dtype,))
-  has_cols = any(kind == "col" for kind, _ in finished_kinds(call).values())
-  pad_m_ok = not has_cols or all(p.keeps_zero_rows() for p in call.program)
-  clip = compiled and pad_m_ok and m % pk.CLIP_M_MULTIPLE == 0
+  pad_m_ok = zero_rows_ok(call)
+  clip = compiled and clip_allowed(call, m)
   ms = dict.fromkeys([m] + ([_round_up(m, q) for q in (64, 128, 256)] if pad_m_ok else []))
   ks = dict.fromkeys([k] + [_round_up(k, q) for q in (16, 64)])
   error = None
@@ -272,8 +285,11 @@ def _kernel_run(call, a, b, operands, interpret=None):
   def epilogue(tile, acc):
     P.run_program(call.program, acc, tile)
   m, _, k = pk.check_operands(a, b, call.trans_a, call.trans_b, dtypes=(a.dtype,))
-  pm, pk_, clip_m = (KernelShape(m, k, False) if call.config is not None else
-                     padded_shape(call, a, b, operands, compiled=interpret is None))
+  if call.config is None:
+    pm, pk_, clip_m = padded_shape(call, a, b, operands, compiled=interpret is None)
+  else:  # the caller's config, at the operands' shape; clipped where it may be
+    pm, pk_, clip_m = m, k, (interpret is None and m % call.config.cluster_tile[0] != 0
+                             and clip_allowed(call, m))
   in_place = dict(call.in_place)
   if (pm, pk_) != (m, k):  # zero rows to the tile; sliced off below
     announce(f"padding (M, K) = ({m}, {k}) to ({pm}, {pk_}) so the kernel tiles")

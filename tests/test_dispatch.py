@@ -2,6 +2,7 @@
 row and contraction padding for shapes that do not tile."""
 import dataclasses
 import logging
+import types
 
 import jax
 import jax.numpy as jnp
@@ -191,6 +192,59 @@ def test_clipped_rows_where_the_compiled_kernel_can():
   with pytest.raises(ValueError, match="does not tile, even with M and K padded"):
     shape(200, [_AddOne(), cj.ColSum("cs"), cj.Store("y")], True)
   assert shape(200, [_AddOne(), cj.Store("y")], True) == (200, 128, True)  # no column sums
+
+
+TALL_CONFIG = pallas_kernels.GemmConfig(tile_m=192, tile_n=64, tile_k=64, stages=3,
+                                         epi_tile_n=32, cluster_dim=None,
+                                         schedule=pallas_kernels.Schedule.PINGPONG)
+
+
+class _Stop(Exception):
+  pass
+
+
+def test_explicit_config_clips_m_where_it_may(monkeypatch):
+  """A caller's config (``gemm_epilogue(config=)``: the tuner's, or a benchmark's) runs
+  at the operands' M, clipped by TMA where its tile does not divide M and the program
+  keeps zero rows, as the cache's configs do: a 192-row config at M = 512. Checked on
+  what the compiled path hands ``pallas_kernels.gemm`` (stopped there)."""
+  seen = []
+
+  def spy(*args, **kw):
+    seen.append(kw["clip_m"])
+    raise _Stop
+  monkeypatch.setattr(pallas_kernels, "gemm", spy)
+  monkeypatch.setattr(dispatch, "target_device", lambda: types.SimpleNamespace(
+      core_count=132, device_kind="NVIDIA H100 80GB HBM3"))
+
+  def clip_m(m, program):
+    a, b = jnp.zeros((m, 128), jnp.bfloat16), jnp.zeros((128, 256), jnp.bfloat16)
+    inputs, outputs, group = epilogue_gemm._declared(tuple(program), m, 256)
+    call = dispatch.Call(program=tuple(program), inputs=tuple(inputs.items()),
+                         outputs=outputs, column_group=group, config=TALL_CONFIG)
+    with pytest.raises(_Stop):
+      dispatch._kernel_run(call, a, b, {})
+    return seen.pop()
+  assert clip_m(512, [cj.ColSum("cs"), cj.Store("y")])
+  assert not clip_m(384, [cj.ColSum("cs"), cj.Store("y")])  # 192 divides it
+  assert not clip_m(512, [_AddOne(), cj.ColSum("cs"), cj.Store("y")])  # zero rows move
+  assert clip_m(512, [_AddOne(), cj.Store("y")])  # ... into no column sum
+
+
+def test_explicit_tall_config_at_m_it_does_not_divide(key):
+  """The same on the GPU: a 192-row config at M = 512, every output against fp32."""
+  if not dispatch.kernels_available():
+    pytest.skip("the compiled kernel needs an sm90 GPU: the interpreter clamps "
+                "out-of-range slices instead of clipping")
+  a, b = gemm_inputs(key, 512, 256, 128, jnp.bfloat16)
+  program = [cj.ColSum("cs"), cj.RowSum("ss", square=True), cj.Store("y")]
+  got = cj.gemm_epilogue(a, b, program, impl="mosaic", config=TALL_CONFIG)
+  up = lambda x: x.astype(jnp.float32)
+  truth = cj.reference(up(a), up(b), [*program[:-1], cj.Store("y", jnp.float32)], {})
+  unfused = cj.reference(a, b, program, {}, round_to=jnp.bfloat16)
+  assert_within_baseline(got["y"], truth["y"], unfused["y"], "y")
+  for name in ("cs", "ss"):
+    assert rel_err(got[name], truth[name]) < 1e-4, name
 
 
 def test_clip_m_is_checked():
