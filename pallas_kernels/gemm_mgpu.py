@@ -33,9 +33,7 @@ from pallas_kernels import epilogue as epi
 
 SMEM_LIMIT_BYTES = 227 * 1024  # sm90 per-block opt-in maximum
 _SMEM_RESERVE_BYTES = 2304  # barriers and alignment padding (measured: ~2.1 KiB)
-# Cross-warp (column) reductions stage each warp's partial in compiler-placed shared
-# scratch, as many registers per round as it holds, with two warpgroup barriers a round.
-_REDUCTION_SCRATCH_MIN_BYTES = 2048  # plgpu.CompilerParams.reduction_scratch_bytes default
+_REDUCTION_SCRATCH_BYTES = 2048  # plgpu.CompilerParams.reduction_scratch_bytes default
 
 
 class MatDim(enum.IntEnum):
@@ -205,11 +203,6 @@ def smem_bytes(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
     (``_Epilogue.scratch``), each rounded up to a KiB as Mosaic aligns them, plus the
     reduction scratch and the fixed reserve.
   """
-  return sum(_smem_parts(config, dtype, input_kinds, input_dtypes, outputs, mainloop))
-
-
-def _smem_parts(config, dtype, input_kinds, input_dtypes, outputs, mainloop) -> tuple:
-  """(bytes of everything but the reduction scratch, the reduction scratch's bytes)."""
   cm, cn = config.cta_tile
   total = config.stages * (cm + cn) * config.tile_k * jnp.dtype(dtype).itemsize * mainloop
   for alloc in _Epilogue.scratch(config, input_kinds, input_dtypes, outputs).values():
@@ -217,28 +210,9 @@ def _smem_parts(config, dtype, input_kinds, input_dtypes, outputs, mainloop) -> 
       continue  # counted in the reserve
     # Mosaic aligns each buffer (swizzled ones to 1024 bytes): count whole KiB.
     total += -(-math.prod(alloc.shape) * jnp.dtype(alloc.dtype).itemsize // 1024) * 1024
-  total += _SMEM_RESERVE_BYTES
-  return total, reduction_scratch_bytes(config, outputs, total)
-
-
-def reduction_scratch_bytes(config: GemmConfig, outputs: tuple[epi.EpilogueOutput, ...],
-                            other_bytes: int = 0) -> int:
-  """Shared scratch for the epilogue's column sums (``plgpu.CompilerParams``'
-  ``reduction_scratch_bytes``); 0 without column-partial outputs.
-
-  A column sum of an (epi_m, w) fp32 sub-tile leaves w / 8 two-element registers per
-  thread to combine across the 4 warps, each staged for all 128 threads: 128 * w bytes
-  hold them all, so the sum takes one round (two warpgroup barriers) instead of one per
-  2 KiB. That much is taken where it fits beside ``other_bytes`` (the rest of the CTA's
-  shared memory), else the default 2 KiB.
-  """
-  widths = [o.scaled(config.epi_tile_n) for o in outputs
-            if o.kind == epi.OutputKind.COL_PARTIAL]
-  if not widths:
-    return 0
-  one_round = max(_REDUCTION_SCRATCH_MIN_BYTES, 128 * max(widths))
-  return (one_round if other_bytes + one_round <= SMEM_LIMIT_BYTES
-          else _REDUCTION_SCRATCH_MIN_BYTES)
+  if any(o.kind == epi.OutputKind.COL_PARTIAL for o in outputs):
+    total += _REDUCTION_SCRATCH_BYTES
+  return total + _SMEM_RESERVE_BYTES
 
 
 def deepest_fitting(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
@@ -1161,9 +1135,6 @@ def gemm(a: jax.Array, b: jax.Array, *,
 
   def make_kernel(in_place):
     """The kernel, with the outputs in ``in_place`` written into their operands' Refs."""
-    # the column sums' scratch, as smem_bytes counts it for this kernel's staging
-    scratch_bytes = _smem_parts(config, a.dtype, staged(in_place), input_dtypes, outputs,
-                                mainloop)[1]
     return plgpu.kernel(
         functools.partial(body, input_names=names_in, input_kinds=staged(in_place),
                           outputs=outputs, epilogue=epilogue, in_place=in_place),
@@ -1177,8 +1148,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
         # approx_math: SFU exp/sin/cos/division in epilogues (inputs are range-reduced
         # where that matters; see coda_jax.primitives.Rotate).
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
-            reduction_scratch_bytes=scratch_bytes or _REDUCTION_SCRATCH_MIN_BYTES),
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
         interpret=interpret)
 
   lead = (a, b) if mainloop else ()
