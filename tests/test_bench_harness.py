@@ -292,3 +292,48 @@ def test_ncu_source_summary(tmp_path):
   top = out.split("top instructions")[1].splitlines()[1]
   assert "WARPGROUP.DEPBAR.LE" in top and "stall_barrier=1,190" in top
   assert "stall_long_sb" not in top
+
+
+def test_ablate_epilogue_variants():
+  """``bench.ablate_epilogue``'s table at tiny shapes, on the kernel's XLA program: every
+  variant runs and emits a subset of its full program's outputs, the variants differ
+  from the full program (an ablation that removed nothing would time nothing), and the
+  stand-ins keep the real primitives' values where they compute them (LayerNormGrad
+  with all parts; the pass without g's column sum)."""
+  import jax.numpy as jnp
+  from bench import ablate_epilogue as A
+  import coda_jax as cj
+  from coda_jax import layernorm_ops as L
+  dt = jnp.dtype(jnp.bfloat16)
+  shape = dict(m=128, d=64, f=128, qkv=64)
+  for name, (m, n, k, trans_b), kinds, variants in A.programs(shape, dt):
+    keys = jax.random.split(jax.random.key(0), 2 + len(kinds))
+    a = jax.random.normal(keys[0], (m, k), dt) if k else None
+    b = (jax.random.normal(keys[1], (n, k) if trans_b else (k, n), dt) if k else None)
+    ops = {nm: A.operand(kd, kk, m, n, dt) for kk, (nm, kd) in zip(keys[2:], kinds.items())}
+
+    def run(program):
+      used = {nm for st in program for nm in st.inputs()}
+      sub = {nm: v for nm, v in ops.items() if nm in used}
+      if a is None:
+        return cj.epilogue_pass(program, sub, impl="xla")
+      return cj.gemm_epilogue(a, b, program, sub, trans_b=trans_b, impl="xla")
+    assert variants[0][0] == "full" and variants[-1][0] == "plain", name
+    full = run(variants[0][1])
+    for vname, program in variants[1:]:
+      got = run(program)
+      assert set(got) <= set(full), (name, vname, set(got) - set(full))
+      assert program != variants[0][1], (name, vname)
+      for out in got:
+        assert got[out].shape == full[out].shape, (name, vname, out)
+    if name.startswith("LayerNormGrad"):
+      parts = run([A.LayerNormGradParts("h", "mu", "r", "g", "beta", dtype=dt),
+                   cj.Store("dh", dt)])
+      assert set(parts) == set(full)
+      for out in full:
+        assert jnp.array_equal(parts[out], full[out]), (name, out)
+    if name.startswith("LayerNorm producer"):
+      ig = ["dh", "x", "g", "mu", "a", "b"]
+      no_dg = run([cj.AddTile("dx"), A.LayerNormInputGradNoDg(*ig), cj.Store("dxt", dt)])
+      assert jnp.array_equal(no_dg["dxt"], full["dxt"])
+  assert issubclass(A.LayerNormInputGradNoDg, L.LayerNormInputGrad)
