@@ -420,8 +420,8 @@ MUTATIONS = [
         "--resume restores the checkpoint but trains on from the fresh initialization"),
     Mutation(
         "padding_ignores_zero_rows_rule", "coda_jax/dispatch.py",
-        "  pad_m_ok = not has_cols or all(p.keeps_zero_rows() for p in call.program)",
-        "  pad_m_ok = True",
+        "  return not has_cols or all(p.keeps_zero_rows() for p in call.program)",
+        "  return True",
         ("tests/test_dispatch.py",),
         "rows padded under a step that moves a zero row: its column sums count the padding"),
     Mutation(
@@ -882,8 +882,8 @@ MUTATIONS = [
         "interpreter pads instead)", gpu_only=True),
     Mutation(
         "clip_m_under_a_step_that_moves_zero", "coda_jax/dispatch.py",
-        "  clip = compiled and pad_m_ok and m % pk.CLIP_M_MULTIPLE == 0",
-        "  clip = compiled and m % pk.CLIP_M_MULTIPLE == 0",
+        "  return zero_rows_ok(call) and m % pk.CLIP_M_MULTIPLE == 0",
+        "  return m % pk.CLIP_M_MULTIPLE == 0",
         ("tests/test_dispatch.py", "-k", "clip"),
         "M clipped where the rows past it would reach column sums with nonzero values"),
     Mutation(
@@ -972,6 +972,12 @@ MUTATIONS = [
         ("tests/test_layernorm_ops.py", "-k", "rows_with_mean_offset and layernorm_matmul"),
         "g @ W and beta @ W from g and beta cut to 16 bits: the mean term no longer "
         "cancels against h @ W"),
+    Mutation(
+        "explicit_config_never_clips", "coda_jax/dispatch.py",
+        "    pm, pk_, clip_m = m, k, (interpret is None and m % call.config.cluster_tile[0] != 0\n",
+        "    pm, pk_, clip_m = m, k, (False and m % call.config.cluster_tile[0] != 0\n",
+        ("tests/test_dispatch.py", "-k", "explicit_config_clips"),
+        "a caller's 192-row config at M = 16384 runs unclipped: the kernel refuses it"),
     Mutation(
         "gpt2_next_norm_off_by_one", "flax_layers/gpt2.py",
         'p["next_norm"] = jnp.concatenate([p["norm_attn"][1:], norm_f[None]])',
