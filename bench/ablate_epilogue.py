@@ -9,7 +9,14 @@ runs with the config ``gemm`` chooses for it (tuned, where the cache has it); ev
 variant then runs with that same config (same stages, tiles, schedule), so a variant's
 time minus the plain GEMM's under that config is what its steps cost. "plain, own
 config" is our plain GEMM with the config chosen for it. Times: CUPTI, our GEMM kernel
-only, median of ``--iterations``, random normal inputs. Prints a table per program.
+only, median of ``--iterations``, random normal inputs. Prints a table per program as
+soon as it is measured (a run cut by a time limit keeps the programs it finished).
+``--variant`` picks variants by name; ``--ncu`` runs each twice untimed, for Nsight
+Compute:
+
+    ncu --kernel-name regex:coda_gemm --launch-skip 1 --launch-count 1 \\
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats \\
+        python -m bench.ablate_epilogue --match MLP --variant full --ncu
 """
 from __future__ import annotations
 
@@ -180,9 +187,16 @@ def main(argv=None) -> int:
   p.add_argument("--shapes", default="gpt2_1b", choices=sorted(SHAPES))
   p.add_argument("--iterations", type=int, default=30)
   p.add_argument("--match", default="", help="run only programs whose name contains this")
+  p.add_argument("--variant", action="append", default=None, dest="variants",
+                 help="a variant to run, by name (repeat for more; default: all; 'plain, "
+                 "own config' is named 'own')")
+  p.add_argument("--ncu", action="store_true",
+                 help="run each variant twice, untimed, for Nsight Compute (profile the "
+                 "second launch of each kernel)")
   args = p.parse_args(argv)
+  wanted = None if args.variants is None else set(args.variants)
   dt = jnp.dtype(jnp.bfloat16)  # as the ops spell it: the tuning cache keys on repr
-  lines = []
+  print("# Epilogue cost by step", common.provenance(), flush=True)
   for name, (m, n, k, trans_b), kinds, variants in programs(SHAPES[args.shapes], dt):
     if args.match not in name:
       continue
@@ -191,13 +205,15 @@ def main(argv=None) -> int:
     b = jax.random.normal(keys[1], (n, k) if trans_b else (k, n), dt) if k else None
     ops = {nm: operand(kd, kk, m, n, dt) for kk, (nm, kd) in zip(keys[2:], kinds.items())}
     cfg, source = chosen(a, b, variants[0][1], ops, trans_b)
-    lines += [f"\n## {name}: {m}x{n}x{k} {'nt' if trans_b else 'nn'}",
-              f"config: {cfg.describe()} ({source})", "",
-              "| variant | ms | / full | - plain (same config), ms |", "|---|---|---|---|"]
+    lines = [f"\n## {name}: {m}x{n}x{k} {'nt' if trans_b else 'nn'}",
+             f"config: {cfg.describe()} ({source})", "",
+             "| variant | ms | / full | - plain (same config), ms |", "|---|---|---|---|"]
     times = {}
     for vname, program in variants + [("plain, own config", None)]:
       if program is None and not k:
         continue  # no product: "plain" is the copy above
+      if wanted is not None and ("own" if program is None else vname) not in wanted:
+        continue
       if program is None:
         fn = jax.jit(lambda a, b: eg.gemm_epilogue(a, b, [P.Store("o", dt)], {},
                                                    trans_b=trans_b, impl="mosaic"))
@@ -208,6 +224,11 @@ def main(argv=None) -> int:
         fn = jax.jit(lambda a, b, o, program=program: run(a, b, program, o, trans_b, cfg))
         args_ = (a, b, vops)
       try:
+        if args.ncu:
+          for _ in range(2):
+            jax.block_until_ready(fn(*args_))
+          print(f"{name} / {vname}: ran twice", flush=True)
+          continue
         times[vname], _ = common.time_kernels(fn, *args_, iterations=args.iterations,
                                               only="coda_gemm")
       except Exception as e:  # a variant that does not fit is reported, not fatal
@@ -215,14 +236,13 @@ def main(argv=None) -> int:
         print(lines[-1], flush=True)
         continue
       print(f"{name} / {vname}: {times[vname]:.4f} ms", flush=True)
+    full, plain = times.get("full"), times.get("plain")
     for vname, t in times.items():
-      if "full" not in times:
-        break
-      extra = t - times["plain"] if "plain" in times else float("nan")
-      lines.append(f"| {vname} | {t:.4f} | {t / times['full']:.3f} | {extra:+.4f} |")
-  prov = common.provenance()
-  print("\n# Epilogue cost by step", prov)
-  print("\n".join(lines))
+      ratio = f"{t / full:.3f}" if full else "-"
+      extra = f"{t - plain:+.4f}" if plain else "-"
+      lines.append(f"| {vname} | {t:.4f} | {ratio} | {extra} |")
+    if not args.ncu:  # each program's table as soon as it is measured
+      print("\n".join(lines), flush=True)
   return 0
 
 

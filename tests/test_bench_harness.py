@@ -337,3 +337,41 @@ def test_ablate_epilogue_variants():
       no_dg = run([cj.AddTile("dx"), A.LayerNormInputGradNoDg(*ig), cj.Store("dxt", dt)])
       assert jnp.array_equal(no_dg["dxt"], full["dxt"])
   assert issubclass(A.LayerNormInputGradNoDg, L.LayerNormInputGrad)
+
+
+def test_ablate_epilogue_main_prints_each_table(monkeypatch, capsys):
+  """``bench.ablate_epilogue``'s driver off the GPU (the timer and config lookup faked,
+  the kernel run on its XLA program): ``--variant`` picks variants by name, each
+  program's table is printed as soon as it is measured, and ``--ncu`` runs the chosen
+  variants without timing them."""
+  import jax.numpy as jnp
+  import pallas_kernels
+  from bench import ablate_epilogue as A
+  import coda_jax as cj
+  monkeypatch.setitem(A.SHAPES, "tiny", dict(m=128, d=64, f=128, qkv=64))
+  monkeypatch.setattr(A, "chosen", lambda *a: (pallas_kernels.GemmConfig(), "default"))
+  timed = []
+
+  def fake_time(fn, *args, iterations, only):
+    timed.append(len(timed))
+    return 0.5 + 0.1 * len(timed), []
+  monkeypatch.setattr(A.common, "time_kernels", fake_time)
+  A.main(["--shapes", "tiny", "--match", "MLP", "--variant", "full", "--variant", "plain",
+          "--variant", "own"])
+  out = capsys.readouterr().out
+  assert len(timed) == 3, out
+  assert "## MLP slope backward" in out and "| full | 0.6000 | 1.000 |" in out, out
+  assert "| plain | 0.7000 |" in out and "| plain, own config | 0.8000 |" in out, out
+  assert "no ColSum" not in out, out
+  ran = []
+
+  def xla_run(a, b, program, ops, trans_b, config=None):
+    ran.append(program)
+    if a is None:
+      return cj.epilogue_pass(program, ops, impl="xla")
+    return cj.gemm_epilogue(a, b, program, ops, trans_b=trans_b, impl="xla")
+  monkeypatch.setattr(A, "run", xla_run)
+  A.main(["--shapes", "tiny", "--match", "pass", "--variant", "plain", "--ncu"])
+  out = capsys.readouterr().out
+  assert len(timed) == 3 and len(ran) == 1, (timed, ran)  # untimed; traced once
+  assert "ran twice" in out and "| plain |" not in out, out
