@@ -97,6 +97,24 @@ def time_kernels(fn, *args, iterations: int = 30,
   return statistics.median(totals), per_kernel
 
 
+class DroppingEnv:
+  """An epilogue ``Env`` that runs a primitive's own ``apply`` without the outputs named
+  in ``dropped``: their stores are skipped and column sums are not taken (they return
+  None; what only fed them is dead code). For timing what those outputs cost
+  (``bench.epilogue_pass``, ``bench.ablate_epilogue``), never for values."""
+
+  def __init__(self, env, dropped):
+    self._env, self._dropped = env, set(dropped)
+    self.load, self.column_ids = env.load, env.column_ids
+
+  def store(self, name, value):
+    if name not in self._dropped:
+      self._env.store(name, value)
+
+  def column_sum(self, x):
+    return None
+
+
 @jax.jit
 def _leaf_rel_diff(got, want):
   got, want = got.astype("float32"), want.astype("float32")

@@ -34,19 +34,7 @@ class _WithoutNormGrads(Q.HeadRmsNormGrad):
     return tuple(o for o in super().outputs(width) if o.name != self.dweight)
 
   def apply(self, dy, env):
-    dropped = self.dweight
-
-    class Env:  # env, with the column sum neither taken nor stored
-      load, column_ids = env.load, env.column_ids
-
-      def store(self, name, value):
-        if name != dropped:
-          env.store(name, value)
-
-      def column_sum(self, x):
-        return None
-
-    return super().apply(dy, Env())
+    return super().apply(dy, common.DroppingEnv(env, [self.dweight]))
 
   def finish(self, raw):
     return {self.udu: jnp.sum(raw[self.udu], axis=0)}
