@@ -162,6 +162,15 @@ def operand(kind: str, key, m: int, n: int, dt):
   return jax.random.normal(key, (n,), _F32)
 
 
+def inputs(m, n, k, trans_b, kinds, dt):
+  """(a, b, operands by name) for one program of ``programs``: random normal a and b
+  (None when K = 0) and operands of ``kinds``."""
+  keys = jax.random.split(jax.random.key(0), 2 + len(kinds))
+  a = jax.random.normal(keys[0], (m, k), dt) if k else None
+  b = jax.random.normal(keys[1], (n, k) if trans_b else (k, n), dt) if k else None
+  return a, b, {nm: operand(kd, kk, m, n, dt) for kk, (nm, kd) in zip(keys[2:], kinds.items())}
+
+
 def run(a, b, program, ops, trans_b, config=None):
   """The program after ``a @ b``, or (``a`` None: K = 0) as an epilogue pass."""
   if a is None:
@@ -196,10 +205,7 @@ def main(argv=None) -> int:
   for name, (m, n, k, trans_b), kinds, variants in programs(SHAPES[args.shapes], dt):
     if args.match not in name:
       continue
-    keys = jax.random.split(jax.random.key(0), 2 + len(kinds))
-    a = jax.random.normal(keys[0], (m, k), dt) if k else None
-    b = jax.random.normal(keys[1], (n, k) if trans_b else (k, n), dt) if k else None
-    ops = {nm: operand(kd, kk, m, n, dt) for kk, (nm, kd) in zip(keys[2:], kinds.items())}
+    a, b, ops = inputs(m, n, k, trans_b, kinds, dt)
     cfg, source = chosen(a, b, variants[0][1], ops, trans_b)
     lines = [f"\n## {name}: {m}x{n}x{k} {'nt' if trans_b else 'nn'}",
              f"config: {cfg.describe()} ({source})", "",

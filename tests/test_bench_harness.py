@@ -307,10 +307,7 @@ def test_ablate_epilogue_variants():
   dt = jnp.dtype(jnp.bfloat16)
   shape = dict(m=128, d=64, f=128, qkv=64)
   for name, (m, n, k, trans_b), kinds, variants in A.programs(shape, dt):
-    keys = jax.random.split(jax.random.key(0), 2 + len(kinds))
-    a = jax.random.normal(keys[0], (m, k), dt) if k else None
-    b = (jax.random.normal(keys[1], (n, k) if trans_b else (k, n), dt) if k else None)
-    ops = {nm: A.operand(kd, kk, m, n, dt) for kk, (nm, kd) in zip(keys[2:], kinds.items())}
+    a, b, ops = A.inputs(m, n, k, trans_b, kinds, dt)
 
     def run(program):
       used = {nm for st in program for nm in st.inputs()}
