@@ -3,6 +3,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import GemmConfig, MatDim, Schedule
+
 # Added to every "2x the unfused baseline" bound, so that a baseline that happens to be
 # exact (error 0) doesn't demand bit-exactness from a differently ordered accumulation.
 EPS = 1e-6
@@ -185,3 +187,12 @@ def record_head_stores(monkeypatch) -> list:
 
   monkeypatch.setattr(fused_ops, "lm_head_unit_grads", recording)
   return stores
+
+
+# Ping-pong with 192-row warpgroup tiles: three 64-row wgmma blocks and three rows of
+# epilogue sub-tiles per tile (the tuner's tall structures).
+TALL = {"tall": GemmConfig(tile_m=192, tile_n=64, tile_k=64, stages=3, epi_tile_n=32,
+                           cluster_dim=None, schedule=Schedule.PINGPONG),
+        "tall_cluster_n": GemmConfig(tile_m=192, tile_n=64, tile_k=64, stages=4,
+                                     epi_tile_n=32, cluster_dim=MatDim.N,
+                                     schedule=Schedule.PINGPONG)}

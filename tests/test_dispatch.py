@@ -12,7 +12,7 @@ import pytest
 import coda_jax as cj
 import pallas_kernels
 from coda_jax import dispatch, epilogue_gemm
-from helpers import assert_within_baseline, gemm_inputs, normal, rel_err
+from helpers import TALL, assert_within_baseline, gemm_inputs, normal, rel_err
 
 PROGRAM = [cj.ScaleRow("r"), cj.Store("y"), cj.RowSum("s", square=True)]
 
@@ -194,11 +194,6 @@ def test_clipped_rows_where_the_compiled_kernel_can():
   assert shape(200, [_AddOne(), cj.Store("y")], True) == (200, 128, True)  # no column sums
 
 
-TALL_CONFIG = pallas_kernels.GemmConfig(tile_m=192, tile_n=64, tile_k=64, stages=3,
-                                         epi_tile_n=32, cluster_dim=None,
-                                         schedule=pallas_kernels.Schedule.PINGPONG)
-
-
 class _Stop(Exception):
   pass
 
@@ -221,7 +216,7 @@ def test_explicit_config_clips_m_where_it_may(monkeypatch):
     a, b = jnp.zeros((m, 128), jnp.bfloat16), jnp.zeros((128, 256), jnp.bfloat16)
     inputs, outputs, group = epilogue_gemm._declared(tuple(program), m, 256)
     call = dispatch.Call(program=tuple(program), inputs=tuple(inputs.items()),
-                         outputs=outputs, column_group=group, config=TALL_CONFIG)
+                         outputs=outputs, column_group=group, config=TALL["tall"])
     with pytest.raises(_Stop):
       dispatch._kernel_run(call, a, b, {})
     return seen.pop()
@@ -238,7 +233,7 @@ def test_explicit_tall_config_at_m_it_does_not_divide(key):
                 "out-of-range slices instead of clipping")
   a, b = gemm_inputs(key, 512, 256, 128, jnp.bfloat16)
   program = [cj.ColSum("cs"), cj.RowSum("ss", square=True), cj.Store("y")]
-  got = cj.gemm_epilogue(a, b, program, impl="mosaic", config=TALL_CONFIG)
+  got = cj.gemm_epilogue(a, b, program, impl="mosaic", config=TALL["tall"])
   up = lambda x: x.astype(jnp.float32)
   truth = cj.reference(up(a), up(b), [*program[:-1], cj.Store("y", jnp.float32)], {})
   unfused = cj.reference(a, b, program, {}, round_to=jnp.bfloat16)

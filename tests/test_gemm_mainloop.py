@@ -4,7 +4,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import GemmConfig, MatDim, Schedule
-from helpers import assert_within_baseline, gemm_inputs, matmul_f32
+from helpers import TALL, assert_within_baseline, gemm_inputs, matmul_f32
 
 M_, N_ = MatDim.M, MatDim.N
 # Every knob that changes the kernel's structure is spelled out, so that a change of
@@ -117,14 +117,6 @@ def test_race_free(key, race_detector, k, config):
   check_gemm(a, b, race_detector.params, config=CONFIGS[config], num_sms=2)
   assert not race_detector.races_found(), "data race in the kernel (see stdout)"
 
-
-# Ping-pong with 192-row warpgroup tiles: three 64-row wgmma blocks and three rows of
-# epilogue sub-tiles per tile (the tuner's tall structures).
-TALL = {"tall": GemmConfig(tile_m=192, tile_n=64, tile_k=64, stages=3, epi_tile_n=32,
-                           cluster_dim=None, schedule=Schedule.PINGPONG),
-        "tall_cluster_n": GemmConfig(tile_m=192, tile_n=64, tile_k=64, stages=4,
-                                     epi_tile_n=32, cluster_dim=N_,
-                                     schedule=Schedule.PINGPONG)}
 
 
 @pytest.mark.parametrize("config", TALL)
