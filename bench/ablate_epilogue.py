@@ -41,7 +41,10 @@ _LN_PARTS = ("dr", "dmu", "dbeta", "dg", "n")
 @dataclasses.dataclass(frozen=True)
 class LayerNormGradParts(L.LayerNormGrad):
   """``LayerNormGrad`` computing only ``parts`` of its outputs (dh is always returned):
-  for cost attribution only, not a gradient."""
+  for cost attribution only, not a gradient. Its own arithmetic rather than
+  ``common.DroppingEnv`` around the real step: without dr and n it must not read h at
+  all (no staged tile), which dropping stores cannot express;
+  ``test_ablate_epilogue_variants`` holds it bitwise to ``LayerNormGrad``."""
   parts: tuple = _LN_PARTS
 
   def outputs(self, width):
