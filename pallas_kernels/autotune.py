@@ -419,7 +419,9 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   in shared memory, with tile operands staged 2 sub-tiles ahead or 1 (one slot frees
   shared memory for a deeper pipeline: the SwiGLU backward at 8B shapes gets 3 stages
   of 64 instead of 5 of 32, 4.6% faster); ``extra`` adds bands of 8, tile_k 32 and
-  tile operands staged 4 sub-tiles ahead or all of them during the mainloop.
+  tile operands staged 4 sub-tiles ahead or all of them during the mainloop. A pass
+  (K = 0) also tries each config loading the next tile's operands under the current
+  one (``GemmConfig.epi_prefetch_next_tile``).
   Ping-pong also tries 192-row warpgroup tiles: 192 accumulator registers a thread,
   1.2x the operand reuse of 128 x 128 (3.6% faster than our cooperative GEMM on the
   H100 at 16384 x 8192 x 2048, level on the heavy GPT-2 epilogues; bench/NOTES.md,
@@ -479,9 +481,23 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
           why = str(e)
       if best is not None:
         found.append(best)
+        if k == 0:  # a pass: also with the next tile's operands loaded under this one
+          nxt = _prefetching_next_tile(best, dtype, input_kinds, input_dtypes, outputs)
+          if nxt is not None:
+            found.append(nxt)
       else:
         skipped.append((name, why or "no stage count fits in shared memory"))
   return found, skipped
+
+
+def _prefetching_next_tile(cfg, dtype, input_kinds, input_dtypes, outputs):
+  """``cfg`` with ``epi_prefetch_next_tile``, or None where its slots do not divide the
+  sub-tiles or its second row and column buffers do not fit."""
+  try:
+    nxt = dataclasses.replace(cfg, epi_prefetch_next_tile=True)
+  except ValueError:
+    return None
+  return g.deepest_fitting(nxt, dtype, input_kinds, input_dtypes, outputs, mainloop=False)
 
 
 def _random_like(key, sds):

@@ -104,6 +104,12 @@ class GemmConfig:
   # tile-operand GEMMs of the 1B and 8B blocks and GPT-2 (bench/NOTES.md, fifteenth
   # session).
   epi_operand_refetch_early: bool = True
+  # K = 0 passes only (no mainloop to load a tile's operands under): load the next
+  # tile's first operand sub-tiles from the slots this tile's last ones free, and its
+  # row and column operands into a second buffer, so a tile's loads run under the one
+  # before it instead of at its start. Needs the slots to divide a warpgroup tile's
+  # sub-tiles (each sub-tile keeps its slot from tile to tile).
+  epi_prefetch_next_tile: bool = False
 
   def __post_init__(self):
     self.check()
@@ -132,6 +138,7 @@ class GemmConfig:
     slots = f" in{self.epi_operand_slots}" if self.epi_operand_slots != 2 else ""
     slots += f" out{self.epi_out_slots}" if self.epi_out_slots != 2 else ""
     slots += " late" if not self.epi_operand_refetch_early else ""
+    slots += " next" if self.epi_prefetch_next_tile else ""
     store = f"/{self.epi_store_n}" if self.epi_store_n is not None else ""
     return (f"{self.schedule.value} {self.tile_m}x{self.tile_n}x{self.tile_k} "
             f"s{self.stages} e{self.epi_tile_m}x{self.epi_tile_n}{store}{split}{cl} "
@@ -177,6 +184,13 @@ class GemmConfig:
     if not isinstance(self.epi_operand_refetch_early, bool):
       raise ValueError(f"GemmConfig.epi_operand_refetch_early="
                        f"{self.epi_operand_refetch_early!r}: True or False")
+    if not isinstance(self.epi_prefetch_next_tile, bool):
+      raise ValueError(f"GemmConfig.epi_prefetch_next_tile={self.epi_prefetch_next_tile!r}: "
+                       "True or False")
+    if self.epi_prefetch_next_tile and subtiles % self.epi_operand_slots:
+      raise ValueError(f"GemmConfig.epi_prefetch_next_tile=True needs epi_operand_slots="
+                       f"{self.epi_operand_slots} to divide the {subtiles} sub-tiles of a "
+                       "warpgroup tile (each sub-tile keeps its slot across tiles)")
     if self.grid_tile_width < 1:
       raise ValueError(f"GemmConfig.grid_tile_width={self.grid_tile_width} must be >= 1")
 
@@ -441,6 +455,11 @@ def staged_inputs(input_kinds: dict, outputs, in_place: dict, compiled: bool = T
 
 # Compute warpgroups per CTA: epilogue buffers have one half per warpgroup.
 _COMPUTE_WARPGROUPS = 2
+
+
+def _vec_slots(cfg) -> int:
+  """Buffers per warpgroup for each row or column operand (``_Epilogue.vec_slot``)."""
+  return 2 if cfg.epi_prefetch_next_tile else 1
 # Staging slots of an output stored in parts (``GemmConfig.epi_store_n``): its parts
 # alternate between two, an even part count apart (``_Epilogue._store_in_parts``).
 _PART_SLOTS = 2
@@ -463,6 +482,10 @@ class _Epilogue:
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     self.sub_tiles = [(i, j) for i in range(cfg.tile_m // em) for j in range(cfg.tile_n // en)]
     self.in_slots, self.out_slots = cfg.epi_operand_slots, cfg.epi_out_slots
+    # Row and column operands: one buffer, or two that alternate by tile when the next
+    # tile's are loaded ahead (epi_prefetch_next_tile). ``vec_slot`` is the current one.
+    self.vec_slots = _vec_slots(cfg)
+    self.vec_slot = 0
     # Outputs staged whole, one sub-tile per slot and one store group per sub-tile; the
     # rest (tile outputs, when the config splits stores) are stored part by part from
     # inside ``tile.store``.
@@ -501,13 +524,14 @@ class _Epilogue:
                                   transforms=_swizzle_transforms(w, dt))
     for nm in vecs:
       length = cfg.tile_m if input_kinds[nm] == epi.InputKind.ROW else cfg.tile_n
-      out["i_" + nm] = plgpu.SMEM((_COMPUTE_WARPGROUPS, length), input_dtypes[nm])
+      out["i_" + nm] = plgpu.SMEM((_COMPUTE_WARPGROUPS, _vec_slots(cfg), length),
+                                  input_dtypes[nm])
     if tiles:
       out["tile_bar"] = plgpu.Barrier(
           num_arrivals=len(tiles), num_barriers=_COMPUTE_WARPGROUPS * cfg.epi_operand_slots)
     if vecs:
       out["vec_bar"] = plgpu.Barrier(num_arrivals=len(vecs),
-                                     num_barriers=_COMPUTE_WARPGROUPS)
+                                     num_barriers=_COMPUTE_WARPGROUPS * _vec_slots(cfg))
     if any(o.kind == epi.OutputKind.COL_PARTIAL for o in outputs):
       # one barrier per warpgroup: each arrives on its own when its turn ends
       out["turn"] = plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WARPGROUPS)
@@ -537,16 +561,27 @@ class _Epilogue:
     # The previous tile's epilogue may still be reading these buffers in other warps:
     # commit_smem ends with a warpgroup barrier.
     plgpu.commit_smem()
+    self._fetch_vectors(row_base, col_base, self.vec_slot)
+    # Tile operands run epi_operand_slots sub-tiles ahead of the epilogue.
+    for s in range(min(self.in_slots, len(self.sub_tiles)) if self.tiles_in else 0):
+      self._fetch_tiles(s, row_base, col_base)
+
+  def prefetch_vectors(self, row_base, col_base, slot):
+    """Issues the row and column operand loads of the tile at (row_base, col_base) into
+    vector buffer ``slot``, which no warp of this warpgroup may still be reading (the
+    tile before the current one used it: epi_prefetch_next_tile)."""
+    if self.vecs_in:
+      plgpu.commit_smem()  # ends with a warpgroup barrier: every warp is done with it
+      self._fetch_vectors(row_base, col_base, slot)
+
+  def _fetch_vectors(self, row_base, col_base, slot):
     for nm in self.vecs_in:
       if self.kinds[nm] == epi.InputKind.ROW:
         src = self.in_gmem[nm].at[pl.ds(row_base, self.cfg.tile_m)]
       else:
         src = self.in_gmem[nm].at[pl.ds(col_base, self.cfg.tile_n)]
-      plgpu.copy_gmem_to_smem(src, self.smem["i_" + nm].at[self.wg],
-                              self.smem["vec_bar"].at[self.wg])
-    # Tile operands run epi_operand_slots sub-tiles ahead of the epilogue.
-    for s in range(min(self.in_slots, len(self.sub_tiles)) if self.tiles_in else 0):
-      self._fetch_tiles(s, row_base, col_base)
+      plgpu.copy_gmem_to_smem(src, self.smem["i_" + nm].at[self.wg, slot],
+                              self.smem["vec_bar"].at[self.wg * self.vec_slots + slot])
 
   def begin(self):
     """Before the first tile. With turns per column sum, warpgroup 1 hands warpgroup 0
@@ -577,20 +612,22 @@ class _Epilogue:
                      "column-partial output, so the kernel has no turns for its "
                      "warpgroups' shared scratch; declare the sum as a col_partial output")
 
-  def run(self, acc, row_base, col_base, *, first_tile=None):
+  def run(self, acc, row_base, col_base, *, first_tile=None, next_tile=None):
     """The epilogue of one tile. ``first_tile`` (ping-pong only): whether this is the
-    CTA's first tile, whose epilogue waits for no earlier one."""
+    CTA's first tile, whose epilogue waits for no earlier one. ``next_tile`` (K = 0 with
+    epi_prefetch_next_tile): (whether there is one, its row_base, its col_base), whose
+    first tile-operand sub-tiles this tile's last ones load as they free their slots."""
     if self.vecs_in:
-      plgpu.barrier_wait(self.smem["vec_bar"].at[self.wg])
+      plgpu.barrier_wait(self.smem["vec_bar"].at[self.wg * self.vec_slots + self.vec_slot])
     if "turn" not in self.smem or self.sum_turns:
-      self._subtiles(acc, row_base, col_base)
+      self._subtiles(acc, row_base, col_base, next_tile)
       return
     # Column (cross-warp) reductions use compiler-placed SMEM scratch at one static
     # offset, the same for both warpgroups: their epilogues take turns.
     turn = self.smem["turn"]
     if first_tile is None:  # cooperative: warpgroup 0 first, then 1, on every tile
       pl.when(self.wg == 1)(lambda: plgpu.barrier_wait(turn.at[0]))
-      self._subtiles(acc, row_base, col_base)
+      self._subtiles(acc, row_base, col_base, next_tile)
       pl.when(self.wg == 0)(lambda: plgpu.barrier_arrive(turn.at[0]))
       pl.when(self.wg == 1)(lambda: plgpu.barrier_arrive(turn.at[1]))
       pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(turn.at[1]))
@@ -603,8 +640,9 @@ class _Epilogue:
     self._subtiles(acc, row_base, col_base)
     plgpu.barrier_arrive(turn.at[self.wg])
 
-  def _subtiles(self, acc, row_base, col_base):
+  def _subtiles(self, acc, row_base, col_base, next_tile=None):
     em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
+    count = len(self.sub_tiles)
     for s, (i, j) in enumerate(self.sub_tiles):
       slot, in_slot = s % self.out_slots, s % self.in_slots
       r0, c0 = self._origin(s, row_base, col_base)
@@ -617,15 +655,26 @@ class _Epilogue:
         # slots in an order this tile does not continue: wait for all of them (a whole
         # mainloop has run since).
         plgpu.wait_smem_to_gmem(0 if s == 0 else self.out_slots - 1, wait_read_only=True)
-      refetch = self.tiles_in and s + self.in_slots < len(self.sub_tiles)
+      refetch = self.tiles_in and s + self.in_slots < count
+      # ... or, past this tile's last sub-tile, the next tile's (the slot is the same:
+      # in_slots divides count)
+      ahead = bool(self.tiles_in) and next_tile is not None and not refetch
+
+      def fetch_ahead(s=s):
+        has_next, next_row, next_col = next_tile
+        pl.when(has_next)(lambda: self._fetch_tiles(s + self.in_slots - count, next_row,
+                                                    next_col))
       read = None
       if self.cfg.epi_operand_refetch_early and self.tiles_in:
         # Read the sub-tile's operands into registers now, so their slot can refill
         # while the program runs.
         read = {nm: self.smem["i_" + nm].at[self.wg, in_slot][...] for nm in self.tiles_in}
-        if refetch:
+        if refetch or ahead:
           plgpu.commit_smem()  # ends with a warpgroup barrier: every warp has read
+        if refetch:
           self._fetch_tiles(s + self.in_slots, row_base, col_base)
+        elif ahead:
+          fetch_ahead()
       tile = self._tile(slot, in_slot, i, j, r0, c0, read)
       self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
       missing = {o.name for o in self.outputs} - tile.stored
@@ -634,6 +683,8 @@ class _Epilogue:
       plgpu.commit_smem()  # also: every warp is done reading this slot's operands
       if refetch and read is None:
         self._fetch_tiles(s + self.in_slots, row_base, col_base)
+      elif ahead and read is None:
+        fetch_ahead()
       if self.whole:
         for o in self.whole:
           plgpu.copy_smem_to_gmem(self.smem["o_" + o.name].at[self.wg, slot],
@@ -672,9 +723,10 @@ class _Epilogue:
         return lambda: read[nm]
       if kind in _TILE_KINDS:
         return lambda: smem["i_" + nm].at[wg, in_slot][...]
+      vslot = self.vec_slot
       if kind == epi.InputKind.ROW:
-        return lambda: epi.load_row(smem["i_" + nm].at[wg, pl.ds(i * em, em)])
-      return lambda: epi.load_col(smem["i_" + nm].at[wg, pl.ds(j * en, en)])
+        return lambda: epi.load_row(smem["i_" + nm].at[wg, vslot, pl.ds(i * em, em)])
+      return lambda: epi.load_col(smem["i_" + nm].at[wg, vslot, pl.ds(j * en, en)])
 
     def writer(o):
       def write(value):
@@ -819,12 +871,27 @@ def _kernel_no_product(*refs, cfg: GemmConfig, m, n, input_names, input_kinds, o
     def _tile_loop(info):
       (lin,) = info.index
       _, _, row_base, col_base = _warpgroup_origin(lin, cfg, m_iters, n_iters, wg)
-      ep.prefetch(row_base, col_base)
+      next_tile = None
+      if not cfg.epi_prefetch_next_tile:
+        ep.prefetch(row_base, col_base)
+      else:
+        # This tile's loads were issued under the one before (the first tile's here);
+        # the next tile's row and column operands go to the other buffer now, and its
+        # first operand sub-tiles as this tile frees their slots.
+        t = info.local_index
+        ep.vec_slot = t % 2
+        pl.when(t == 0)(lambda: ep.prefetch(row_base, col_base))
+        has_next = t + 1 < info.num_local_steps
+        # nd_loop deals linear tiles round-robin over the SMs: this SM's next one
+        _, _, next_row, next_col = _warpgroup_origin(
+            lin + lax.axis_size("sm"), cfg, m_iters, n_iters, wg)
+        pl.when(has_next)(lambda: ep.prefetch_vectors(next_row, next_col, 1 - t % 2))
+        next_tile = (has_next, next_row, next_col)
 
       # An accumulator no wgmma touches: zeros, in the layout the program expects.
       @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
       def _acc_scope(acc_ref):
-        ep.run(acc_ref[...], row_base, col_base)
+        ep.run(acc_ref[...], row_base, col_base, next_tile=next_tile)
 
     ep.end()
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
@@ -1095,6 +1162,9 @@ def gemm(a: jax.Array, b: jax.Array, *,
       raise ValueError(f"output {o.name!r}: epi_tile_n={config.epi_tile_n} * "
                        f"{o.width} must be a multiple of 8")
   mainloop = k > 0
+  if config.epi_prefetch_next_tile and mainloop:
+    raise ValueError(f"{config}: epi_prefetch_next_tile is for K = 0 passes (with a "
+                     "mainloop a tile's operands load under it); K={k}")
 
   def check_smem(kinds):
     need = smem_bytes(config, a.dtype, kinds, input_dtypes, outputs, mainloop=mainloop)

@@ -973,6 +973,20 @@ MUTATIONS = [
         "g @ W and beta @ W from g and beta cut to 16 bits: the mean term no longer "
         "cancels against h @ W"),
     Mutation(
+        "pass_next_tile_fetches_this_tile", "pallas_kernels/gemm_mgpu.py",
+        "        pl.when(has_next)(lambda: self._fetch_tiles(s + self.in_slots - count, next_row,\n"
+        "                                                    next_col))",
+        "        pl.when(has_next)(lambda: self._fetch_tiles(s + self.in_slots - count, row_base,\n"
+        "                                                    col_base))",
+        ("tests/test_primitives.py", "-k", "no_product and next_tile"),
+        "a pass loads the next tile's first operand sub-tiles from this tile's rows"),
+    Mutation(
+        "pass_next_tile_vectors_same_buffer", "pallas_kernels/gemm_mgpu.py",
+        "        pl.when(has_next)(lambda: ep.prefetch_vectors(next_row, next_col, 1 - t % 2))",
+        "        pl.when(has_next)(lambda: ep.prefetch_vectors(next_row, next_col, t % 2))",
+        ("tests/test_primitives.py", "-k", "no_product and next_tile"),
+        "the next tile's row and column operands overwrite the buffer this tile reads"),
+    Mutation(
         "explicit_config_never_clips", "coda_jax/dispatch.py",
         "    pm, pk_, clip_m = m, k, (interpret is None and m % call.config.cluster_tile[0] != 0\n",
         "    pm, pk_, clip_m = m, k, (False and m % call.config.cluster_tile[0] != 0\n",

@@ -417,3 +417,14 @@ def test_no_product_configs():
                        for c in found)
   assert any(c.epi_store_n is None and c.epi_operand_slots == 2 for c in found)
   assert {c.tile_m for c in found} == {64, 128}  # 64-row tiles won on the H100
+  # each also loading the next tile's operands under the current one, where it fits
+  plain = [c for c in found if not c.epi_prefetch_next_tile]
+  ahead = [c for c in found if c.epi_prefetch_next_tile]
+  assert ahead and {dataclasses.replace(c, epi_prefetch_next_tile=False)
+                    for c in ahead} <= set(plain)
+  for c in ahead:
+    assert gemm_mgpu.smem_bytes(c, jnp.bfloat16, kinds, dtypes, outs,
+                                mainloop=False) <= gemm_mgpu.SMEM_LIMIT_BYTES
+  mainloop, _ = autotune.candidates(16384, 4096, 256, jnp.bfloat16, kinds, dtypes, outs,
+                                    trans_a=False, trans_b=False, min_epi_tile_n=128)
+  assert not any(c.epi_prefetch_next_tile for c in mainloop)

@@ -479,6 +479,16 @@ NO_PRODUCT_CONFIGS = {
     # 128-wide sub-tiles whose tile outputs are stored in halves
     "split_store": GemmConfig(tile_m=64, tile_n=128, epi_tile_n=128, epi_store_n=64,
                               cluster_dim=None, stages=2),
+    # the next tile's operands loaded under this one (two tiles per SM in the
+    # interpreter): both slots, one slot, and the slots refilled after the whole sub-tile
+    "next_tile": GemmConfig(tile_m=128, tile_n=64, epi_tile_n=64, wg_dim=MatDim.N,
+                            cluster_dim=None, stages=2, epi_prefetch_next_tile=True),
+    "next_tile_one_slot": GemmConfig(tile_m=128, tile_n=64, epi_tile_n=64, wg_dim=MatDim.N,
+                                     cluster_dim=None, stages=2, epi_operand_slots=1,
+                                     epi_prefetch_next_tile=True),
+    "next_tile_late": GemmConfig(tile_m=128, tile_n=64, epi_tile_n=64, wg_dim=MatDim.N,
+                                 cluster_dim=None, stages=2, epi_prefetch_next_tile=True,
+                                 epi_operand_refetch_early=False),
 }
 
 
@@ -515,6 +525,19 @@ def test_no_product_pads_odd_rows(key, kernel_impl, m):
   ops = make_operands(key, program, m, 128, jnp.bfloat16)
   a, b = jnp.zeros((m, 0), jnp.bfloat16), jnp.zeros((0, 128), jnp.bfloat16)
   check_program(a, b, program, ops, kernel_impl)
+
+
+def test_prefetch_next_tile_is_for_passes(key):
+  """``epi_prefetch_next_tile``: refused with a mainloop (its tile operands load under
+  it), and where the operand slots do not divide a warpgroup tile's sub-tiles."""
+  a, b = gemm_inputs(key, 256, 256, 64, jnp.bfloat16)
+  cfg = NO_PRODUCT_CONFIGS["next_tile"]
+  with pytest.raises(ValueError, match="epi_prefetch_next_tile is for K = 0 passes"):
+    pallas_kernels.gemm(a, b, config=cfg, interpret=pallas_kernels.interpret_params())
+  with pytest.raises(ValueError, match="needs epi_operand_slots=3 to divide the 4"):
+    GemmConfig(tile_m=128, tile_n=128, epi_tile_n=64, epi_operand_slots=3,
+               epi_prefetch_next_tile=True)
+  assert "next" in cfg.describe()
 
 
 def test_no_product_refuses_what_it_cannot_run(key):
