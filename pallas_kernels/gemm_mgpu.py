@@ -460,6 +460,8 @@ _COMPUTE_WARPGROUPS = 2
 def _vec_slots(cfg) -> int:
   """Buffers per warpgroup for each row or column operand (``_Epilogue.vec_slot``)."""
   return 2 if cfg.epi_prefetch_next_tile else 1
+
+
 # Staging slots of an output stored in parts (``GemmConfig.epi_store_n``): its parts
 # alternate between two, an even part count apart (``_Epilogue._store_in_parts``).
 _PART_SLOTS = 2
@@ -1164,7 +1166,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
   mainloop = k > 0
   if config.epi_prefetch_next_tile and mainloop:
     raise ValueError(f"{config}: epi_prefetch_next_tile is for K = 0 passes (with a "
-                     "mainloop a tile's operands load under it); K={k}")
+                     f"mainloop a tile's operands load under it); K={k}")
 
   def check_smem(kinds):
     need = smem_bytes(config, a.dtype, kinds, input_dtypes, outputs, mainloop=mainloop)
