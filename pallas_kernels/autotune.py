@@ -381,8 +381,8 @@ def describe_workload(fn: Callable, *args) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class SearchStructure:
   """One tile structure of the search (``GemmConfig``'s fields of those names); the
-  search tries each with every epilogue width in ``epi_widths``, each K step, and the
-  deepest pipeline that fits."""
+  search tries each with every epilogue sub-tile height in ``epi_heights`` and width in
+  ``epi_widths``, each K step, and the deepest pipeline that fits."""
   schedule: g.Schedule
   tile_m: int
   tile_n: int
@@ -391,11 +391,16 @@ class SearchStructure:
   grid_minor_dim: g.MatDim
   grid_tile_width: int = 16
   epi_widths: tuple[int, ...] = (64, 32)
+  epi_heights: tuple[int, ...] = (64,)
 
   def __post_init__(self):
     if not self.epi_widths or any(w <= 0 or w % 8 for w in self.epi_widths):
       raise ValueError(f"SearchStructure.epi_widths={self.epi_widths}: positive "
                        "multiples of 8")
+    if not self.epi_heights or any(h <= 0 or h % 64 or self.tile_m % h
+                                   for h in self.epi_heights):
+      raise ValueError(f"SearchStructure.epi_heights={self.epi_heights}: multiples of 64 "
+                       f"that divide tile_m={self.tile_m}")
     # the tile and grid fields, as GemmConfig checks them (each width is checked where
     # a candidate is made, against the problem's column group)
     self.config(epi_tile_n=self.tile_n)
@@ -420,8 +425,11 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   shared memory for a deeper pipeline: the SwiGLU backward at 8B shapes gets 3 stages
   of 64 instead of 5 of 32, 4.6% faster); ``extra`` adds bands of 8, tile_k 32 and
   tile operands staged 4 sub-tiles ahead or all of them during the mainloop. A pass
-  (K = 0) also tries each config loading the next tile's operands under the current
-  one (``GemmConfig.epi_prefetch_next_tile``).
+  (K = 0) also tries sub-tiles as tall as its 128-row warpgroup tiles, and each config
+  loading the next tile's operands under the current one
+  (``GemmConfig.epi_prefetch_next_tile``). Taller sub-tiles under a mainloop ran level
+  at best (128 x 16, 192 x 16) and up to 1.4x slower (128 x 32: fewer stages fit), so
+  GEMMs keep 64-row ones.
   Ping-pong also tries 192-row warpgroup tiles: 192 accumulator registers a thread,
   1.2x the operand reuse of 128 x 128 (3.6% faster than our cooperative GEMM on the
   H100 at 16384 x 8192 x 2048, level on the heavy GPT-2 epilogues; bench/NOTES.md,
@@ -441,8 +449,12 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
                 S(PP, 192, 128, M_, N_, N_, epi_widths=(32,)),
                 S(PP, 192, 128, M_, N_, M_, epi_widths=(32,))]
   if k == 0:  # an epilogue pass: unclustered cooperative tiles (gemm_mgpu._no_product_config)
-    structures = [S(CO, 128, 128, M_, None, N_), S(CO, 64, 128, M_, None, N_),
-                  S(CO, 128, 128, N_, None, N_)]
+    # With no mainloop to hide a sub-tile's load and store latency under, sub-tiles as
+    # tall as the warpgroup tile halve their count: GPT-2's LayerNorm pass ran 9% faster
+    # in 128 x 64 sub-tiles than in 64 x 64 (bench/NOTES.md, twenty-first session).
+    structures = [S(CO, 128, 128, M_, None, N_, epi_heights=(64, 128)),
+                  S(CO, 64, 128, M_, None, N_),
+                  S(CO, 128, 128, N_, None, N_, epi_heights=(64, 128))]
   if extra:
     structures += [dataclasses.replace(s, grid_tile_width=8) for s in structures]
   if tile_m is not None:
@@ -451,18 +463,19 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   tile_ks = (64,) if mn_major or not extra else (64, 32)
   has_tiles = any(kind in g._TILE_KINDS for kind in input_kinds.values())
   found, skipped, seen = [], [], set()
-  for st, tk, en, depth in (
-      (s, tk, en, sl) for s in structures for tk in tile_ks for en in s.epi_widths
+  for st, tk, em, en, depth in (
+      (s, tk, em, en, sl) for s in structures for tk in tile_ks for em in s.epi_heights
+      for en in s.epi_widths
       for sl in ((1, 2, 4, None) if has_tiles and extra else (1, 2) if has_tiles else (2,))):
     tn = st.tile_n
     en = max(min(en, tn), min_epi_tile_n)
-    subtiles = (st.tile_m // 64) * (tn // en)
+    subtiles = (st.tile_m // em) * (tn // en)
     slots = subtiles if depth is None else min(depth, max(2, subtiles))
     for store_n in g.store_widths(en):
       store = f"/{store_n}" if store_n else ""
       cl = st.cluster_dim.name if st.cluster_dim else "-"
       name = (f"{st.schedule.value} {st.tile_m}x{tn}x{tk} wg{st.wg_dim.name} cl{cl} "
-              f"{st.grid_minor_dim.name}{st.grid_tile_width} e64x{en}{store} in{slots}")
+              f"{st.grid_minor_dim.name}{st.grid_tile_width} e{em}x{en}{store} in{slots}")
       if name in seen:
         continue
       seen.add(name)
@@ -472,7 +485,7 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
       best = None
       if not why:
         try:
-          cfg = st.config(tile_k=tk, stages=max_stages, epi_tile_n=en,
+          cfg = st.config(tile_k=tk, stages=max_stages, epi_tile_m=em, epi_tile_n=en,
                           epi_operand_slots=slots, epi_store_n=store_n)
           g._check_tiling(m, n, k, cfg, trans_a, trans_b, clip_m)
           best = g.deepest_fitting(cfg, dtype, input_kinds, input_dtypes, outputs,

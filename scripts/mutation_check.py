@@ -311,13 +311,18 @@ MUTATIONS = [
     Mutation(
         "early_refetch_before_read", "pallas_kernels/gemm_mgpu.py",
         "        read = {nm: self.smem[\"i_\" + nm].at[self.wg, in_slot][...] for nm in self.tiles_in}\n"
-        "        if refetch:\n"
+        "        if refetch or ahead:\n"
         "          plgpu.commit_smem()  # ends with a warpgroup barrier: every warp has read\n"
+        "        if refetch:\n"
         "          self._fetch_tiles(s + self.in_slots, row_base, col_base)\n",
         "        if refetch:  # (planted)\n"
         "          plgpu.commit_smem()\n"
         "          self._fetch_tiles(s + self.in_slots, row_base, col_base)\n"
-        "        read = {nm: self.smem[\"i_\" + nm].at[self.wg, in_slot][...] for nm in self.tiles_in}\n",
+        "        read = {nm: self.smem[\"i_\" + nm].at[self.wg, in_slot][...] for nm in self.tiles_in}\n"
+        "        if ahead:\n"
+        "          plgpu.commit_smem()\n"
+        "        if False:\n"
+        "          pass\n",
         ("tests/test_primitives.py", "-k", "tile_operand_slots"),
         why="an early refill may start only once the sub-tile's operands are in registers"),
     Mutation(

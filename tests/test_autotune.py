@@ -428,3 +428,10 @@ def test_no_product_configs():
   mainloop, _ = autotune.candidates(16384, 4096, 256, jnp.bfloat16, kinds, dtypes, outs,
                                     trans_a=False, trans_b=False, min_epi_tile_n=128)
   assert not any(c.epi_prefetch_next_tile for c in mainloop)
+  # a pass also tries sub-tiles as tall as its 128-row warpgroup tiles; GEMMs do not
+  one = ({"x0": InputKind.TILE}, {"x0": jnp.bfloat16}, (EpilogueOutput("y"),))
+  tall = {(c.tile_m, c.epi_tile_m) for c in autotune.candidates(
+      16384, 2048, 0, jnp.bfloat16, *one, trans_a=False, trans_b=False)[0]}
+  assert tall == {(128, 64), (128, 128), (64, 64)}
+  assert {c.epi_tile_m for c in autotune.candidates(
+      16384, 2048, 2048, jnp.bfloat16, *one, trans_a=False, trans_b=False)[0]} == {64}
