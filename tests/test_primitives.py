@@ -444,6 +444,33 @@ def test_primitive_against_independent_formula(key, kernel_impl, name):
       assert e < rtol, f"{name}:{out}: rel err {e:.3g} >= {rtol}"
 
 
+# Epilogue sub-tiles taller than one 64-row wgmma block: fewer column sums and store
+# rounds a tile. The search tries them for passes only (under a mainloop they ran level
+# or slower on the H100), but a caller's config may name them.
+TALL_SUBTILE_CONFIGS = {
+    "pingpong_e128x32": GemmConfig(tile_m=128, tile_n=64, tile_k=64, stages=2,
+                                   epi_tile_m=128, epi_tile_n=32, cluster_dim=None,
+                                   schedule=Schedule.PINGPONG),
+    "pingpong192_e192x16": GemmConfig(tile_m=192, tile_n=64, tile_k=64, stages=2,
+                                      epi_tile_m=192, epi_tile_n=16, cluster_dim=None,
+                                      schedule=Schedule.PINGPONG),
+    "cooperative_e128x32": GemmConfig(tile_m=128, tile_n=64, tile_k=64, stages=2,
+                                      epi_tile_m=128, epi_tile_n=32, wg_dim=MatDim.N,
+                                      cluster_dim=None),
+}
+
+
+@pytest.mark.parametrize("config", TALL_SUBTILE_CONFIGS)
+def test_tall_subtiles(key, kernel_impl, config):
+  """A tile operand, a column sum, a row sum and a store in 128- and 192-row sub-tiles
+  (M = 384: two or three tiles down, several per SM), every output against fp32."""
+  program = [cj.MulTile("s"), cj.ColSum("c"), cj.RowSum("r", square=True), cj.Store("o")]
+  a, b = gemm_inputs(key, 384, 256, K, jnp.bfloat16, trans_b=True)
+  ops = make_operands(jax.random.fold_in(key, 1), program, 384, 256, a.dtype)
+  check_program(a, b, program, ops, kernel_impl, trans_b=True,
+                config=TALL_SUBTILE_CONFIGS[config])
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_bitwise_deterministic(key, kernel_impl, config):
   """Two runs on the same inputs give identical bits, every output (row and column
