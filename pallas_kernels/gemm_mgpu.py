@@ -657,36 +657,32 @@ class _Epilogue:
         # slots in an order this tile does not continue: wait for all of them (a whole
         # mainloop has run since).
         plgpu.wait_smem_to_gmem(0 if s == 0 else self.out_slots - 1, wait_read_only=True)
-      refetch = self.tiles_in and s + self.in_slots < count
-      # ... or, past this tile's last sub-tile, the next tile's (the slot is the same:
-      # in_slots divides count)
-      ahead = bool(self.tiles_in) and next_tile is not None and not refetch
-
-      def fetch_ahead(s=s):
+      # The load into this sub-tile's slot once every warp is done with it: a later
+      # sub-tile of this tile, or past its last, the next tile's (the same slot:
+      # in_slots divides count); None where there is none.
+      refill = None
+      if self.tiles_in and s + self.in_slots < count:
+        refill = lambda: self._fetch_tiles(s + self.in_slots, row_base, col_base)
+      elif self.tiles_in and next_tile is not None:
         has_next, next_row, next_col = next_tile
-        pl.when(has_next)(lambda: self._fetch_tiles(s + self.in_slots - count, next_row,
-                                                    next_col))
+        refill = lambda: pl.when(has_next)(
+            lambda: self._fetch_tiles(s + self.in_slots - count, next_row, next_col))
       read = None
       if self.cfg.epi_operand_refetch_early and self.tiles_in:
         # Read the sub-tile's operands into registers now, so their slot can refill
         # while the program runs.
         read = {nm: self.smem["i_" + nm].at[self.wg, in_slot][...] for nm in self.tiles_in}
-        if refetch or ahead:
+        if refill:
           plgpu.commit_smem()  # ends with a warpgroup barrier: every warp has read
-        if refetch:
-          self._fetch_tiles(s + self.in_slots, row_base, col_base)
-        elif ahead:
-          fetch_ahead()
+          refill()
       tile = self._tile(slot, in_slot, i, j, r0, c0, read)
       self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
       missing = {o.name for o in self.outputs} - tile.stored
       if missing:
         raise ValueError(f"epilogue did not store outputs {sorted(missing)}")
       plgpu.commit_smem()  # also: every warp is done reading this slot's operands
-      if refetch and read is None:
-        self._fetch_tiles(s + self.in_slots, row_base, col_base)
-      elif ahead and read is None:
-        fetch_ahead()
+      if refill and read is None:
+        refill()
       if self.whole:
         for o in self.whole:
           plgpu.copy_smem_to_gmem(self.smem["o_" + o.name].at[self.wg, slot],

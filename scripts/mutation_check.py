@@ -282,10 +282,10 @@ MUTATIONS = [
         "      if missing:\n"
         "        raise ValueError(f\"epilogue did not store outputs {sorted(missing)}\")\n"
         "      plgpu.commit_smem()  # also: every warp is done reading this slot's operands\n"
-        "      if refetch and read is None:\n"
-        "        self._fetch_tiles(s + self.in_slots, row_base, col_base)\n",
-        "      if refetch and read is None:  # (planted)\n"
-        "        self._fetch_tiles(s + self.in_slots, row_base, col_base)\n"
+        "      if refill and read is None:\n"
+        "        refill()\n",
+        "      if refill and read is None:  # (planted)\n"
+        "        refill()\n"
         "      tile = self._tile(slot, in_slot, i, j, r0, c0, read)\n"
         "      self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])\n"
         "      missing = {o.name for o in self.outputs} - tile.stored\n"
@@ -311,18 +311,13 @@ MUTATIONS = [
     Mutation(
         "early_refetch_before_read", "pallas_kernels/gemm_mgpu.py",
         "        read = {nm: self.smem[\"i_\" + nm].at[self.wg, in_slot][...] for nm in self.tiles_in}\n"
-        "        if refetch or ahead:\n"
+        "        if refill:\n"
         "          plgpu.commit_smem()  # ends with a warpgroup barrier: every warp has read\n"
-        "        if refetch:\n"
-        "          self._fetch_tiles(s + self.in_slots, row_base, col_base)\n",
-        "        if refetch:  # (planted)\n"
+        "          refill()\n",
+        "        if refill:  # (planted)\n"
         "          plgpu.commit_smem()\n"
-        "          self._fetch_tiles(s + self.in_slots, row_base, col_base)\n"
-        "        read = {nm: self.smem[\"i_\" + nm].at[self.wg, in_slot][...] for nm in self.tiles_in}\n"
-        "        if ahead:\n"
-        "          plgpu.commit_smem()\n"
-        "        if False:\n"
-        "          pass\n",
+        "          refill()\n"
+        "        read = {nm: self.smem[\"i_\" + nm].at[self.wg, in_slot][...] for nm in self.tiles_in}\n",
         ("tests/test_primitives.py", "-k", "tile_operand_slots"),
         why="an early refill may start only once the sub-tile's operands are in registers"),
     Mutation(
@@ -979,10 +974,8 @@ MUTATIONS = [
         "cancels against h @ W"),
     Mutation(
         "pass_next_tile_fetches_this_tile", "pallas_kernels/gemm_mgpu.py",
-        "        pl.when(has_next)(lambda: self._fetch_tiles(s + self.in_slots - count, next_row,\n"
-        "                                                    next_col))",
-        "        pl.when(has_next)(lambda: self._fetch_tiles(s + self.in_slots - count, row_base,\n"
-        "                                                    col_base))",
+        "            lambda: self._fetch_tiles(s + self.in_slots - count, next_row, next_col))",
+        "            lambda: self._fetch_tiles(s + self.in_slots - count, row_base, col_base))",
         ("tests/test_primitives.py", "-k", "no_product and next_tile"),
         "a pass loads the next tile's first operand sub-tiles from this tile's rows"),
     Mutation(

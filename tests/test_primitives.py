@@ -14,8 +14,8 @@ from coda_jax.layernorm_ops import LayerNormInputGrad
 from coda_jax.primitives import PickColumn
 import pallas_kernels
 from pallas_kernels import GemmConfig, InputKind, MatDim, Schedule
-from helpers import (GATED_ACTS, assert_within_baseline, f64, gemm_inputs, matmul_f32,
-                     normal, rel_err, rope_freqs)
+from helpers import (GATED_ACTS, TALL, assert_within_baseline, f64, gemm_inputs,
+                     matmul_f32, normal, rel_err, rope_freqs)
 
 # K = 128: two K steps even with the default tile_k (a single K step is a mainloop case,
 # covered in test_gemm_mainloop.py).
@@ -451,9 +451,7 @@ TALL_SUBTILE_CONFIGS = {
     "pingpong_e128x32": GemmConfig(tile_m=128, tile_n=64, tile_k=64, stages=2,
                                    epi_tile_m=128, epi_tile_n=32, cluster_dim=None,
                                    schedule=Schedule.PINGPONG),
-    "pingpong192_e192x16": GemmConfig(tile_m=192, tile_n=64, tile_k=64, stages=2,
-                                      epi_tile_m=192, epi_tile_n=16, cluster_dim=None,
-                                      schedule=Schedule.PINGPONG),
+    "pingpong192_e192x16": dataclasses.replace(TALL["tall"], epi_tile_m=192, epi_tile_n=16),
     "cooperative_e128x32": GemmConfig(tile_m=128, tile_n=64, tile_k=64, stages=2,
                                       epi_tile_m=128, epi_tile_n=32, wg_dim=MatDim.N,
                                       cluster_dim=None),
@@ -517,8 +515,7 @@ NO_PRODUCT_CONFIGS = {
                                  cluster_dim=None, stages=2, epi_prefetch_next_tile=True,
                                  epi_operand_refetch_early=False),
     # sub-tiles as tall as the warpgroup tile, two a tile
-    "tall": GemmConfig(tile_m=128, tile_n=64, epi_tile_m=128, epi_tile_n=32,
-                       wg_dim=MatDim.N, cluster_dim=None, stages=2),
+    "tall": TALL_SUBTILE_CONFIGS["cooperative_e128x32"],
     # one sub-tile as large as the warpgroup tile, the next tile's loaded under it
     "tall_next_tile": GemmConfig(tile_m=128, tile_n=64, epi_tile_m=128, epi_tile_n=64,
                                  wg_dim=MatDim.N, cluster_dim=None, stages=2,
