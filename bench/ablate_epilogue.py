@@ -63,9 +63,9 @@ class LayerNormGradParts(L.LayerNormGrad):
     if "dmu" in self.parts:
       env.store(self.dmu, -r * jnp.sum(dn * g, axis=1))
     if "dbeta" in self.parts:
-      env.store(self.dbeta, env.column_sum(dn))
+      env.store_column_sum(self.dbeta, dn)
     if "dg" in self.parts:
-      env.store(self.dg, -env.column_sum(mu[:, None] * dh.astype(self.dtype).astype(_F32)))
+      env.store_column_sum(self.dg, (-mu)[:, None] * dh.astype(self.dtype).astype(_F32))
     if "n" in self.parts:
       beta = env.load(self.beta).astype(_F32)[None, :]
       env.store(self.n, r[:, None] * hc + beta)

@@ -114,6 +114,10 @@ class DroppingEnv:
   def column_sum(self, x):
     return None
 
+  def store_column_sum(self, name, x):
+    if name not in self._dropped:
+      self._env.store_column_sum(name, x)
+
 
 @jax.jit
 def _leaf_rel_diff(got, want):

@@ -149,6 +149,9 @@ class _MatrixEnv:
   def column_sum(self, x):
     return jnp.sum(x, axis=0)
 
+  def store_column_sum(self, name, x):
+    self.store(name, self.column_sum(x))
+
 
 def finish(program, raw: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """The user-facing outputs from raw kernel outputs (partials reduced)."""

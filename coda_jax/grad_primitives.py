@@ -56,7 +56,7 @@ class RmsNormGrad(Primitive):
     c = env.load(self.c).astype(jnp.float32)[:, None]
     g = env.load(self.g).astype(jnp.float32)[None, :]
     xhat = r * env.load(self.x).astype(jnp.float32)
-    env.store(self.dg, env.column_sum(dn * xhat))
+    env.store_column_sum(self.dg, dn * xhat)
     env.store(self.n, xhat * g)
     return r * (g * dn - xhat * c)
 

@@ -189,8 +189,8 @@ class LayerNormGrad(Primitive):
     dh_stored = dh.astype(self.dtype).astype(_F32)
     env.store(self.dr, jnp.sum(dn * hc, axis=1))
     env.store(self.dmu, -r * jnp.sum(dn * g, axis=1))
-    env.store(self.dbeta, env.column_sum(dn))
-    env.store(self.dg, -env.column_sum(mu[:, None] * dh_stored))
+    env.store_column_sum(self.dbeta, dn)
+    env.store_column_sum(self.dg, (-mu)[:, None] * dh_stored)
     live = (r > 0).astype(_F32)[:, None]
     env.store(self.n, r[:, None] * hc + live * beta)
     return dh
@@ -230,7 +230,7 @@ class LayerNormInputGrad(Primitive):
   def apply(self, acc, env):
     dh = env.load(self.dh).astype(_F32)
     x = env.load(self.x).astype(_F32)
-    env.store(self.dg, env.column_sum(dh * x))
+    env.store_column_sum(self.dg, dh * x)
     g = env.load(self.g).astype(_F32)[None, :]
     mu, a, b = (env.load(nm).astype(_F32)[:, None] for nm in (self.mu, self.a, self.b))
     return acc + dh * g + a - b * (x - mu)

@@ -29,6 +29,9 @@ class Env(Protocol):
   def load(self, name: str) -> jax.Array: ...
   def store(self, name: str, value: jax.Array) -> None: ...
   def column_sum(self, x: jax.Array) -> jax.Array: ...  # over rows: (rows, w) -> (w,)
+  # store(name, column_sum(x)) for a column-partial output, except that the kernel may
+  # add x to the sub-tiles below it first and sum once (GemmConfig.epi_column_sums_per_tile)
+  def store_column_sum(self, name: str, x: jax.Array) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +71,8 @@ class Primitive:
   _keeps_zero_rows = False  # a class attribute (not a dataclass field): set True to claim
 
   def column_sums_via_env(self) -> bool:
-    """True when ``apply`` sums over rows only through ``env.column_sum``, never with
-    ``jnp.sum(x, axis=0)`` itself. In the kernel such sums share one scratch buffer
+    """True when ``apply`` sums over rows only through ``env.column_sum`` or
+    ``env.store_column_sum``, never with ``jnp.sum(x, axis=0)`` itself. In the kernel such sums share one scratch buffer
     across the two compute warpgroups: when every step of a program says True, the
     warpgroups take turns around each sum and run the rest of their epilogues at once;
     otherwise around the whole epilogue. Default False (always correct); the library's
@@ -390,7 +393,7 @@ class ColSum(Primitive):
     return (EpilogueOutput(self.name, OutputKind.COL_PARTIAL, jnp.float32, width),)
 
   def apply(self, x, env):
-    env.store(self.name, env.column_sum(x))
+    env.store_column_sum(self.name, x)
     return x
 
   def finish(self, raw):

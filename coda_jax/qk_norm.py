@@ -135,7 +135,7 @@ class HeadRmsNormGrad(P.Primitive):
       udu = udu + jnp.sum(du * ub, axis=1)
       ns.append(n)
       dus.append(du)
-    env.store(self.dweight, env.column_sum(dy * P._join(ns)))
+    env.store_column_sum(self.dweight, dy * P._join(ns))
     env.store(self.udu, udu)
     return P._join(dus)
 

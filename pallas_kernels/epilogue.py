@@ -20,8 +20,12 @@ pair halved the value or a gated backward doubled it):
   tile         (M, N * width); ``tile.store`` takes (epi_m, epi_n * width)
   row_partial  (N // epi_tile_n, M) fp32; ``tile.store`` takes (epi_m,): one partial per
                row and epilogue column block, finished by a reduction over axis 0.
-  col_partial  (M // epi_tile_m, N * width) fp32; ``tile.store`` takes (epi_n * width,).
-               (With ``gemm``'s ``clip_m``, a row for every row of sub-tiles, past M too.)
+  col_partial  (M // epi_tile_m, N * width) fp32; ``tile.store`` takes (epi_n * width,),
+               ``tile.store_column_sum`` the (epi_m, epi_n * width) value whose sum over
+               rows it is. Under ``GemmConfig.epi_column_sums_per_tile`` one row per
+               warpgroup tile, (M // tile_m, N * width): the kernel adds the sub-tiles of
+               a column block before it sums (``store_column_sum``) or after (``store``).
+               (With ``gemm``'s ``clip_m``, a row for every row of tiles, past M too.)
 
 A tile output may name ``adds_to``, a tile operand of its shape and dtype (float32): the
 kernel adds that operand's values to what the epilogue stores (an accumulator, e.g. a
@@ -116,13 +120,15 @@ class EpilogueTile:
 
   def __init__(self, *, row0, col0, shape, inputs: dict[str, tuple[InputKind, Callable]],
                outputs: dict[str, tuple[EpilogueOutput, Callable]],
-               column_sum: Callable | None = None):
+               column_sum: Callable | None = None,
+               column_sum_writers: dict[str, Callable] | None = None):
     self.row0 = row0  # global row of the sub-tile's first element (traced int32)
     self.col0 = col0  # global column likewise
     self.shape = shape  # (epi_tile_m, epi_tile_n)
     self._inputs = inputs
     self._outputs = outputs
     self._column_sum = column_sum or (lambda x: jnp.sum(x, axis=0))
+    self._column_sum_writers = column_sum_writers or {}
     self.stored: set[str] = set()
 
   def column_sum(self, x: jax.Array) -> jax.Array:
@@ -157,6 +163,29 @@ class EpilogueTile:
                        f"expected {want}")
     self.stored.add(name)
     write(value.astype(spec.dtype))
+
+  def store_column_sum(self, name: str, value: jax.Array) -> None:
+    """Stores the sum of ``value`` (epi_m, w) over its rows as column-partial output
+    ``name``: ``store(name, column_sum(value))``, except that the kernel may first add
+    ``value`` to the sub-tiles below it and sum once (``epi_column_sums_per_tile``)."""
+    if name not in self._outputs:
+      raise KeyError(f"epilogue stores {name!r}, but only {sorted(self._outputs)} "
+                     "were declared")
+    spec, _ = self._outputs[name]
+    if spec.kind != OutputKind.COL_PARTIAL:
+      raise ValueError(f"store_column_sum({name!r}): a {spec.kind.value} output; only "
+                       "col_partial outputs are sums over rows")
+    want = (self.shape[0], spec.subtile_shape(*self.shape)[0])
+    if tuple(value.shape) != want:
+      raise ValueError(f"store_column_sum({name!r}) with shape {value.shape}, expected "
+                       f"{want} (the sub-tile's rows by the output's width)")
+    if name not in self._column_sum_writers:  # a closure not run by the kernel
+      self.store(name, self._column_sum(value))
+      return
+    if name in self.stored:
+      raise ValueError(f"epilogue stores {name!r} twice in one sub-tile")
+    self.stored.add(name)
+    self._column_sum_writers[name](value.astype(jnp.float32))
 
 
 def store_main(out_name: str = "out") -> Callable[[EpilogueTile, jax.Array], None]:

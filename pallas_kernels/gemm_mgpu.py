@@ -110,6 +110,14 @@ class GemmConfig:
   # before it instead of at its start. Needs the slots to divide a warpgroup tile's
   # sub-tiles (each sub-tile keeps its slot from tile to tile).
   epi_prefetch_next_tile: bool = False
+  # Column partials (``EpilogueOutput`` col_partial) one per warpgroup tile and column
+  # block instead of one per epilogue sub-tile: the sub-tiles of a column block run one
+  # after another down the tile, and a sum stored through ``tile.store_column_sum``
+  # adds them in registers before the one sum across the warpgroup's warps (shuffles and
+  # a round trip through shared scratch), so a tile takes tile_m / epi_tile_m times
+  # fewer of those sums and partial stores. Costs one (epi_tile_m, width) fp32 value in
+  # registers per such output. The partials' shape is (M // tile_m, N * width).
+  epi_column_sums_per_tile: bool = False
 
   def __post_init__(self):
     self.check()
@@ -139,10 +147,17 @@ class GemmConfig:
     slots += f" out{self.epi_out_slots}" if self.epi_out_slots != 2 else ""
     slots += " late" if not self.epi_operand_refetch_early else ""
     slots += " next" if self.epi_prefetch_next_tile else ""
+    slots += " colT" if self.epi_column_sums_per_tile else ""
     store = f"/{self.epi_store_n}" if self.epi_store_n is not None else ""
     return (f"{self.schedule.value} {self.tile_m}x{self.tile_n}x{self.tile_k} "
             f"s{self.stages} e{self.epi_tile_m}x{self.epi_tile_n}{store}{split}{cl} "
             f"{self.grid_minor_dim.name}{self.grid_tile_width}{slots}")
+
+  @property
+  def column_partial_rows(self) -> int:
+    """Rows of the output that one column partial sums: a warpgroup tile's under
+    ``epi_column_sums_per_tile``, else an epilogue sub-tile's."""
+    return self.tile_m if self.epi_column_sums_per_tile else self.epi_tile_m
 
   @property
   def store_parts(self) -> int:
@@ -184,6 +199,9 @@ class GemmConfig:
     if not isinstance(self.epi_operand_refetch_early, bool):
       raise ValueError(f"GemmConfig.epi_operand_refetch_early="
                        f"{self.epi_operand_refetch_early!r}: True or False")
+    if not isinstance(self.epi_column_sums_per_tile, bool):
+      raise ValueError(f"GemmConfig.epi_column_sums_per_tile="
+                       f"{self.epi_column_sums_per_tile!r}: True or False")
     if not isinstance(self.epi_prefetch_next_tile, bool):
       raise ValueError(f"GemmConfig.epi_prefetch_next_tile={self.epi_prefetch_next_tile!r}: "
                        "True or False")
@@ -482,7 +500,14 @@ class _Epilogue:
     self.tiles_in = [nm for nm, kd in input_kinds.items() if kd in _TILE_KINDS]
     self.vecs_in = [nm for nm, kd in input_kinds.items() if kd not in _TILE_KINDS]
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
-    self.sub_tiles = [(i, j) for i in range(cfg.tile_m // em) for j in range(cfg.tile_n // en)]
+    rows, cols = range(cfg.tile_m // em), range(cfg.tile_n // en)
+    # Column partials per warpgroup tile: each column block's sub-tiles run down the
+    # tile in turn, so one running sum a partial output carries them (``_tile``).
+    self.per_tile = cfg.epi_column_sums_per_tile
+    self.sub_tiles = ([(i, j) for j in cols for i in rows] if self.per_tile
+                      else [(i, j) for i in rows for j in cols])
+    self.last_row = len(rows) - 1
+    self.running: dict[str, jax.Array] = {}  # column partials carried down the tile
     self.in_slots, self.out_slots = cfg.epi_operand_slots, cfg.epi_out_slots
     # Row and column operands: one buffer, or two that alternate by tile when the next
     # tile's are loaded ahead (epi_prefetch_next_tile). ``vec_slot`` is the current one.
@@ -645,6 +670,7 @@ class _Epilogue:
   def _subtiles(self, acc, row_base, col_base, next_tile=None):
     em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
     count = len(self.sub_tiles)
+    self.running = {}
     for s, (i, j) in enumerate(self.sub_tiles):
       slot, in_slot = s % self.out_slots, s % self.in_slots
       r0, c0 = self._origin(s, row_base, col_base)
@@ -685,10 +711,14 @@ class _Epilogue:
         refill()
       if self.whole:
         for o in self.whole:
+          if self._carried(o) and i != self.last_row:
+            continue  # carried down to the tile's last row of sub-tiles
           plgpu.copy_smem_to_gmem(self.smem["o_" + o.name].at[self.wg, slot],
                                   self._window(o, r0, c0), commit_group=False,
                                   reduction_op=self._reduction(o))
+        # one group a sub-tile, empty or not: the slot waits above count on it
         plgpu.commit_smem_to_gmem_group()
+    assert not self.running, f"column partials left uncarried: {sorted(self.running)}"
 
   def _store_in_parts(self, o, value, r0, c0):
     """Stores one tile output's sub-tile value in ``store_parts`` TMA stores, each from
@@ -704,6 +734,19 @@ class _Epilogue:
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(buf, self._window(o, r0, c0, part=h),
                               reduction_op=self._reduction(o))
+
+  def _carried(self, o) -> bool:
+    """Whether output ``o`` is a column partial carried down the warpgroup tile."""
+    return self.per_tile and o.kind == epi.OutputKind.COL_PARTIAL
+
+  def _carry(self, name, value, i):
+    """Adds ``value`` (sub-tile (i, j)'s part of output ``name``) to the sum carried
+    down column block j; the total at its last row of sub-tiles, else None."""
+    total = value if i == 0 else self.running.pop(name) + value
+    if i == self.last_row:
+      return total
+    self.running[name] = total
+    return None
 
   def _reduction(self, o):
     """The TMA store's reduction for output ``o``: "add" where it adds to its operand
@@ -726,22 +769,43 @@ class _Epilogue:
         return lambda: epi.load_row(smem["i_" + nm].at[wg, vslot, pl.ds(i * em, em)])
       return lambda: epi.load_col(smem["i_" + nm].at[wg, vslot, pl.ds(j * en, en)])
 
+    def stage(o, value):
+      if o.name in self.adds:  # the staged operand's sub-tile, added in registers
+        value = value + reader(self.adds[o.name])()
+      if o not in self.whole:
+        self._store_in_parts(o, value, r0, c0)
+      else:
+        smem["o_" + o.name][wg, slot] = value
+
     def writer(o):
       def write(value):
-        if o.name in self.adds:  # the staged operand's sub-tile, added in registers
-          value = value + reader(self.adds[o.name])()
-        if o not in self.whole:
-          self._store_in_parts(o, value, r0, c0)
-        else:
-          smem["o_" + o.name][wg, slot] = value
+        if self._carried(o):  # a finished sum of this sub-tile, carried down the tile
+          value = self._carry(o.name, value, i)
+          if value is None:
+            return
+        stage(o, value)
+      return write
+
+    column_sum = (self._column_sum_in_turn if self.sum_turns
+                  else (lambda x: jnp.sum(x, axis=0)) if "turn" in self.smem
+                  else self._no_column_sums)
+
+    def sum_writer(o):
+      def write(value):  # (em, w): its sum over rows is the partial
+        if self._carried(o):  # the rows added down the tile first, then summed once
+          value = self._carry(o.name, value, i)
+          if value is None:
+            return
+        stage(o, column_sum(value).astype(o.dtype))
       return write
 
     return epi.EpilogueTile(
         row0=r0, col0=c0, shape=(em, en),
         inputs={nm: (kind, reader(nm)) for nm, kind in self.readable.items()},
         outputs={o.name: (o, writer(o)) for o in self.outputs},
-        column_sum=(self._column_sum_in_turn if self.sum_turns
-                    else None if "turn" in self.smem else self._no_column_sums))
+        column_sum=column_sum,
+        column_sum_writers={o.name: sum_writer(o) for o in self.outputs
+                            if o.kind == epi.OutputKind.COL_PARTIAL})
 
   def _window(self, o, r0, c0, part=0):
     """Where one store of ``o`` lands: the sub-tile at (r0, c0), or its ``part``-th
@@ -752,7 +816,9 @@ class _Epilogue:
       return ref.at[c0 // en, pl.ds(r0, em)]
     w = o.subtile_shape(em, _stored_width(self.cfg, o))[-1]
     cols = pl.ds(pl.multiple_of(o.scaled(c0) + part * w, w), w)
-    return ref.at[pl.ds(r0, em), cols] if o.kind == epi.OutputKind.TILE else ref.at[r0 // em, cols]
+    if o.kind == epi.OutputKind.TILE:
+      return ref.at[pl.ds(r0, em), cols]
+    return ref.at[r0 // self.cfg.column_partial_rows, cols]
 
 
 def _bind_refs(refs, input_names, outputs, in_place):
@@ -1207,7 +1273,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
         functools.partial(body, input_names=names_in, input_kinds=staged(in_place),
                           outputs=outputs, epilogue=epilogue, in_place=in_place),
         out_type=tuple(
-            jax.ShapeDtypeStruct(epi.output_shape(o, partial_m(o), n, config.epi_tile_m,
+            jax.ShapeDtypeStruct(epi.output_shape(o, partial_m(o), n,
+                                                  config.column_partial_rows,
                                                   config.epi_tile_n), o.dtype)
             for o in outputs if o.name not in in_place),
         grid=(grid,), grid_names=("sm",), cluster=(cluster,), cluster_names=("cluster",),

@@ -985,6 +985,19 @@ MUTATIONS = [
         ("tests/test_primitives.py", "-k", "no_product and next_tile"),
         "the next tile's row and column operands overwrite the buffer this tile reads"),
     Mutation(
+        "per_tile_sum_forgets_rows_above", "pallas_kernels/gemm_mgpu.py",
+        "    total = value if i == 0 else self.running.pop(name) + value\n",
+        "    total = value  # (planted)\n"
+        "    self.running.pop(name, None)\n",
+        ("tests/test_primitives.py", "-k", "per_tile"),
+        "a column partial carried down the tile keeps only its last row of sub-tiles"),
+    Mutation(
+        "per_tile_partial_row_by_subtile", "pallas_kernels/gemm_mgpu.py",
+        "    return ref.at[r0 // self.cfg.column_partial_rows, cols]",
+        "    return ref.at[r0 // self.cfg.epi_tile_m, cols]",
+        ("tests/test_primitives.py", "-k", "per_tile"),
+        "a per-tile column partial lands in the row of its last sub-tile, not its tile"),
+    Mutation(
         "explicit_config_never_clips", "coda_jax/dispatch.py",
         "    pm, pk_, clip_m = m, k, (interpret is None and m % call.config.cluster_tile[0] != 0\n",
         "    pm, pk_, clip_m = m, k, (False and m % call.config.cluster_tile[0] != 0\n",

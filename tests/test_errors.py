@@ -173,6 +173,7 @@ def test_gemm_config_does_not_divide(ab, interpret):
     (dict(epi_out_slots=5), r"epi_out_slots=5: between 1 and the 4 sub-tiles"),
     (dict(epi_out_slots=0), r"epi_out_slots=0: between 1 and the 4 sub-tiles"),
     (dict(epi_operand_refetch_early=1), r"epi_operand_refetch_early=1: True or False"),
+    (dict(epi_column_sums_per_tile="yes"), r"epi_column_sums_per_tile='yes': True or False"),
     (dict(epi_tile_n=128, epi_store_n=48), r"epi_store_n=48: a multiple of 32 that splits"),
     (dict(tile_n=96, epi_tile_n=96, epi_store_n=32), r"epi_tile_n=96 into an even number of parts"),
     (dict(epi_tile_n=64, epi_store_n=64), r"epi_store_n=64: .* or None to store whole"),

@@ -13,7 +13,8 @@ from coda_jax import layout
 from coda_jax.layernorm_ops import LayerNormInputGrad
 from coda_jax.primitives import PickColumn
 import pallas_kernels
-from pallas_kernels import GemmConfig, InputKind, MatDim, Schedule
+from pallas_kernels import (EpilogueOutput, GemmConfig, InputKind, MatDim, OutputKind,
+                            Schedule)
 from helpers import (GATED_ACTS, TALL, assert_within_baseline, f64, gemm_inputs,
                      matmul_f32, normal, rel_err, rope_freqs)
 
@@ -467,6 +468,85 @@ def test_tall_subtiles(key, kernel_impl, config):
   ops = make_operands(jax.random.fold_in(key, 1), program, 384, 256, a.dtype)
   check_program(a, b, program, ops, kernel_impl, trans_b=True,
                 config=TALL_SUBTILE_CONFIGS[config])
+
+
+# Column partials per warpgroup tile (``epi_column_sums_per_tile``): each column block's
+# sub-tiles run down the tile, a sum stored through ``tile.store_column_sum`` is added
+# over them in registers and summed across warps once, a finished sum stored through
+# ``tile.store`` is added after. Two rows of sub-tiles a warpgroup tile in each config.
+PER_TILE_CONFIGS = {
+    "pingpong": GemmConfig(tile_m=128, tile_n=64, tile_k=64, stages=2, epi_tile_n=32,
+                           cluster_dim=None, schedule=Schedule.PINGPONG,
+                           epi_column_sums_per_tile=True),
+    # the warpgroups split M and take turns around each sum (column_sum_turns)
+    "cooperative_wgM": GemmConfig(tile_m=128, tile_n=64, tile_k=64, stages=2,
+                                  epi_tile_n=32, wg_dim=MatDim.M, cluster_dim=None,
+                                  epi_column_sums_per_tile=True),
+    "cooperative_wgN_one_slot": GemmConfig(tile_m=128, tile_n=64, tile_k=64, stages=2,
+                                           epi_tile_n=32, wg_dim=MatDim.N,
+                                           cluster_dim=None, epi_operand_slots=1,
+                                           epi_column_sums_per_tile=True),
+}
+
+
+@pytest.mark.parametrize("k", [128, 0], ids=["gemm", "pass"])
+@pytest.mark.parametrize("config", PER_TILE_CONFIGS)
+def test_column_sums_per_tile_raw_partials(key, interpret, races_checked, config, k):
+  """The raw partials at the kernel's contract: one row per warpgroup tile, each the
+  sum of that tile's rows, for a sum stored through ``store_column_sum`` (carried
+  before the sum) and one through ``store`` (carried after), beside a tile output and a
+  tile operand; under the race detector when interpreted. M = 512: several tiles per
+  SM. Every true partial is nonzero, so an unwritten row shows."""
+  cfg = PER_TILE_CONFIGS[config]
+  assert "colT" in cfg.describe() and cfg.column_partial_rows == cfg.tile_m
+  m, n = 512, 128
+  if k:
+    a, b = gemm_inputs(key, m, n, k, jnp.bfloat16)
+  else:  # a pass: unclustered cooperative configs only
+    a, b = jnp.zeros((m, 0), jnp.bfloat16), jnp.zeros((0, n), jnp.bfloat16)
+    cfg = dataclasses.replace(cfg, schedule=Schedule.COOPERATIVE)
+  x0 = normal(jax.random.fold_in(key, 2), (m, n), jnp.bfloat16)
+  partial = lambda name: EpilogueOutput(name, OutputKind.COL_PARTIAL, jnp.float32)
+
+  def epilogue(tile, acc):
+    y = acc + tile.load("x0").astype(jnp.float32)
+    tile.store("o", y)
+    tile.store_column_sum("c", 2.0 * y)
+    tile.store("v", tile.column_sum(y * y))
+
+  interp = races_checked.params if interpret is not None else None
+  out = pallas_kernels.gemm(a, b, inputs={"x0": (InputKind.TILE, x0)}, epilogue=epilogue,
+                            outputs=(EpilogueOutput("o"), partial("c"), partial("v")),
+                            config=cfg, num_sms=2, interpret=interp,
+                            column_sum_turns=True)
+  y = (matmul_f32(a, b) if k else 0.0) + x0.astype(jnp.float32)
+  by_tile = lambda v: v.reshape(m // cfg.tile_m, cfg.tile_m, n).sum(axis=1)
+  assert out["c"].shape == out["v"].shape == (m // cfg.tile_m, n)
+  for name, terms in (("c", 2.0 * y), ("v", y * y)):
+    # each partial against the sum of its terms' magnitudes (the sums cancel)
+    want, scale = f64(by_tile(terms)), f64(by_tile(jnp.abs(terms)))
+    assert np.all(scale > 0), name
+    e = float(np.max(np.abs(f64(out[name]) - want) / scale))
+    assert e < REDUCTION_RTOL, f"{name}: worst partial off by {e:.3g} of its terms"
+  assert rel_err(out["o"], y) < 1e-2
+  assert not races_checked.races_found(), "data race in the kernel (see stdout)"
+
+
+@pytest.mark.parametrize("name", ["everything", "colsum_store", "layernorm_input_grad"])
+def test_column_sums_per_tile_programs(key, kernel_impl, name):
+  """Library programs with column sums under a per-tile config, every finished output
+  against fp32 (the pass's LayerNorm producer backward as a pass)."""
+  cfg = PER_TILE_CONFIGS["cooperative_wgM"]
+  if name in NO_PRODUCT_PROGRAMS and name not in PROGRAMS:
+    program = NO_PRODUCT_PROGRAMS[name]
+    m, n = 512, 128
+    a, b = jnp.zeros((m, 0), jnp.bfloat16), jnp.zeros((0, n), jnp.bfloat16)
+  else:
+    program = PROGRAMS[name]
+    m, n = 512, 128
+    a, b = gemm_inputs(key, m, n, K, jnp.bfloat16)
+  ops = make_operands(jax.random.fold_in(key, 1), program, m, n, jnp.bfloat16)
+  check_program(a, b, program, ops, kernel_impl, config=cfg)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
