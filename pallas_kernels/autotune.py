@@ -33,6 +33,7 @@ from typing import Callable, Iterator
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import epilogue as epi
 from pallas_kernels import gemm_mgpu as g
 
 CACHE_ENV = "CODA_JAX_GEMM_CACHE"
@@ -427,7 +428,9 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   tile operands staged 4 sub-tiles ahead or all of them during the mainloop. A pass
   (K = 0) also tries sub-tiles as tall as its 128-row warpgroup tiles, and each config
   loading the next tile's operands under the current one
-  (``GemmConfig.epi_prefetch_next_tile``). Taller sub-tiles under a mainloop ran level
+  (``GemmConfig.epi_prefetch_next_tile``). A program with column partials also tries
+  each config carrying them down the warpgroup tile
+  (``GemmConfig.epi_column_sums_per_tile``). Taller sub-tiles under a mainloop ran level
   at best (128 x 16, 192 x 16) and up to 1.4x slower (128 x 32: fewer stages fit), so
   GEMMs keep 64-row ones.
   Ping-pong also tries 192-row warpgroup tiles: 192 accumulator registers a thread,
@@ -462,6 +465,7 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   mn_major = trans_a or not trans_b
   tile_ks = (64,) if mn_major or not extra else (64, 32)
   has_tiles = any(kind in g._TILE_KINDS for kind in input_kinds.values())
+  sums_rows = any(o.kind == epi.OutputKind.COL_PARTIAL for o in outputs)
   found, skipped, seen = [], [], set()
   for st, tk, em, en, depth in (
       (s, tk, em, en, sl) for s in structures for tk in tile_ks for em in s.epi_heights
@@ -493,11 +497,15 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
         except ValueError as e:
           why = str(e)
       if best is not None:
-        found.append(best)
+        these = [best]
         if k == 0:  # a pass: also with the next tile's operands loaded under this one
           nxt = _prefetching_next_tile(best, dtype, input_kinds, input_dtypes, outputs)
           if nxt is not None:
-            found.append(nxt)
+            these.append(nxt)
+        if sums_rows and best.tile_m > best.epi_tile_m:
+          # column partials carried down the tile: fewer cross-warp sums, same memory
+          these += [dataclasses.replace(c, epi_column_sums_per_tile=True) for c in these]
+        found += these
       else:
         skipped.append((name, why or "no stage count fits in shared memory"))
   return found, skipped

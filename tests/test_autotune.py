@@ -435,3 +435,15 @@ def test_no_product_configs():
   assert tall == {(128, 64), (128, 128), (64, 64)}
   assert {c.epi_tile_m for c in autotune.candidates(
       16384, 2048, 2048, jnp.bfloat16, *one, trans_a=False, trans_b=False)[0]} == {64}
+  # column partials: each config also carries them down the tile, where it has more
+  # than one row of sub-tiles; a program without them never does
+  assert not any(c.epi_column_sums_per_tile for c in autotune.candidates(
+      16384, 2048, 2048, jnp.bfloat16, *one, trans_a=False, trans_b=False)[0])
+  summed = one[:2] + ((EpilogueOutput("y"), EpilogueOutput("c", OutputKind.COL_PARTIAL,
+                                                             jnp.float32)),)
+  found, _ = autotune.candidates(16384, 2048, 2048, jnp.bfloat16, *summed,
+                                 trans_a=False, trans_b=False)
+  carried = [c for c in found if c.epi_column_sums_per_tile]
+  assert carried and all(c.tile_m > c.epi_tile_m for c in carried)
+  assert {dataclasses.replace(c, epi_column_sums_per_tile=False) for c in carried} <= set(
+      found)
