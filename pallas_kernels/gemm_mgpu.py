@@ -777,27 +777,23 @@ class _Epilogue:
       else:
         smem["o_" + o.name][wg, slot] = value
 
-    def writer(o):
-      def write(value):
-        if self._carried(o):  # a finished sum of this sub-tile, carried down the tile
-          value = self._carry(o.name, value, i)
-          if value is None:
-            return
-        stage(o, value)
-      return write
-
     column_sum = (self._column_sum_in_turn if self.sum_turns
                   else (lambda x: jnp.sum(x, axis=0)) if "turn" in self.smem
                   else self._no_column_sums)
 
-    def sum_writer(o):
-      def write(value):  # (em, w): its sum over rows is the partial
-        if self._carried(o):  # the rows added down the tile first, then summed once
+    def writer(o, finish=lambda value: value):
+      """Stores ``finish(value)``; a column partial carried down the tile, once its
+      last row of sub-tiles has been added."""
+      def write(value):
+        if self._carried(o):
           value = self._carry(o.name, value, i)
           if value is None:
             return
-        stage(o, column_sum(value).astype(o.dtype))
+        stage(o, finish(value))
       return write
+
+    # a tile whose sum over rows is the partial: summed once the rows are added
+    sum_writer = lambda o: writer(o, lambda value: column_sum(value).astype(o.dtype))
 
     return epi.EpilogueTile(
         row0=r0, col0=c0, shape=(em, en),

@@ -193,7 +193,7 @@ MUTATIONS = [
         "a row scale applied along columns"),
     Mutation(
         "colsum_of_squares", "coda_jax/primitives.py",
-        "env.store(self.name, env.column_sum(x))", "env.store(self.name, env.column_sum(x * x))",
+        "env.store_column_sum(self.name, x)", "env.store_column_sum(self.name, x * x)",
         ("tests/test_primitives.py", "-k", "independent_formula"), "ColSum sums squares"),
     Mutation(
         "pick_column_off_by_one", "coda_jax/primitives.py",
@@ -844,8 +844,8 @@ MUTATIONS = [
     # ---- Store(add_to): the dW accumulation written by the TMA store itself -------------
     Mutation(
         "store_adds_staged_add_dropped", "pallas_kernels/gemm_mgpu.py",
-        "          value = value + reader(self.adds[o.name])()",
-        "          value = value",
+        "        value = value + reader(self.adds[o.name])()",
+        "        value = value",
         ("tests/test_in_place.py", "-k", "store_adds or accumulate"),
         "where the added-to operand is staged (interpreter, fresh output) it is never added"),
     Mutation(
@@ -955,8 +955,8 @@ MUTATIONS = [
         "through the next LayerNorm's (h, mu, r)"),
     Mutation(
         "ln_input_grad_dg_without_x", "coda_jax/layernorm_ops.py",
-        "    env.store(self.dg, env.column_sum(dh * x))\n",
-        "    env.store(self.dg, env.column_sum(dh))\n",
+        "    env.store_column_sum(self.dg, dh * x)\n",
+        "    env.store_column_sum(self.dg, dh)\n",
         ("tests/test_layernorm_ops.py", "-k", "op_and_grads_xla and residual_layernorm"),
         "the producer pass sums dh alone for g's gradient, not dh x"),
     Mutation(
