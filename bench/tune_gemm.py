@@ -38,6 +38,7 @@ from pathlib import Path
 import jax
 
 from pallas_kernels import autotune
+from pallas_kernels import gemm_mgpu as g
 from bench import common, lowering_time
 
 
@@ -126,6 +127,19 @@ def challengers(problem: autotune.Problem, tile_m: int, extra: bool = False):
   return [current] + [c for c in found if c != current]
 
 
+def variant_challenger(problem: autotune.Problem, overrides: dict):
+  """The current config of ``problem`` first, then the same config with ``overrides``
+  (``GemmConfig`` fields; stages lowered until it fits); None when the variant is the
+  current config or fits at no stage count."""
+  current, _ = autotune.chosen_config(problem)
+  variant = g.deepest_fitting(dataclasses.replace(current, **overrides), problem.a.dtype,
+                              problem.input_kinds, problem.input_dtypes, problem.outputs,
+                              mainloop=problem.key.k > 0)
+  if variant is None or variant == current:
+    return None
+  return [current, variant]
+
+
 def find_problems(args) -> dict:
   """key text -> (where, problem) of every GEMM the ``--workloads`` trace."""
   from bench import gemm_epilogue as ge
@@ -172,7 +186,24 @@ def main():
                  "only the search's candidates with warpgroup tiles this tall, in one "
                  "process; a challenger replaces it when more than 1%% faster (problems "
                  "--out has are included)")
+  p.add_argument("--challenge-variant", default=None, metavar="FIELD=VALUE,...",
+                 help="time each problem's current config against the same config with "
+                 "these GemmConfig fields replaced (as bench.compare_configs' --variant, "
+                 "without the name), in one process; the variant replaces it when more "
+                 "than 1%% faster (problems --out has are included)")
   args = p.parse_args()
+  overrides = None
+  if args.challenge_variant is not None:
+    if args.challenge_tile_m is not None:
+      sys.exit("--challenge-variant and --challenge-tile-m: pass one of them")
+    from bench import compare_configs  # it imports this module
+    try:
+      _, overrides, num_sms = compare_configs.parse_variant("v=" + args.challenge_variant)
+    except ValueError as e:
+      sys.exit(str(e).replace("--variant v", "--challenge-variant"))
+    if num_sms is not None or "clip_m" in overrides:
+      sys.exit("--challenge-variant: only GemmConfig fields (not num_sms or clip_m)")
+  challenge = args.challenge_tile_m is not None or overrides is not None
   on_gpu = jax.devices()[0].platform == "gpu"
   if not on_gpu and not args.list:
     sys.exit("tune_gemm measures on the device: run it on the GPU host (--list runs "
@@ -191,7 +222,7 @@ def main():
     return
   out = Path(args.out)
   have = set(json.loads(out.read_text())["entries"]) if out.exists() else set()
-  if not args.retune and args.challenge_tile_m is None and have & set(problems):
+  if not args.retune and not challenge and have & set(problems):
     print(f"{len(have & set(problems))} problems already in {out}: skipped (--retune to "
           "redo them)", flush=True)
     problems = {k: v for k, v in problems.items() if k not in have}
@@ -211,6 +242,11 @@ def main():
         configs = challengers(problem, args.challenge_tile_m, args.extra)
         if configs is None:
           print("  no candidate that tall tiles it: kept", flush=True)
+          continue
+      elif overrides is not None:
+        configs = variant_challenger(problem, overrides)
+        if configs is None:
+          print("  the variant is the current config, or does not fit: kept", flush=True)
           continue
       # a challenge keeps the current config (its first) within the margin
       rec = autotune.tune(problem, iterations=args.iterations, extra=args.extra,

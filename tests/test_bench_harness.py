@@ -271,6 +271,25 @@ def test_tune_gemm_challengers():
   assert tune_gemm.challengers(autotune.plain_problem(512, 512, 256, trans_b=True), 192) is None
 
 
+def test_tune_gemm_variant_challenger(monkeypatch):
+  """``--challenge-variant``: the problem's current config, then the same config with
+  the fields replaced; None where the variant is the current config; the flag's text
+  is checked before anything runs."""
+  import dataclasses
+  from bench import tune_gemm
+  problem = autotune.plain_problem(768, 512, 256, trans_b=True)
+  current, _ = autotune.chosen_config(problem)
+  configs = tune_gemm.variant_challenger(problem, dict(epi_tile_n=16))
+  assert configs == [current, dataclasses.replace(current, epi_tile_n=16)]
+  assert current.epi_tile_n != 16
+  assert tune_gemm.variant_challenger(problem, dict(epi_tile_n=current.epi_tile_n)) is None
+  for bad, why in [("tile=128", "'tile' is not a GemmConfig field"),
+                   ("num_sms=64", "only GemmConfig fields")]:
+    monkeypatch.setattr("sys.argv", ["tune_gemm", "--list", "--challenge-variant", bad])
+    with pytest.raises(SystemExit, match=why):
+      tune_gemm.main()
+
+
 def test_ncu_source_summary(tmp_path):
   """bench.ncu_source: samples per opcode with the guard predicate stripped, shares of
   the total, and the top instruction with its main stall reason (a CSV laid out as
