@@ -281,8 +281,10 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
   warpgroups split M) in clusters of two along N that multicast A and N-minor order in
   bands of 16 were best or within 1% of best at every benchmark shape for the plain GEMM
   and light epilogues. Epilogues that move many bytes per element for their K (see
-  ``epilogue_bytes_per_element``) get the ping-pong schedule first. The tuning cache
-  (``autotune``) overrides all of this where it has the problem.
+  ``epilogue_bytes_per_element``) get the ping-pong schedule first. Programs with
+  column partials carry them down the warpgroup tile (``epi_column_sums_per_tile``)
+  where that takes few registers (``COLUMN_SUMS_PER_TILE_MAX_REGISTERS``). The tuning
+  cache (``autotune``) overrides all of this where it has the problem.
   ``trans_a`` / ``not trans_b`` (MN-major operands) need tile_k a multiple of 64.
 
   Args:
@@ -342,12 +344,39 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
         for store_n in store_widths(en):
           cfg = dataclasses.replace(probe, epi_tile_n=en, stages=stages, epi_store_n=store_n)
           if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs) <= SMEM_LIMIT_BYTES:
-            return cfg
+            return _column_sums_per_tile_if_cheap(cfg, outputs)
   raise ValueError(f"no GEMM tiling divides (M, N, K)=({m}, {n}, {k}) with an epilogue "
                    f"width that is a multiple of {min_epi_tile_n}: M and N must be "
                    "multiples of 64, and one of them of 128 when B is stored (K, N); K of "
                    "64 (of 16 with A (M, K) and B (N, K)); the epilogue's buffers must fit "
                    "in shared memory")
+
+
+# The most fp32 registers per thread that carried column partials may take for the
+# heuristic to turn on ``epi_column_sums_per_tile``: (epi_tile_m x width) per output over
+# a warpgroup's 128 threads. Measured on the H100 against the heuristic's configs
+# (bench/NOTES.md, twenty-second session): 8-32 carried registers ran 0.90-0.96x on
+# GPT-2's column-summing GEMMs and level (0.98-1.01x) on Llama's and Qwen3's, but 64
+# (the QK-norm backward's 64 x 128 sub-tiles) ran 1.63x slower.
+COLUMN_SUMS_PER_TILE_MAX_REGISTERS = 32
+
+
+def carried_column_registers(cfg: GemmConfig, outputs) -> int:
+  """fp32 registers per thread that ``epi_column_sums_per_tile`` carries down a tile:
+  one (epi_tile_m, width) value per column-partial output, over 128 threads."""
+  return sum(cfg.epi_tile_m * o.scaled(cfg.epi_tile_n) for o in outputs
+             if o.kind == epi.OutputKind.COL_PARTIAL) // 128
+
+
+def _column_sums_per_tile_if_cheap(cfg: GemmConfig, outputs) -> GemmConfig:
+  """The heuristic's choice of ``epi_column_sums_per_tile``: on where the program has
+  column partials, a warpgroup tile has more than one sub-tile down it, and the carried
+  sums take at most ``COLUMN_SUMS_PER_TILE_MAX_REGISTERS``."""
+  carried = carried_column_registers(cfg, outputs)
+  if (carried and cfg.tile_m > cfg.epi_tile_m
+      and carried <= COLUMN_SUMS_PER_TILE_MAX_REGISTERS):
+    return dataclasses.replace(cfg, epi_column_sums_per_tile=True)
+  return cfg
 
 
 def _no_product_config(m, n, dtype, input_kinds, input_dtypes, outputs,
@@ -370,7 +399,7 @@ def _no_product_config(m, n, dtype, input_kinds, input_dtypes, outputs,
           continue
         if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs,
                       mainloop=False) <= SMEM_LIMIT_BYTES:
-          return cfg
+          return _column_sums_per_tile_if_cheap(cfg, outputs)
   raise ValueError(f"no tiling divides (M, N)=({m}, {n}) of this K = 0 epilogue pass with "
                    f"an epilogue width that is a multiple of {min_epi_tile_n}: M and N must "
                    "be multiples of 64 and the epilogue's buffers must fit in shared memory")

@@ -992,6 +992,13 @@ MUTATIONS = [
         ("tests/test_primitives.py", "-k", "per_tile"),
         "a column partial carried down the tile keeps only its last row of sub-tiles"),
     Mutation(
+        "heuristic_column_sums_ignore_register_cap", "pallas_kernels/gemm_mgpu.py",
+        "      and carried <= COLUMN_SUMS_PER_TILE_MAX_REGISTERS):\n",
+        "      ):  # (planted)\n",
+        ("tests/test_autotune.py", "-k", "heuristic_carries"),
+        "the heuristic carries column sums down the tile however many registers they "
+        "take (the QK-norm backward's 64 x 128 sub-tiles ran 1.63x slower so)"),
+    Mutation(
         "per_tile_partial_row_by_subtile", "pallas_kernels/gemm_mgpu.py",
         "    return ref.at[r0 // self.cfg.column_partial_rows, cols]",
         "    return ref.at[r0 // self.cfg.epi_tile_m, cols]",

@@ -447,3 +447,30 @@ def test_no_product_configs():
   assert carried and all(c.tile_m > c.epi_tile_m for c in carried)
   assert {dataclasses.replace(c, epi_column_sums_per_tile=False) for c in carried} <= set(
       found)
+
+
+def test_heuristic_carries_column_sums_down_the_tile_where_cheap():
+  """The heuristic turns on ``epi_column_sums_per_tile`` where the program has column
+  partials, a warpgroup tile has several sub-tiles down it, and the carried sums take
+  at most ``COLUMN_SUMS_PER_TILE_MAX_REGISTERS`` a thread; not for the QK-norm
+  backward's 64 x 128 sub-tiles (64 registers, 1.63x slower on the H100), nor without
+  column partials."""
+  col = EpilogueOutput("dg", OutputKind.COL_PARTIAL, jnp.float32)
+  two = (col, EpilogueOutput("dbeta", OutputKind.COL_PARTIAL, jnp.float32),
+         EpilogueOutput("dh"))
+  one = (col, EpilogueOutput("dh"))
+  for k, outs in ((2048, two), (2048, one), (0, one)):  # GEMMs and a K = 0 pass
+    cfg = gemm_mgpu.default_config(1024, 512, k, outputs=outs)
+    assert cfg.epi_column_sums_per_tile, cfg.describe()
+    carried = gemm_mgpu.carried_column_registers(cfg, outs)
+    assert carried == (len(outs) - 1) * cfg.epi_tile_m * cfg.epi_tile_n // 128
+    assert 0 < carried <= gemm_mgpu.COLUMN_SUMS_PER_TILE_MAX_REGISTERS
+    plain = gemm_mgpu.default_config(1024, 512, k, outputs=(EpilogueOutput("dh"),))
+    assert not plain.epi_column_sums_per_tile
+  # the pass's 64 x 64 sub-tiles with two column partials carry 64 registers
+  cfg = gemm_mgpu.default_config(1024, 512, 0, outputs=two)
+  assert cfg.epi_tile_n == 64 and not cfg.epi_column_sums_per_tile
+  wide = gemm_mgpu.default_config(1024, 512, 0, outputs=(col, EpilogueOutput("du")),
+                                  min_epi_tile_n=128)
+  assert wide.epi_tile_n == 128 and not wide.epi_column_sums_per_tile
+  assert gemm_mgpu.carried_column_registers(wide, (col,)) == 64
