@@ -334,11 +334,17 @@ def run_shape(name, s: Shape, impl, measure, prov, key, only=None, lm_chunk_rows
   return rows
 
 
-def timer(on_gpu, iterations):
+def timer(on_gpu, iterations, sustained_s=None):
+  """``measure(fn, *args)`` -> (ms per call, per-kernel ms or None, fn's outputs): on a
+  GPU the median of ``iterations`` calls' kernel time (CUPTI), or with ``sustained_s``
+  the wall clock per call over that many seconds of back-to-back calls
+  (``common.back_to_back_ms``: the power-capped steady state); on a CPU the
+  interpreter's wall clock."""
   def measure(fn, *args):
-    """-> (ms per call, per-kernel ms or None, fn's outputs)."""
     jitted, times = jax.jit(fn), []
     out = jax.block_until_ready(jitted(*args))  # the compile, and outputs to compare
+    if on_gpu and sustained_s:
+      return common.back_to_back_ms(lambda: jitted(*args), sustained_s)[0], None, out
     if on_gpu:
       return (*common.time_kernels(fn, *args, iterations=iterations), out)
     for _ in range(iterations):  # CPU: wall clock of the interpreter, not a GPU speed
@@ -372,11 +378,14 @@ def speedup_cell(row) -> str:
 
 
 def markdown(rows, prov, on_gpu, title="Llama blocks: ours vs jax.jit of the standard block",
-             note=LLAMA_NOTE):
+             note=LLAMA_NOTE, sustained_s=None):
   mb = lambda v: f"{v / 2**20:.1f}" if v is not None else "-"
   fmt = lambda v, p=4: f"{v:.{p}f}" if v is not None else "-"
   unit = "CUPTI kernel ms per call, median" if on_gpu else "CPU wall-clock ms of the " \
       "Mosaic GPU interpreter: NOT a GPU speed, a correctness check only"
+  if on_gpu and sustained_s:
+    unit = (f"wall-clock ms per call over {sustained_s} s of back-to-back calls (the "
+            "power-capped steady state; GEMMs alone likewise)")
   md = [f"# {title}", "",
         f"device: {prov['device']}; jax {prov['jax_version']}; commit {prov['commit']}",
         f"command: `{prov['command']}`", f"times: {unit}", "",

@@ -12,6 +12,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -117,6 +118,26 @@ class DroppingEnv:
   def store_column_sum(self, name, x):
     if name not in self._dropped:
       self._env.store_column_sum(name, x)
+
+
+def back_to_back_ms(call, seconds: float, *, sync=jax.block_until_ready,
+                    clock=time.perf_counter) -> tuple[float, int]:
+  """(ms per call, calls): ``call`` (no arguments) run back to back for about
+  ``seconds`` of ``clock``, synchronised once at the end, after one synchronised call
+  that warms it and sizes the window. An H100 running GEMMs back to back sits at its
+  power cap and lowers its clock within a fraction of a second, so this measures the
+  speed its energy per call allows; a short CUPTI run measures nearer the boost clock
+  (bench/NOTES.md, twenty-second session)."""
+  if seconds <= 0:
+    raise ValueError(f"seconds={seconds}: must be positive")
+  t0 = clock()
+  sync(call())
+  n = max(3, int(seconds / max(clock() - t0, 1e-6)))
+  t0 = clock()
+  for _ in range(n):
+    out = call()
+  sync(out)
+  return (clock() - t0) / n * 1e3, n
 
 
 @jax.jit

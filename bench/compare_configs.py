@@ -16,6 +16,12 @@ until the variant fits in shared memory; one that still does not fit, or does no
 the problem, is reported with the reason. ``--ncu`` runs each (problem, variant)
 twice without timing, for Nsight Compute (profile the second launch). Prints a table:
 time and the ratio to the chosen config ("base").
+
+``--sustained-s S`` times each variant instead by wall clock over back-to-back calls for
+S seconds, twice, in the order base, variants, then reversed (ABBA). An H100 running
+GEMMs back to back sits at its power cap and lowers its clock: a short CUPTI run
+measures the kernel near the boost clock, the sustained one at the clock its energy per
+call allows (bench/NOTES.md, twenty-second session).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import argparse
 import dataclasses
 import re
 import sys
+import time
 
 import jax
 
@@ -78,10 +85,25 @@ def plain_problem(spec: str) -> tuple[str, autotune.Problem]:
                                                  m_.group(5) == "t")
 
 
-def run(problem: autotune.Problem, variants, iterations: int, ncu: bool) -> list[dict]:
+def sustained_ms(calls: dict, seconds: float, *, sync=jax.block_until_ready,
+                 clock=time.perf_counter) -> dict:
+  """name -> (ms per call, calls made): each of ``calls`` (name -> a function of no
+  arguments) timed by ``common.back_to_back_ms`` twice, in the given order and then
+  reversed, and the two windows' times per call averaged."""
+  names = list(calls)
+  spent = {name: [] for name in names}
+  for name in names + names[::-1]:
+    spent[name].append(common.back_to_back_ms(calls[name], seconds, sync=sync,
+                                              clock=clock))
+  return {name: (sum(ms for ms, _ in w) / len(w), sum(n for _, n in w))
+          for name, w in spent.items()}
+
+
+def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
+        sustained_s: float | None = None) -> list[dict]:
   base, source = autotune.chosen_config(problem)
   a, b, ops = problem.random_inputs(seed=1)
-  rows = []
+  rows, calls = [], {}
   for name, overrides, num_sms in [("base", {}, None), *variants]:
     row = dict(variant=name)
     overrides = dict(overrides)
@@ -98,12 +120,20 @@ def run(problem: autotune.Problem, variants, iterations: int, ncu: bool) -> list
         for _ in range(2):
           jax.block_until_ready(fn(a, b, ops))
         row["ms"] = None
+      elif sustained_s:
+        jax.block_until_ready(fn(a, b, ops))  # compiled before any window runs
+        calls[name] = lambda fn=fn: fn(a, b, ops)
       else:
         row["ms"] = common.time_kernels(fn, a, b, ops, iterations=iterations,
                                         only="coda_gemm")[0]
     except Exception as e:  # noqa: BLE001  a variant that does not fit is reported
       row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
     rows.append(row)
+  if calls:
+    timed = sustained_ms(calls, sustained_s)
+    for row in rows:
+      if row["variant"] in timed:
+        row["ms"] = timed[row["variant"]][0]
   base_ms = rows[0].get("ms")
   for row in rows:
     if row.get("ms") and base_ms:
@@ -120,7 +150,13 @@ def main():
                  help="NAME=FIELD=VALUE,... (repeatable)")
   p.add_argument("--iterations", type=int, default=20)
   p.add_argument("--ncu", action="store_true", help="run each twice, untimed")
+  p.add_argument("--sustained-s", type=float, default=None,
+                 help="time by wall clock over back-to-back calls for this many seconds "
+                 "per window (two windows each, ABBA) instead of a short CUPTI run")
   args = p.parse_args()
+  if args.sustained_s is not None and (args.sustained_s <= 0 or args.ncu):
+    sys.exit(f"--sustained-s {args.sustained_s}: a positive number of seconds, "
+             "without --ncu")
   try:
     variants = [parse_variant(v) for v in args.variant]
     problems = [plain_problem(s) for s in args.plain]
@@ -134,11 +170,14 @@ def main():
     problems += [(where, pr) for k, (where, pr) in found.items()
                  if args.match is None or re.search(args.match, k)]
   print(common.provenance(), flush=True)
+  print(f"timing: wall clock, back-to-back calls, two {args.sustained_s} s windows per "
+        "variant (ABBA)" if args.sustained_s else
+        f"timing: CUPTI, median of {args.iterations} calls", flush=True)
   table = ["| problem | M x N x K | order | variant | config | ms | / base |",
            "|---|---|---|---|---|---|---|"]
   for where, problem in problems:
     k = problem.key
-    rows, source = run(problem, variants, args.iterations, args.ncu)
+    rows, source = run(problem, variants, args.iterations, args.ncu, args.sustained_s)
     program = k.signature.split(";")[0][:60]
     for row in rows:
       ms = row.get("ms")

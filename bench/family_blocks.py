@@ -258,7 +258,12 @@ def main():
                  help="where GPT-2's next LN_1 statistics come from, comma-separated of "
                  f"{list(LN1_STATS)} (the MLP's output GEMM, or an XLA pass): a pair of "
                  "GPT-2 rows for each")
+  p.add_argument("--sustained-s", type=float, default=None,
+                 help="GPU: time each round by wall clock over this many seconds of "
+                 "back-to-back calls (the power-capped steady state) instead of CUPTI")
   args = p.parse_args()
+  if args.sustained_s is not None and args.sustained_s <= 0:
+    p.error(f"--sustained-s {args.sustained_s}: a positive number of seconds")
   mlp_residuals = tuple(args.mlp_residuals.split(","))
   if not mlp_residuals or any(v not in L.MLP_RESIDUALS for v in mlp_residuals):
     p.error(f"--mlp-residuals {args.mlp_residuals!r}: one or more of {list(L.MLP_RESIDUALS)}")
@@ -266,7 +271,7 @@ def main():
   if any(v not in LN1_STATS for v in ln1_stats):
     p.error(f"--ln1-stats {args.ln1_stats!r}: one or more of {list(LN1_STATS)}")
   on_gpu = jax.devices()[0].platform == "gpu"
-  measure = B.timer(on_gpu, args.iterations or (30 if on_gpu else 1))
+  measure = B.timer(on_gpu, args.iterations or (30 if on_gpu else 1), args.sustained_s)
   names, impl = (args.shapes.split(","), "mosaic") if on_gpu else (
       ["gpt2_tiny", "qwen3_tiny"], "interpret")
   impl = args.impl or impl
@@ -285,7 +290,8 @@ def main():
                   "jax.jit of the standard block",
                   note="Shifted block: attention output and residual in, the next layer's "
                   "QKV out (attention itself is not timed). GEMMs alone: GPT-2 4 (out-proj, "
-                  "c_fc, mlp_proj, qkv), Qwen3 4 (gate and up as one).")
+                  "c_fc, mlp_proj, qkv), Qwen3 4 (gate and up as one).",
+                  sustained_s=args.sustained_s)
   out = common.write_results("family_blocks", rows, md, out=args.out)
   print(f"wrote {out / 'family_blocks.json'} and {out / 'family_blocks.md'}\n")
   print(md)
