@@ -259,6 +259,40 @@ def test_compare_configs_variants_and_plain_problems():
     cc.plain_problem("512x256:nn")
 
 
+def test_compare_configs_sustained_windows():
+  """``--sustained-s``: each call sized from its first run, windows in the order given
+  then reversed, each window's time per call averaged; a call's time is what the fake
+  clock advances."""
+  from bench import compare_configs as cc
+  now, order = [0.0], []
+  def call(name, cost):
+    def fn():
+      order.append(name)
+      now[0] += cost
+      return name
+    return fn
+  a, b = 2.0 ** -10, 2.0 ** -8  # seconds a call, exact in binary
+  got = cc.sustained_ms({"a": call("a", a), "b": call("b", b)}, 20 * a,
+                        sync=lambda x: x, clock=lambda: now[0])
+  assert got == {"a": (a * 1e3, 40), "b": (b * 1e3, 10)}
+  # each window: one sizing call, then its calls; a, b, b, a
+  assert order == (["a"] * 21 + ["b"] * 6 + ["b"] * 6 + ["a"] * 21)
+  with pytest.raises(ValueError, match="must be positive"):
+    cc.sustained_ms({"a": call("a", a)}, 0)
+
+
+def test_block_timer_sustained_mode():
+  """``--sustained-s``: the block benchmarks' timer gives wall clock per call over
+  back-to-back calls, no per-kernel list, and the function's outputs (the timer's
+  sustained path needs no CUPTI, so it runs here, pretending to be on a GPU)."""
+  x = jax.numpy.arange(8.0)
+  ms, kernels, out = B.timer(True, 30, sustained_s=0.05)(lambda v: v * 2, x)
+  assert ms > 0 and kernels is None
+  assert (out == 2 * x).all()
+  md = B.markdown([], common.provenance(), True, sustained_s=0.05)
+  assert "over 0.05 s of back-to-back calls" in md
+
+
 def test_tune_gemm_challengers():
   """``--challenge-tile-m``: the problem's current config first, then only the
   search's candidates that tall; None where none tiles the problem."""
