@@ -20,7 +20,9 @@ candidate's time and every skipped candidate's reason is printed; the table prin
 last has the winner against the heuristic default for each problem.
 ``--challenge-tile-m 192`` times each problem's current config against the search's
 192-row candidates only, and keeps the current one unless another is more than 1%
-faster (a new tile height, without a whole search).
+faster (a new tile height, without a whole search). ``--challenge-variant
+'epi_column_sums_per_tile=True'`` does the same against the current config with those
+fields replaced (a new knob, without a whole search).
 """
 from __future__ import annotations
 
