@@ -109,9 +109,7 @@ def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
     overrides = dict(overrides)
     clip_m = overrides.pop("clip_m", problem.clip_m)
     try:
-      cfg = g.deepest_fitting(dataclasses.replace(base, **overrides), problem.a.dtype,
-                              problem.input_kinds, problem.input_dtypes, problem.outputs,
-                              mainloop=problem.key.k > 0)
+      cfg = problem.deepest_fitting(dataclasses.replace(base, **overrides))
       if cfg is None:
         raise ValueError("no stage count fits in shared memory")
       fn = dataclasses.replace(problem, clip_m=clip_m).jitted(cfg, num_sms)

@@ -40,7 +40,6 @@ from pathlib import Path
 import jax
 
 from pallas_kernels import autotune
-from pallas_kernels import gemm_mgpu as g
 from bench import common, lowering_time
 
 
@@ -134,9 +133,7 @@ def variant_challenger(problem: autotune.Problem, overrides: dict):
   (``GemmConfig`` fields; stages lowered until it fits); None when the variant is the
   current config or fits at no stage count."""
   current, _ = autotune.chosen_config(problem)
-  variant = g.deepest_fitting(dataclasses.replace(current, **overrides), problem.a.dtype,
-                              problem.input_kinds, problem.input_dtypes, problem.outputs,
-                              mainloop=problem.key.k > 0)
+  variant = problem.deepest_fitting(dataclasses.replace(current, **overrides))
   if variant is None or variant == current:
     return None
   return [current, variant]

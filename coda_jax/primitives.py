@@ -72,11 +72,11 @@ class Primitive:
 
   def column_sums_via_env(self) -> bool:
     """True when ``apply`` sums over rows only through ``env.column_sum`` or
-    ``env.store_column_sum``, never with ``jnp.sum(x, axis=0)`` itself. In the kernel such sums share one scratch buffer
-    across the two compute warpgroups: when every step of a program says True, the
-    warpgroups take turns around each sum and run the rest of their epilogues at once;
-    otherwise around the whole epilogue. Default False (always correct); the library's
-    primitives say True."""
+    ``env.store_column_sum``, never with ``jnp.sum(x, axis=0)`` itself. In the kernel
+    such sums share one scratch buffer across the two compute warpgroups: when every
+    step of a program says True, the warpgroups take turns around each sum and run the
+    rest of their epilogues at once; otherwise around the whole epilogue. Default False
+    (always correct); the library's primitives say True."""
     return self._column_sums_via_env
 
   _column_sums_via_env = False  # a class attribute: set True to claim

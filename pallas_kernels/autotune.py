@@ -33,7 +33,6 @@ from typing import Callable, Iterator
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import epilogue as epi
 from pallas_kernels import gemm_mgpu as g
 
 CACHE_ENV = "CODA_JAX_GEMM_CACHE"
@@ -306,6 +305,12 @@ class Problem:
                       min_epi_tile_n=self.min_epi_tile_n, extra=extra, clip_m=self.clip_m,
                       tile_m=tile_m)
 
+  def deepest_fitting(self, config: g.GemmConfig) -> g.GemmConfig | None:
+    """``g.deepest_fitting`` for this problem: ``config`` with the most stages, at most
+    its own, whose shared memory (the operands the kernel stages) fits; None if none."""
+    return g.deepest_fitting(config, self.a.dtype, self.staged_kinds, self.input_dtypes,
+                             self.outputs, mainloop=self.key.k > 0)
+
   def default_config(self) -> g.GemmConfig:
     """The heuristic config ``gemm`` falls back to (raises ValueError if none tiles)."""
     k = self.key
@@ -465,7 +470,6 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   mn_major = trans_a or not trans_b
   tile_ks = (64,) if mn_major or not extra else (64, 32)
   has_tiles = any(kind in g._TILE_KINDS for kind in input_kinds.values())
-  sums_rows = any(o.kind == epi.OutputKind.COL_PARTIAL for o in outputs)
   found, skipped, seen = [], [], set()
   for st, tk, em, en, depth in (
       (s, tk, em, en, sl) for s in structures for tk in tile_ks for em in s.epi_heights
@@ -502,7 +506,7 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
           nxt = _prefetching_next_tile(best, dtype, input_kinds, input_dtypes, outputs)
           if nxt is not None:
             these.append(nxt)
-        if sums_rows and best.tile_m > best.epi_tile_m:
+        if g.can_carry_column_sums(best, outputs):
           # column partials carried down the tile: fewer cross-warp sums, same memory
           these += [dataclasses.replace(c, epi_column_sums_per_tile=True) for c in these]
         found += these

@@ -368,13 +368,20 @@ def carried_column_registers(cfg: GemmConfig, outputs) -> int:
              if o.kind == epi.OutputKind.COL_PARTIAL) // 128
 
 
+def can_carry_column_sums(cfg: GemmConfig, outputs) -> bool:
+  """Whether ``epi_column_sums_per_tile`` changes anything for this program under
+  ``cfg``: it has column partials and a warpgroup tile has more than one row of
+  sub-tiles to add."""
+  return (cfg.tile_m > cfg.epi_tile_m
+          and any(o.kind == epi.OutputKind.COL_PARTIAL for o in outputs))
+
+
 def _column_sums_per_tile_if_cheap(cfg: GemmConfig, outputs) -> GemmConfig:
   """The heuristic's choice of ``epi_column_sums_per_tile``: on where the program has
   column partials, a warpgroup tile has more than one sub-tile down it, and the carried
   sums take at most ``COLUMN_SUMS_PER_TILE_MAX_REGISTERS``."""
-  carried = carried_column_registers(cfg, outputs)
-  if (carried and cfg.tile_m > cfg.epi_tile_m
-      and carried <= COLUMN_SUMS_PER_TILE_MAX_REGISTERS):
+  if (can_carry_column_sums(cfg, outputs)
+      and carried_column_registers(cfg, outputs) <= COLUMN_SUMS_PER_TILE_MAX_REGISTERS):
     return dataclasses.replace(cfg, epi_column_sums_per_tile=True)
   return cfg
 

@@ -993,7 +993,7 @@ MUTATIONS = [
         "a column partial carried down the tile keeps only its last row of sub-tiles"),
     Mutation(
         "heuristic_column_sums_ignore_register_cap", "pallas_kernels/gemm_mgpu.py",
-        "      and carried <= COLUMN_SUMS_PER_TILE_MAX_REGISTERS):\n",
+        "      and carried_column_registers(cfg, outputs) <= COLUMN_SUMS_PER_TILE_MAX_REGISTERS):\n",
         "      ):  # (planted)\n",
         ("tests/test_autotune.py", "-k", "heuristic_carries"),
         "the heuristic carries column sums down the tile however many registers they "
