@@ -212,16 +212,22 @@ def timed_rounds(measure, ours, ours_args, xla, xla_args, rounds=1):
     speedup_vs_baseline (the median of the rounds' XLA / ours ratios), the per-round
     lists ours_ms_rounds, baseline_ms_rounds and speedup_rounds (only when ``rounds`` >
     1), the first round's per-kernel times (ours_kernels, baseline_kernels), and each
-    function's outputs from its first round (under the keys "got" and "want").
+    function's outputs from its first round (under the keys "got" and "want"). Where
+    ``measure`` gives a window's power (``timer``'s sustained mode), also the medians
+    over the rounds of each one's SM clock, power and energy per call: ours_mhz,
+    ours_watts, ours_joules and baseline_mhz, baseline_watts, baseline_joules.
   """
   if rounds < 1:
     raise ValueError(f"rounds={rounds}: at least 1")
-  times, first = {"ours": [], "xla": []}, {}
+  times, first, power = {"ours": [], "xla": []}, {}, {"ours": [], "xla": []}
   for i in range(rounds):
     order = (("ours", ours, ours_args), ("xla", xla, xla_args))
     for name, fn, args in (order if i % 2 == 0 else order[::-1]):
       ms, kernels, out = measure(fn, *args)
       times[name].append(ms)
+      if isinstance(kernels, dict):  # a sustained window's power, not kernel times
+        power[name].append(kernels)
+        kernels = None
       first.setdefault(name, (kernels, out))
       del out
   ratios = [b / a for a, b in zip(times["ours"], times["xla"])]
@@ -233,6 +239,10 @@ def timed_rounds(measure, ours, ours_args, xla, xla_args, rounds=1):
   if rounds > 1:
     res.update(ours_ms_rounds=times["ours"], baseline_ms_rounds=times["xla"],
                speedup_rounds=ratios)
+  if power["ours"] and power["xla"]:
+    for name, prefix in (("ours", "ours"), ("xla", "baseline")):
+      for field in ("mhz", "watts", "joules"):
+        res[f"{prefix}_{field}"] = statistics.median(w[field] for w in power[name])
   return res
 
 
@@ -334,17 +344,23 @@ def run_shape(name, s: Shape, impl, measure, prov, key, only=None, lm_chunk_rows
   return rows
 
 
-def timer(on_gpu, iterations, sustained_s=None):
+def timer(on_gpu, iterations, sustained_s=None, power_log=common.PowerLog):
   """``measure(fn, *args)`` -> (ms per call, per-kernel ms or None, fn's outputs): on a
   GPU the median of ``iterations`` calls' kernel time (CUPTI), or with ``sustained_s``
   the wall clock per call over that many seconds of back-to-back calls
-  (``common.back_to_back_ms``: the power-capped steady state); on a CPU the
-  interpreter's wall clock."""
+  (``common.back_to_back_ms``: the power-capped steady state), where the second item is
+  the window's power instead ({"mhz", "watts", "joules"} per call, from a
+  ``power_log()`` sampled through the window; None where it has no samples); on a CPU
+  the interpreter's wall clock."""
   def measure(fn, *args):
     jitted, times = jax.jit(fn), []
     out = jax.block_until_ready(jitted(*args))  # the compile, and outputs to compare
     if on_gpu and sustained_s:
-      return common.back_to_back_ms(lambda: jitted(*args), sustained_s)[0], None, out
+      with power_log() as log:
+        got = common.back_to_back_ms(lambda: jitted(*args), sustained_s, power=log)
+      seen = (None if got.watts is None else
+              dict(mhz=got.mhz, watts=got.watts, joules=got.joules))
+      return got.ms, seen, out
     if on_gpu:
       return (*common.time_kernels(fn, *args, iterations=iterations), out)
     for _ in range(iterations):  # CPU: wall clock of the interpreter, not a GPU speed
@@ -400,6 +416,17 @@ def markdown(rows, prov, on_gpu, title="Llama blocks: ours vs jax.jit of the sta
               f"{fmt(r.get('ours_vs_gemms'), 3)} | {r['ours_err_vs_fp32']:.1e} | "
               f"{r['baseline_err_vs_fp32']:.1e} | "
               f"{mb(r.get('ours_peak_bytes'))} | {mb(r.get('baseline_peak_bytes'))} |")
+  powered = [r for r in rows if "error" not in r and r.get("ours_joules") is not None]
+  if powered:
+    md += ["", "Power (nvidia-smi every 0.1 s through each window, from 0.3 s into it; "
+           "medians over the rounds): SM clock, board power, and energy per call (power "
+           "x time per call).", "",
+           "| shape | op | ours MHz | XLA MHz | ours W | XLA W | ours J per call | "
+           "XLA J per call | XLA J / ours J |", "|" + "---|" * 9]
+    md += [f"| {r['shape']} | {op_cell(r)} | {r['ours_mhz']:.0f} | {r['baseline_mhz']:.0f} | "
+           f"{r['ours_watts']:.0f} | {r['baseline_watts']:.0f} | {r['ours_joules']:.3f} | "
+           f"{r['baseline_joules']:.3f} | {r['baseline_joules'] / r['ours_joules']:.3f} |"
+           for r in powered]
   if any(r.get("speedup_rounds") for r in rows):
     md += ["", "XLA/ours: with rounds, ours and XLA's block were timed alternately (ABBA), "
            "and the cell gives the median of the rounds' ratios and their range; ours ms "

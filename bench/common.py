@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 
@@ -120,14 +121,100 @@ class DroppingEnv:
       self._env.store_column_sum(name, x)
 
 
+def gpu_power_sample(gpu: int | None = None) -> tuple[float, float] | None:
+  """(SM clock in MHz, board power in W) of one GPU from ``nvidia-smi``, or None where
+  there is no nvidia-smi or it fails. ``gpu``: its index as nvidia-smi numbers them
+  (default: the first of ``CUDA_VISIBLE_DEVICES``, else 0, the device jax puts work on
+  first)."""
+  if gpu is None:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    gpu = int(visible) if visible.isdigit() else 0
+  try:
+    out = subprocess.run(["nvidia-smi", f"--id={gpu}", "--query-gpu=clocks.sm,power.draw",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                         timeout=5, check=True).stdout
+    mhz, watts = (float(v) for v in out.strip().splitlines()[0].split(","))
+  except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+    return None
+  return mhz, watts
+
+
+class PowerLog:
+  """The GPU's SM clock and power draw, sampled every ``interval`` seconds by a
+  background thread, to read beside timing windows: under back-to-back GEMMs an H100
+  sits at its power cap, so a block's time there is its energy per call over the cap's
+  watts (bench/NOTES.md, twenty-second session), and ``window`` gives both.
+
+      with PowerLog() as log:
+        t0 = time.perf_counter(); ...; t1 = time.perf_counter()
+        log.window(t0, t1)  # {"mhz": ..., "watts": ..., "samples": ...} or None
+
+  ``sample`` (no arguments) returns (MHz, W) or None; the first None stops the thread
+  and every window is then None (no GPU, no nvidia-smi). ``clock`` must be the clock
+  the windows are read with."""
+
+  def __init__(self, sample=gpu_power_sample, interval: float = 0.1,
+               clock=time.perf_counter):
+    if interval <= 0:
+      raise ValueError(f"PowerLog interval={interval}: must be positive")
+    self._sample, self._interval, self._clock = sample, interval, clock
+    self._samples: list[tuple[float, float, float]] = []
+    self._stop = None
+    self._thread = None
+
+  def __enter__(self):
+    import threading
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="PowerLog", daemon=True)
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()
+
+  def _run(self):
+    while not self._stop.is_set():
+      got = self._sample()
+      if got is None:
+        return
+      self._samples.append((self._clock(), *got))
+      self._stop.wait(self._interval)
+
+  def window(self, t0: float, t1: float, settle_s: float = 0.3) -> dict | None:
+    """Mean SM clock and power of the samples taken from ``t0 + settle_s`` (the power
+    controller settles within ~0.2 s of a load starting) to ``t1``: {"mhz", "watts",
+    "samples"}, or None where none fell there."""
+    inside = [(mhz, w) for t, mhz, w in list(self._samples) if t0 + settle_s <= t <= t1]
+    if not inside:
+      return None
+    return dict(mhz=statistics.fmean(m for m, _ in inside),
+                watts=statistics.fmean(w for _, w in inside), samples=len(inside))
+
+
+class Sustained(NamedTuple):
+  """A back-to-back timing window: ms per call, the calls made, and (with a
+  ``PowerLog``) the window's mean SM clock and power draw."""
+  ms: float
+  calls: int
+  mhz: float | None = None
+  watts: float | None = None
+
+  @property
+  def joules(self) -> float | None:
+    """Energy per call: the window's mean power times its time per call."""
+    return None if self.watts is None else self.watts * self.ms / 1e3
+
+
 def back_to_back_ms(call, seconds: float, *, sync=jax.block_until_ready,
-                    clock=time.perf_counter) -> tuple[float, int]:
-  """(ms per call, calls): ``call`` (no arguments) run back to back for about
-  ``seconds`` of ``clock``, synchronised once at the end, after one synchronised call
-  that warms it and sizes the window. An H100 running GEMMs back to back sits at its
-  power cap and lowers its clock within a fraction of a second, so this measures the
-  speed its energy per call allows; a short CUPTI run measures nearer the boost clock
-  (bench/NOTES.md, twenty-second session)."""
+                    clock=time.perf_counter, power: PowerLog | None = None) -> Sustained:
+  """``call`` (no arguments) run back to back for about ``seconds`` of ``clock``,
+  synchronised once at the end, after one synchronised call that warms it and sizes the
+  window: a ``Sustained`` of ms per call and calls made, with the window's clock and
+  power where ``power`` (a running ``PowerLog`` on the same clock) has samples in it. An
+  H100 running GEMMs back to back sits at its power cap and lowers its clock within a
+  fraction of a second, so this measures the speed its energy per call allows; a short
+  CUPTI run measures nearer the boost clock (bench/NOTES.md, twenty-second session)."""
   if seconds <= 0:
     raise ValueError(f"seconds={seconds}: must be positive")
   t0 = clock()
@@ -137,7 +224,20 @@ def back_to_back_ms(call, seconds: float, *, sync=jax.block_until_ready,
   for _ in range(n):
     out = call()
   sync(out)
-  return (clock() - t0) / n * 1e3, n
+  t1 = clock()
+  seen = power.window(t0, t1) if power is not None else None
+  return Sustained((t1 - t0) / n * 1e3, n, *((seen["mhz"], seen["watts"]) if seen else ()))
+
+
+def mean_sustained(windows: list[Sustained]) -> Sustained:
+  """Several windows of one function as one: mean ms per call, calls summed, clock and
+  power averaged over the windows that have them."""
+  if not windows:
+    raise ValueError("mean_sustained: no windows")
+  seen = [w for w in windows if w.watts is not None]
+  return Sustained(statistics.fmean(w.ms for w in windows), sum(w.calls for w in windows),
+                   *((statistics.fmean(w.mhz for w in seen),
+                      statistics.fmean(w.watts for w in seen)) if seen else ()))
 
 
 @jax.jit

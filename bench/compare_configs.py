@@ -21,7 +21,9 @@ time and the ratio to the chosen config ("base").
 S seconds, twice, in the order base, variants, then reversed (ABBA). An H100 running
 GEMMs back to back sits at its power cap and lowers its clock: a short CUPTI run
 measures the kernel near the boost clock, the sustained one at the clock its energy per
-call allows (bench/NOTES.md, twenty-second session).
+call allows (bench/NOTES.md, twenty-second session). nvidia-smi is sampled every 0.1 s
+meanwhile (``common.PowerLog``), and the table gives each variant's mean SM clock, power
+and energy per call over its windows.
 """
 from __future__ import annotations
 
@@ -86,17 +88,17 @@ def plain_problem(spec: str) -> tuple[str, autotune.Problem]:
 
 
 def sustained_ms(calls: dict, seconds: float, *, sync=jax.block_until_ready,
-                 clock=time.perf_counter) -> dict:
-  """name -> (ms per call, calls made): each of ``calls`` (name -> a function of no
+                 clock=time.perf_counter, power: common.PowerLog | None = None) -> dict:
+  """name -> ``common.Sustained``: each of ``calls`` (name -> a function of no
   arguments) timed by ``common.back_to_back_ms`` twice, in the given order and then
-  reversed, and the two windows' times per call averaged."""
+  reversed, and the two windows averaged (``common.mean_sustained``; clock, power and
+  energy per call where ``power`` has samples)."""
   names = list(calls)
   spent = {name: [] for name in names}
   for name in names + names[::-1]:
     spent[name].append(common.back_to_back_ms(calls[name], seconds, sync=sync,
-                                              clock=clock))
-  return {name: (sum(ms for ms, _ in w) / len(w), sum(n for _, n in w))
-          for name, w in spent.items()}
+                                              clock=clock, power=power))
+  return {name: common.mean_sustained(w) for name, w in spent.items()}
 
 
 def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
@@ -128,15 +130,27 @@ def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
       row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
     rows.append(row)
   if calls:
-    timed = sustained_ms(calls, sustained_s)
+    with common.PowerLog() as power:
+      timed = sustained_ms(calls, sustained_s, power=power)
     for row in rows:
       if row["variant"] in timed:
-        row["ms"] = timed[row["variant"]][0]
+        got = timed[row["variant"]]
+        row["ms"] = got.ms
+        if got.watts is not None:
+          row.update(mhz=got.mhz, watts=got.watts, joules=got.joules)
   base_ms = rows[0].get("ms")
   for row in rows:
     if row.get("ms") and base_ms:
       row["vs_base"] = row["ms"] / base_ms
   return rows, source
+
+
+def power_cells(row: dict) -> str:
+  """A row's mean SM clock, power and energy per call as table cells ("-" where the
+  run sampled none: CUPTI timing, or no nvidia-smi)."""
+  if row.get("watts") is None:
+    return "- | - | -"
+  return f"{row['mhz']:.0f} | {row['watts']:.0f} | {row['joules'] * 1e3:.3f}"
 
 
 def main():
@@ -171,8 +185,8 @@ def main():
   print(f"timing: wall clock, back-to-back calls, two {args.sustained_s} s windows per "
         "variant (ABBA)" if args.sustained_s else
         f"timing: CUPTI, median of {args.iterations} calls", flush=True)
-  table = ["| problem | M x N x K | order | variant | config | ms | / base |",
-           "|---|---|---|---|---|---|---|"]
+  table = ["| problem | M x N x K | order | variant | config | ms | / base | MHz | W | mJ per call |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for where, problem in problems:
     k = problem.key
     rows, source = run(problem, variants, args.iterations, args.ncu, args.sustained_s)
@@ -184,7 +198,7 @@ def main():
       variant = row["variant"] + (f" ({source})" if row["variant"] == "base" else "")
       line = (f"| {where}: {program} | {k.m}x{k.n}x{k.k} | "
               f"{'t' if k.trans_a else 'n'}{'t' if k.trans_b else 'n'} | {variant} | "
-              f"{row.get('config', '-')} | {result} | {ratio} |")
+              f"{row.get('config', '-')} | {result} | {ratio} | {power_cells(row)} |")
       print(line, flush=True)
       table.append(line)
   print("\n" + "\n".join(table))

@@ -274,11 +274,85 @@ def test_compare_configs_sustained_windows():
   a, b = 2.0 ** -10, 2.0 ** -8  # seconds a call, exact in binary
   got = cc.sustained_ms({"a": call("a", a), "b": call("b", b)}, 20 * a,
                         sync=lambda x: x, clock=lambda: now[0])
-  assert got == {"a": (a * 1e3, 40), "b": (b * 1e3, 10)}
+  assert got == {"a": common.Sustained(a * 1e3, 40), "b": common.Sustained(b * 1e3, 10)}
+  assert got["a"].joules is None  # no power log, no energy
   # each window: one sizing call, then its calls; a, b, b, a
   assert order == (["a"] * 21 + ["b"] * 6 + ["b"] * 6 + ["a"] * 21)
   with pytest.raises(ValueError, match="must be positive"):
     cc.sustained_ms({"a": call("a", a)}, 0)
+
+
+def test_power_log_windows():
+  """``common.PowerLog``: a window averages the samples taken from its start plus the
+  settling time to its end, none there gives None, and the first None from the sampler
+  stops the thread (no GPU: every window None)."""
+  import threading
+  readings = iter([(1980.0, 130.0), (1500.0, 690.0), (1400.0, 700.0), (1300.0, 710.0)])
+  ticks, spent = iter([0.0, 0.1, 0.5, 0.9]), threading.Event()
+  def sample():
+    got = next(readings, None)
+    if got is None:
+      spent.set()
+    return got
+  with common.PowerLog(sample=sample, interval=1e-3, clock=lambda: next(ticks)) as log:
+    assert spent.wait(timeout=10)  # the thread stops at the sampler's first None
+  got = log.window(0.0, 0.6, settle_s=0.3)  # only the sample at 0.5
+  assert got == dict(mhz=1400.0, watts=700.0, samples=1)
+  got = log.window(0.0, 1.0, settle_s=0.05)  # 0.1, 0.5, 0.9
+  assert got["samples"] == 3 and got["mhz"] == 1400.0 and got["watts"] == 700.0
+  assert log.window(0.0, 0.2, settle_s=0.3) is None
+  with common.PowerLog(sample=lambda: None) as none:
+    pass
+  assert none.window(0.0, 1e9, settle_s=0.0) is None
+  with pytest.raises(ValueError, match="interval"):
+    common.PowerLog(interval=0)
+
+
+def test_sustained_window_energy():
+  """``back_to_back_ms`` with a power log: the window's clock and power, and energy per
+  call = power x time per call; ``mean_sustained`` averages power only over the windows
+  that have it."""
+  now = [0.0]
+  def call():
+    now[0] += 2.0 ** -10
+  class Fixed:
+    def window(self, t0, t1):
+      assert t1 > t0
+      return dict(mhz=1450.0, watts=680.0, samples=7)
+  got = common.back_to_back_ms(call, 2.0 ** -5, sync=lambda x: x, clock=lambda: now[0],
+                               power=Fixed())
+  assert (got.ms, got.calls, got.mhz, got.watts) == (2.0 ** -10 * 1e3, 32, 1450.0, 680.0)
+  assert got.joules == pytest.approx(680.0 * 2.0 ** -10)
+  both = common.mean_sustained([got, common.Sustained(3.0, 10)])
+  assert (both.ms, both.calls, both.watts) == ((got.ms + 3.0) / 2, 42, 680.0)
+  assert common.mean_sustained([common.Sustained(1.0, 3)]).joules is None
+
+
+def test_block_timer_sustained_power():
+  """``--sustained-s`` with power samples: each round's window power reaches the row as
+  medians over the rounds, and the table gains a power section with XLA J / ours J."""
+  class FakeLog:
+    watts = iter([600.0, 700.0, 610.0, 690.0])  # ours, xla, xla, ours (ABBA)
+    def __enter__(self):
+      self.w = next(FakeLog.watts)
+      return self
+    def __exit__(self, *exc):
+      pass
+    def window(self, t0, t1):
+      return dict(mhz=1500.0, watts=self.w, samples=5)
+  measure = B.timer(True, 30, sustained_s=0.02, power_log=FakeLog)
+  x = jax.numpy.arange(8.0)
+  res = B.timed_rounds(measure, lambda v: v * 2, (x,), lambda v: v * 3, (x,), rounds=2)
+  assert res["ours_watts"] == 645.0 and res["baseline_watts"] == 655.0
+  assert res["ours_mhz"] == 1500.0 and res["ours_kernels"] is None
+  assert res["ours_joules"] > 0 and res["baseline_joules"] > 0
+  row = dict(shape="tiny", op="fwd", ours_ms=res["ours_ms"], baseline_ms=res["baseline_ms"],
+             speedup_vs_baseline=res["speedup_vs_baseline"], ours_err_vs_fp32=0.0,
+             baseline_err_vs_fp32=0.0, **{k: res[k] for k in res if k.endswith(
+                 ("_mhz", "_watts", "_joules"))})
+  md = B.markdown([row], common.provenance(), True, sustained_s=0.02)
+  assert "| ours J per call |" in md
+  assert f"{res['baseline_joules'] / res['ours_joules']:.3f} |" in md
 
 
 def test_block_timer_sustained_mode():
