@@ -24,6 +24,10 @@ measures the kernel near the boost clock, the sustained one at the clock its ene
 call allows (bench/NOTES.md, twenty-second session). nvidia-smi is sampled every 0.1 s
 meanwhile (``common.PowerLog``), and the table gives each variant's mean SM clock, power
 and energy per call over its windows.
+
+``--xla-dot`` adds a row per problem: the plain product at its shape and operand order
+through ``lax.dot_general`` (cuBLAS, nothing fused), the yardstick for our mainloop and
+for what an epilogue costs in time and, sustained, in energy.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ import time
 
 import jax
 
-from bench import common, tune_gemm
+from bench import common, step_gemms, tune_gemm
 from pallas_kernels import autotune
 from pallas_kernels import gemm_mgpu as g
 
@@ -101,21 +105,34 @@ def sustained_ms(calls: dict, seconds: float, *, sync=jax.block_until_ready,
   return {name: common.mean_sustained(w) for name, w in spent.items()}
 
 
+XLA_DOT = "xla dot"
+
+
 def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
-        sustained_s: float | None = None) -> list[dict]:
+        sustained_s: float | None = None, xla_dot: bool = False) -> list[dict]:
+  """The problem under its chosen config ("base") and each variant, and with
+  ``xla_dot`` the plain product at its shape and operand order through
+  ``lax.dot_general`` (cuBLAS, no epilogue: the row named ``XLA_DOT``)."""
   base, source = autotune.chosen_config(problem)
   a, b, ops = problem.random_inputs(seed=1)
   rows, calls = [], {}
-  for name, overrides, num_sms in [("base", {}, None), *variants]:
+  k = problem.key
+  dot = jax.jit(lambda a, b, ops: step_gemms.xla_dot(a, b, k.trans_a, k.trans_b))
+  for name, overrides, num_sms in [("base", {}, None), *variants,
+                                   *([(XLA_DOT, None, None)] if xla_dot else [])]:
     row = dict(variant=name)
-    overrides = dict(overrides)
-    clip_m = overrides.pop("clip_m", problem.clip_m)
     try:
-      cfg = problem.deepest_fitting(dataclasses.replace(base, **overrides))
-      if cfg is None:
-        raise ValueError("no stage count fits in shared memory")
-      fn = dataclasses.replace(problem, clip_m=clip_m).jitted(cfg, num_sms)
-      row["config"] = cfg.describe() + (f" sms{num_sms}" if num_sms else "")
+      if overrides is None:  # the cuBLAS product
+        fn, only = dot, None
+        row["config"] = "lax.dot_general (cuBLAS), product only"
+      else:
+        overrides = dict(overrides)
+        clip_m = overrides.pop("clip_m", problem.clip_m)
+        cfg = problem.deepest_fitting(dataclasses.replace(base, **overrides))
+        if cfg is None:
+          raise ValueError("no stage count fits in shared memory")
+        fn, only = dataclasses.replace(problem, clip_m=clip_m).jitted(cfg, num_sms), "coda_gemm"
+        row["config"] = cfg.describe() + (f" sms{num_sms}" if num_sms else "")
       if ncu:
         for _ in range(2):
           jax.block_until_ready(fn(a, b, ops))
@@ -125,7 +142,7 @@ def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
         calls[name] = lambda fn=fn: fn(a, b, ops)
       else:
         row["ms"] = common.time_kernels(fn, a, b, ops, iterations=iterations,
-                                        only="coda_gemm")[0]
+                                        only=only)[0]
     except Exception as e:  # noqa: BLE001  a variant that does not fit is reported
       row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
     rows.append(row)
@@ -162,6 +179,9 @@ def main():
                  help="NAME=FIELD=VALUE,... (repeatable)")
   p.add_argument("--iterations", type=int, default=20)
   p.add_argument("--ncu", action="store_true", help="run each twice, untimed")
+  p.add_argument("--xla-dot", action="store_true",
+                 help="also time the plain product at each problem's shape and operand "
+                 "order through lax.dot_general (cuBLAS), as the row 'xla dot'")
   p.add_argument("--sustained-s", type=float, default=None,
                  help="time by wall clock over back-to-back calls for this many seconds "
                  "per window (two windows each, ABBA) instead of a short CUPTI run")
@@ -189,7 +209,8 @@ def main():
            "|---|---|---|---|---|---|---|---|---|---|"]
   for where, problem in problems:
     k = problem.key
-    rows, source = run(problem, variants, args.iterations, args.ncu, args.sustained_s)
+    rows, source = run(problem, variants, args.iterations, args.ncu, args.sustained_s,
+                       args.xla_dot)
     program = k.signature.split(";")[0][:60]
     for row in rows:
       ms = row.get("ms")

@@ -282,6 +282,30 @@ def test_compare_configs_sustained_windows():
     cc.sustained_ms({"a": call("a", a)}, 0)
 
 
+def test_compare_configs_xla_dot_row(monkeypatch):
+  """``--xla-dot``: after the base config, a row timing ``lax.dot_general`` at the
+  problem's shape and operand order (here with our kernel stood in by XLA, sustained
+  windows on the CPU, where no nvidia-smi gives power)."""
+  from bench import compare_configs as cc
+  from bench import step_gemms
+  where, problem = cc.plain_problem("256x128x64:tn")
+  ran = []
+  def jitted(self, config, num_sms=None):
+    ran.append(config)
+    return jax.jit(lambda a, b, ops: step_gemms.xla_dot(a, b, True, False))
+  monkeypatch.setattr(autotune.Problem, "jitted", jitted)
+  rows, source = cc.run(problem, [], iterations=1, ncu=False, sustained_s=0.01,
+                        xla_dot=True)
+  assert [r["variant"] for r in rows] == ["base", cc.XLA_DOT] and len(ran) == 1
+  assert "cuBLAS" in rows[1]["config"] and all(r["ms"] > 0 for r in rows)
+  assert rows[1]["vs_base"] == rows[1]["ms"] / rows[0]["ms"]
+  assert "watts" not in rows[0] and cc.power_cells(rows[0]) == "- | - | -"
+  a, b, _ = problem.random_inputs(seed=1)
+  want = jax.numpy.dot(a.T.astype("float32"), b.astype("float32"))
+  got = step_gemms.xla_dot(a, b, True, False).astype("float32")
+  assert common.rel_diff(got, want) < 1e-2
+
+
 def test_power_log_windows():
   """``common.PowerLog``: a window averages the samples taken from its start plus the
   settling time to its end, none there gives None, and the first None from the sampler
