@@ -121,68 +121,111 @@ class DroppingEnv:
       self._env.store_column_sum(name, x)
 
 
-def gpu_power_sample(gpu: int | None = None) -> tuple[float, float] | None:
-  """(SM clock in MHz, board power in W) of one GPU from ``nvidia-smi``, or None where
-  there is no nvidia-smi or it fails. ``gpu``: its index as nvidia-smi numbers them
-  (default: the first of ``CUDA_VISIBLE_DEVICES``, else 0, the device jax puts work on
-  first)."""
-  if gpu is None:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-    gpu = int(visible) if visible.isdigit() else 0
-  try:
-    out = subprocess.run(["nvidia-smi", f"--id={gpu}", "--query-gpu=clocks.sm,power.draw",
-                          "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                         timeout=5, check=True).stdout
-    mhz, watts = (float(v) for v in out.strip().splitlines()[0].split(","))
-  except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+def _first_visible_gpu() -> int:
+  """The index nvidia-smi gives the device jax puts work on first: the first of
+  ``CUDA_VISIBLE_DEVICES`` where that is set, else 0."""
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+  return int(visible) if visible.isdigit() else 0
+
+
+def nvidia_smi_readings(interval: float, gpu: int | None = None):
+  """(SM clock in MHz, board power in W) of one GPU every ``interval`` seconds, from one
+  ``nvidia-smi -lms`` process (spawning one per reading takes longer than the interval),
+  as an iterable with a ``close()`` that stops the process; None where nvidia-smi is
+  missing or cannot read the GPU. The power is the instantaneous reading
+  (``power.draw.instant``) where the driver has it: ``power.draw`` is averaged over a
+  second, which smears a window of a second or two into its neighbours."""
+  gpu = _first_visible_gpu() if gpu is None else gpu
+  for field in ("power.draw.instant", "power.draw"):
+    query = ["nvidia-smi", f"--id={gpu}", f"--query-gpu=clocks.sm,{field}",
+             "--format=csv,noheader,nounits"]
+    try:
+      first = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True)
+      mhz, watts = (float(v) for v in first.stdout.strip().splitlines()[0].split(","))
+      break
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+      continue
+  else:
     return None
-  return mhz, watts
+  return _SmiStream(query + [f"-lms={max(1, round(interval * 1e3))}"], field)
+
+
+class _SmiStream:
+  """The lines of a looping nvidia-smi query, parsed; ``close`` ends the process."""
+
+  def __init__(self, command: list[str], field: str):
+    self.field = field
+    self._proc = subprocess.Popen(command, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True)
+
+  def __iter__(self):
+    for line in self._proc.stdout:
+      try:
+        mhz, watts = (float(v) for v in line.strip().split(","))
+      except ValueError:  # "[N/A]" or a partial line
+        continue
+      yield mhz, watts
+
+  def close(self):
+    self._proc.terminate()
+    try:
+      self._proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+      self._proc.kill()
 
 
 class PowerLog:
-  """The GPU's SM clock and power draw, sampled every ``interval`` seconds by a
-  background thread, to read beside timing windows: under back-to-back GEMMs an H100
-  sits at its power cap, so a block's time there is its energy per call over the cap's
-  watts (bench/NOTES.md, twenty-second session), and ``window`` gives both.
+  """The GPU's SM clock and power draw, read every ``interval`` seconds by a background
+  thread, to read beside timing windows: under back-to-back GEMMs an H100 sits at its
+  power cap, so a block's time there is its energy per call over the cap's watts
+  (bench/NOTES.md, twenty-second session), and ``window`` gives both.
 
       with PowerLog() as log:
         t0 = time.perf_counter(); ...; t1 = time.perf_counter()
         log.window(t0, t1)  # {"mhz": ..., "watts": ..., "samples": ...} or None
 
-  ``sample`` (no arguments) returns (MHz, W) or None; the first None stops the thread
-  and every window is then None (no GPU, no nvidia-smi). ``clock`` must be the clock
-  the windows are read with."""
+  ``readings(interval)`` returns an iterable of (MHz, W) that yields about every
+  ``interval`` seconds (and may have a ``close()``, called on exit), or None where there
+  is nothing to read (no GPU, no nvidia-smi): every window is then None. Each reading
+  is stamped with ``clock``, which must be the clock the windows are read with."""
 
-  def __init__(self, sample=gpu_power_sample, interval: float = 0.1,
+  def __init__(self, readings=nvidia_smi_readings, interval: float = 0.1,
                clock=time.perf_counter):
     if interval <= 0:
       raise ValueError(f"PowerLog interval={interval}: must be positive")
-    self._sample, self._interval, self._clock = sample, interval, clock
+    self._readings, self._interval, self._clock = readings, interval, clock
     self._samples: list[tuple[float, float, float]] = []
-    self._stop = None
-    self._thread = None
+    self._source = self._stop = self._thread = None
 
   def __enter__(self):
     import threading
     self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._run, name="PowerLog", daemon=True)
-    self._thread.start()
+    self._source = self._readings(self._interval)
+    if self._source is not None:
+      self._thread = threading.Thread(target=self._run, name="PowerLog", daemon=True)
+      self._thread.start()
     return self
 
   def __exit__(self, *exc):
     self._stop.set()
-    self._thread.join()
+    if hasattr(self._source, "close"):
+      self._source.close()
+    if self._thread is not None:
+      self._thread.join(timeout=10)
 
   def _run(self):
-    while not self._stop.is_set():
-      got = self._sample()
-      if got is None:
+    for mhz, watts in self._source:
+      if self._stop.is_set():
         return
-      self._samples.append((self._clock(), *got))
-      self._stop.wait(self._interval)
+      self._samples.append((self._clock(), mhz, watts))
+
+  @property
+  def field(self) -> str | None:
+    """Which power reading the samples are (nvidia-smi's field name), where known."""
+    return getattr(self._source, "field", None)
 
   def window(self, t0: float, t1: float, settle_s: float = 0.3) -> dict | None:
-    """Mean SM clock and power of the samples taken from ``t0 + settle_s`` (the power
+    """Mean SM clock and power of the readings taken from ``t0 + settle_s`` (the power
     controller settles within ~0.2 s of a load starting) to ``t1``: {"mhz", "watts",
     "samples"}, or None where none fell there."""
     inside = [(mhz, w) for t, mhz, w in list(self._samples) if t0 + settle_s <= t <= t1]

@@ -307,27 +307,33 @@ def test_compare_configs_xla_dot_row(monkeypatch):
 
 
 def test_power_log_windows():
-  """``common.PowerLog``: a window averages the samples taken from its start plus the
-  settling time to its end, none there gives None, and the first None from the sampler
-  stops the thread (no GPU: every window None)."""
+  """``common.PowerLog``: readings are stamped with the log's clock as they arrive; a
+  window averages those from its start plus the settling time to its end, none there
+  gives None; the source is closed on exit; no source (no GPU): every window None."""
   import threading
-  readings = iter([(1980.0, 130.0), (1500.0, 690.0), (1400.0, 700.0), (1300.0, 710.0)])
-  ticks, spent = iter([0.0, 0.1, 0.5, 0.9]), threading.Event()
-  def sample():
-    got = next(readings, None)
-    if got is None:
-      spent.set()
-    return got
-  with common.PowerLog(sample=sample, interval=1e-3, clock=lambda: next(ticks)) as log:
-    assert spent.wait(timeout=10)  # the thread stops at the sampler's first None
-  got = log.window(0.0, 0.6, settle_s=0.3)  # only the sample at 0.5
+  ticks, done, closed = iter([0.0, 0.1, 0.5, 0.9]), threading.Event(), []
+  class Readings:
+    field = "power.draw.instant"
+    def __iter__(self):
+      yield from [(1980.0, 130.0), (1500.0, 690.0), (1400.0, 700.0), (1300.0, 710.0)]
+      done.set()
+    def close(self):
+      closed.append(True)
+  with common.PowerLog(readings=lambda interval: Readings(), interval=0.1,
+                       clock=lambda: next(ticks)) as log:
+    assert done.wait(timeout=10)
+  assert closed == [True] and log.field == "power.draw.instant"
+  got = log.window(0.0, 0.6, settle_s=0.3)  # only the reading at 0.5
   assert got == dict(mhz=1400.0, watts=700.0, samples=1)
   got = log.window(0.0, 1.0, settle_s=0.05)  # 0.1, 0.5, 0.9
   assert got["samples"] == 3 and got["mhz"] == 1400.0 and got["watts"] == 700.0
   assert log.window(0.0, 0.2, settle_s=0.3) is None
-  with common.PowerLog(sample=lambda: None) as none:
+  with common.PowerLog(readings=lambda interval: None) as none:
     pass
-  assert none.window(0.0, 1e9, settle_s=0.0) is None
+  assert none.window(0.0, 1e9, settle_s=0.0) is None and none.field is None
+  import shutil
+  if shutil.which("nvidia-smi") is None:  # this host: nothing to read, no thread
+    assert common.nvidia_smi_readings(0.1) is None
   with pytest.raises(ValueError, match="interval"):
     common.PowerLog(interval=0)
 
