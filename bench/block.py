@@ -2,6 +2,7 @@
 block written the standard way, forward and forward+backward, CUPTI kernel time.
 
     PYTHONPATH=. python -m bench.block [--shapes 1b,8b] [--out DIR] [--iterations N]
+        [--rounds R] [--sustained-s S]
 
 Per shape: (a) shifted block forward and (b) forward+backward, ours vs XLA, each next to
 (c) its GEMMs alone as plain ``jnp.dot`` under jit (the speed of light); (d) each fused op
@@ -10,7 +11,9 @@ post-block forward+backward (1b only). The XLA baseline uses the standard layout
 separate gate and up weights, one fused [q | k | v] projection, rotate-half RoPE.
 Writes block.{json,md} to --out (default bench/results/<device>/). Without a GPU it runs
 a tiny shape through the Mosaic GPU interpreter: a correctness check of ours vs the
-baseline, with wall-clock times that say nothing about GPU speed.
+baseline, with wall-clock times that say nothing about GPU speed. ``--sustained-s``
+times each round by wall clock over back-to-back calls instead, the H100's power-capped
+steady state, with its SM clock, power and energy per call (``timer``).
 """
 from __future__ import annotations
 
@@ -465,7 +468,13 @@ def main():
   p.add_argument("--rounds", type=int, default=1,
                  help="time ours and XLA alternately this many times each (ABBA) and "
                  "report the median ratio and its range (default 1)")
+  p.add_argument("--sustained-s", type=float, default=None,
+                 help="GPU: time each round by wall clock over this many seconds of "
+                 "back-to-back calls (the power-capped steady state), with the GPU's "
+                 "clock, power and energy per call, instead of CUPTI")
   args = p.parse_args()
+  if args.sustained_s is not None and args.sustained_s <= 0:
+    p.error(f"--sustained-s {args.sustained_s}: a positive number of seconds")
   head_grads = tuple(args.head_grad.split(","))
   try:
     check_head_grads(head_grads)
@@ -473,7 +482,7 @@ def main():
     p.error(f"--head-grad: {e}")
   on_gpu = jax.devices()[0].platform == "gpu"
   check_baseline()
-  measure = timer(on_gpu, args.iterations or (30 if on_gpu else 1))
+  measure = timer(on_gpu, args.iterations or (30 if on_gpu else 1), args.sustained_s)
   names, impl = (args.shapes.split(","), "mosaic") if on_gpu else (["tiny"], "interpret")
   if not on_gpu:
     print("no GPU: the tiny shape through the Mosaic GPU interpreter; times are CPU wall "
@@ -484,7 +493,7 @@ def main():
   for i, name in enumerate(names):
     rows += run_shape(name, SHAPES[name], impl, measure, prov, jax.random.key(i), only,
                       args.lm_chunk_rows, head_grads, args.rounds)
-  md = markdown(rows, prov, on_gpu)
+  md = markdown(rows, prov, on_gpu, sustained_s=args.sustained_s)
   out = common.write_results("block", rows, md, out=args.out)
   print(f"wrote {out / 'block.json'} and {out / 'block.md'}\n")
   print(md)

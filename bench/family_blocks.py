@@ -260,7 +260,8 @@ def main():
                  "GPT-2 rows for each")
   p.add_argument("--sustained-s", type=float, default=None,
                  help="GPU: time each round by wall clock over this many seconds of "
-                 "back-to-back calls (the power-capped steady state) instead of CUPTI")
+                 "back-to-back calls (the power-capped steady state), with the GPU's "
+                 "clock, power and energy per call, instead of CUPTI")
   args = p.parse_args()
   if args.sustained_s is not None and args.sustained_s <= 0:
     p.error(f"--sustained-s {args.sustained_s}: a positive number of seconds")
