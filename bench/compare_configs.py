@@ -123,6 +123,8 @@ def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
     row = dict(variant=name)
     try:
       if overrides is None:  # the cuBLAS product
+        if k.k == 0:
+          raise ValueError("a pass (K = 0) has no product to compare")
         fn, only = dot, None
         row["config"] = "lax.dot_general (cuBLAS), product only"
       else:

@@ -300,6 +300,10 @@ def test_compare_configs_xla_dot_row(monkeypatch):
   assert "cuBLAS" in rows[1]["config"] and all(r["ms"] > 0 for r in rows)
   assert rows[1]["vs_base"] == rows[1]["ms"] / rows[0]["ms"]
   assert "watts" not in rows[0] and cc.power_cells(rows[0]) == "- | - | -"
+  import dataclasses
+  as_pass = dataclasses.replace(problem, key=dataclasses.replace(problem.key, k=0))
+  rows, _ = cc.run(as_pass, [], iterations=1, ncu=False, sustained_s=0.01, xla_dot=True)
+  assert "ms" in rows[0] and "no product" in rows[1]["error"]  # a pass has no product
   a, b, _ = problem.random_inputs(seed=1)
   want = jax.numpy.dot(a.T.astype("float32"), b.astype("float32"))
   got = step_gemms.xla_dot(a, b, True, False).astype("float32")
