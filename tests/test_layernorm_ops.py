@@ -346,22 +346,24 @@ def test_add_bias_and_outer_in_a_gemm(path, key, kernel_impl):
 
 def test_gelu_is_gpt2s_tanh_form():
   """Gelu (kernel and reference alike) is GPT-2's tanh approximation, checked against
-  helpers' independent formula; GeluGrad's hand-written derivative against autodiff."""
+  helpers' independent formula; GeluGrad's hand-written derivative against autodiff of
+  that formula in fp64. fp32 itself is ~3.5e-6 off the fp64 derivative near a = -4.5
+  (1 + tanh cancels there), autodiff in fp32 included; the bound is a little above."""
   z = jnp.linspace(-6.0, 6.0, 1001)
   env = type("E", (), {"load": lambda self, nm: z[None], "store": lambda self, nm, v: None})()
   np.testing.assert_allclose(np.asarray(cj.Gelu().apply(z, env)),
                              np.asarray(GATED_ACTS["gelu"](z)), rtol=1e-6, atol=1e-6)
+  with jax.enable_x64():
+    slope = np.asarray(jax.vmap(jax.grad(GATED_ACTS["gelu"]))(
+        jnp.asarray(np.asarray(z), dtype=jnp.float64)))
   np.testing.assert_allclose(np.asarray(cj.GeluGrad("z", "a").apply(jnp.ones((1, 1001)), env)[0]),
-                             np.asarray(jax.vmap(jax.grad(GATED_ACTS["gelu"]))(z)),
-                             rtol=1e-5, atol=1e-6)
+                             slope, rtol=1e-5, atol=5e-6)
   # Gelu with a slope output: the same gelu, and the derivative stored beside it
   stored = {}
   env2 = type("E", (), {"store": lambda self, nm, v: stored.update({nm: v})})()
   np.testing.assert_allclose(np.asarray(cj.Gelu(slope="s").apply(z, env2)),
                              np.asarray(GATED_ACTS["gelu"](z)), rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(stored["s"]),
-                             np.asarray(jax.vmap(jax.grad(GATED_ACTS["gelu"]))(z)),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(stored["s"]), slope, rtol=1e-5, atol=5e-6)
 
 
 def test_zero_row_claims():
