@@ -226,11 +226,10 @@ def timed_rounds(measure, ours, ours_args, xla, xla_args, rounds=1):
   for i in range(rounds):
     order = (("ours", ours, ours_args), ("xla", xla, xla_args))
     for name, fn, args in (order if i % 2 == 0 else order[::-1]):
-      ms, kernels, out = measure(fn, *args)
+      ms, kernels, out, window = measure(fn, *args)
       times[name].append(ms)
-      if isinstance(kernels, dict):  # a sustained window's power, not kernel times
-        power[name].append(kernels)
-        kernels = None
+      if window is not None and window.watts is not None:
+        power[name].append(window)
       first.setdefault(name, (kernels, out))
       del out
   ratios = [b / a for a, b in zip(times["ours"], times["xla"])]
@@ -245,7 +244,7 @@ def timed_rounds(measure, ours, ours_args, xla, xla_args, rounds=1):
   if power["ours"] and power["xla"]:
     for name, prefix in (("ours", "ours"), ("xla", "baseline")):
       for field in ("mhz", "watts", "joules"):
-        res[f"{prefix}_{field}"] = statistics.median(w[field] for w in power[name])
+        res[f"{prefix}_{field}"] = statistics.median(getattr(w, field) for w in power[name])
   return res
 
 
@@ -348,29 +347,26 @@ def run_shape(name, s: Shape, impl, measure, prov, key, only=None, lm_chunk_rows
 
 
 def timer(on_gpu, iterations, sustained_s=None, power_log=common.PowerLog):
-  """``measure(fn, *args)`` -> (ms per call, per-kernel ms or None, fn's outputs): on a
-  GPU the median of ``iterations`` calls' kernel time (CUPTI), or with ``sustained_s``
-  the wall clock per call over that many seconds of back-to-back calls
-  (``common.back_to_back_ms``: the power-capped steady state), where the second item is
-  the window's power instead ({"mhz", "watts", "joules"} per call, from a
-  ``power_log()`` sampled through the window; None where it has no samples); on a CPU
-  the interpreter's wall clock."""
+  """``measure(fn, *args)`` -> (ms per call, per-kernel ms or None, fn's outputs, the
+  sustained window or None): on a GPU the median of ``iterations`` calls' kernel time
+  (CUPTI), or with ``sustained_s`` the wall clock per call over that many seconds of
+  back-to-back calls (``common.back_to_back_ms``: the power-capped steady state), whose
+  ``common.Sustained`` comes last, with clock and power from a ``power_log()`` read
+  through the window; on a CPU the interpreter's wall clock."""
   def measure(fn, *args):
     jitted, times = jax.jit(fn), []
     out = jax.block_until_ready(jitted(*args))  # the compile, and outputs to compare
     if on_gpu and sustained_s:
       with power_log() as log:
-        got = common.back_to_back_ms(lambda: jitted(*args), sustained_s, power=log)
-      seen = (None if got.watts is None else
-              dict(mhz=got.mhz, watts=got.watts, joules=got.joules))
-      return got.ms, seen, out
+        window = common.back_to_back_ms(lambda: jitted(*args), sustained_s, power=log)
+      return window.ms, None, out, window
     if on_gpu:
-      return (*common.time_kernels(fn, *args, iterations=iterations), out)
+      return (*common.time_kernels(fn, *args, iterations=iterations), out, None)
     for _ in range(iterations):  # CPU: wall clock of the interpreter, not a GPU speed
       t0 = time.perf_counter()
       out = jax.block_until_ready(jitted(*args))
       times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), None, out
+    return statistics.median(times), None, out, None
   return measure
 
 

@@ -139,19 +139,27 @@ def nvidia_smi_readings(interval: float, gpu: int | None = None):
   for field in ("power.draw.instant", "power.draw"):
     query = ["nvidia-smi", f"--id={gpu}", f"--query-gpu=clocks.sm,{field}",
              "--format=csv,noheader,nounits"]
-    try:
-      first = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True)
-      mhz, watts = (float(v) for v in first.stdout.strip().splitlines()[0].split(","))
-      break
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+    try:  # one reading first: the driver may lack the field, or the GPU be unreadable
+      probe = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
       continue
-  else:
+    if _smi_reading(probe.stdout) is not None:
+      return _SmiStream(query + [f"-lms={max(1, round(interval * 1e3))}"], field)
+  return None
+
+
+def _smi_reading(line: str) -> tuple[float, float] | None:
+  """(MHz, W) from one line of the query's csv; None for "[N/A]" or a partial line."""
+  try:
+    mhz, watts = (float(v) for v in line.strip().split(","))
+  except ValueError:
     return None
-  return _SmiStream(query + [f"-lms={max(1, round(interval * 1e3))}"], field)
+  return mhz, watts
 
 
 class _SmiStream:
-  """The lines of a looping nvidia-smi query, parsed; ``close`` ends the process."""
+  """The readings of a looping nvidia-smi query (``field``: which power reading);
+  ``close`` ends the process."""
 
   def __init__(self, command: list[str], field: str):
     self.field = field
@@ -160,11 +168,9 @@ class _SmiStream:
 
   def __iter__(self):
     for line in self._proc.stdout:
-      try:
-        mhz, watts = (float(v) for v in line.strip().split(","))
-      except ValueError:  # "[N/A]" or a partial line
-        continue
-      yield mhz, watts
+      reading = _smi_reading(line)
+      if reading is not None:
+        yield reading
 
   def close(self):
     self._proc.terminate()

@@ -117,7 +117,6 @@ def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
   a, b, ops = problem.random_inputs(seed=1)
   rows, calls = [], {}
   k = problem.key
-  dot = jax.jit(lambda a, b, ops: step_gemms.xla_dot(a, b, k.trans_a, k.trans_b))
   for name, overrides, num_sms in [("base", {}, None), *variants,
                                    *([(XLA_DOT, None, None)] if xla_dot else [])]:
     row = dict(variant=name)
@@ -125,7 +124,8 @@ def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
       if overrides is None:  # the cuBLAS product
         if k.k == 0:
           raise ValueError("a pass (K = 0) has no product to compare")
-        fn, only = dot, None
+        fn = jax.jit(lambda a, b, ops: step_gemms.xla_dot(a, b, k.trans_a, k.trans_b))
+        only = None
         row["config"] = "lax.dot_general (cuBLAS), product only"
       else:
         overrides = dict(overrides)

@@ -91,7 +91,7 @@ def test_timed_rounds_alternate_and_take_medians():
   def measure(fn, *args):  # each call 1% slower than the last; XLA's block 1.05x ours
     calls.append(fn.__name__)
     ms = (1.05 if fn.__name__ == "xla" else 1.0) * (1 + 0.01 * next(clock))
-    return ms, [(fn.__name__, ms)], fn(*args)
+    return ms, [(fn.__name__, ms)], fn(*args), None  # no sustained window
 
   def ours(a):
     return a + 1
@@ -394,7 +394,7 @@ def test_block_timer_sustained_mode():
   back-to-back calls, no per-kernel list, and the function's outputs (the timer's
   sustained path needs no CUPTI, so it runs here, pretending to be on a GPU)."""
   x = jax.numpy.arange(8.0)
-  ms, kernels, out = B.timer(True, 30, sustained_s=0.05)(lambda v: v * 2, x)
+  ms, kernels, out, window = B.timer(True, 30, sustained_s=0.05)(lambda v: v * 2, x)
   assert ms > 0 and kernels is None
   assert (out == 2 * x).all()
   md = B.markdown([], common.provenance(), True, sustained_s=0.05)
