@@ -100,7 +100,7 @@ MUTATIONS = [
         "RoPE backward rotates forward instead of back"),
     Mutation(
         "gelu_derivative", "coda_jax/primitives.py",
-        "0.5 * a * (1 - t * t) * du", "0.5 * a * (1 - t) * du",
+        "h + a * (1 - t * t) * (", "h + a * (1 - t) * (",
         ("tests/test_fused_ops.py", "-k", "geglu"),
         "GELU's derivative drops a tanh factor"),
     Mutation(
@@ -494,8 +494,8 @@ MUTATIONS = [
         "GeluGrad differentiates (and recomputes) SiLU, copied from the SwiGLU backward"),
     Mutation(
         "gelu_tanh_derivative_constant", "coda_jax/primitives.py",
-        "du = _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * a * a)",
-        "du = _SQRT_2_OVER_PI * (1 + 0.044715 * a * a)",
+        "(0.5 * k + (1.5 * k * _GELU_CUBIC) * a2)",
+        "(0.5 * k + (0.5 * k * _GELU_CUBIC) * a2)",
         ("tests/test_layernorm_ops.py", "-k", "gelu_is_gpt2s_tanh_form"),
         "GELU's derivative forgets the 3 of d(a^3)/da"),
     Mutation(
