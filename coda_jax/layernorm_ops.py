@@ -91,10 +91,13 @@ class AddOuter(Primitive):
 
 # gelu'(z) of the tanh form lies in [-0.12899, 1.12899] (its extremes at z = -+1.4185;
 # gelu'(-z) = 1 - gelu'(z)). A uint8 slope stores it as the code q = round((s - lo) /
-# step) over [lo, hi] = [-0.129, 1.129]: an absolute error of at most step / 2 = 0.0025,
-# below bf16's rounding of s near 1 (2^-8 = 0.0039). docs/layernorm_math.md, section 3.
-SLOPE_CODE_LO = -0.129
-SLOPE_CODE_STEP = (1.129 - SLOPE_CODE_LO) / 255
+# step), lo = -0.13 and step = 1/200 (up to lo + 255 step = 1.145): an absolute error of
+# at most step / 2 = 0.0025, below bf16's rounding of s near 1 (2^-8 = 0.0039). The
+# saturated slopes 0 and 1 (|z| past ~4, as common as bf16 makes them exact) are codes
+# 26 and 226, exact too: no bias where many elements share them.
+# docs/layernorm_math.md, section 3.
+SLOPE_CODE_LO = -0.13
+SLOPE_CODE_STEP = 0.005
 
 
 def slope_dtype_for(dtype) -> Any:
