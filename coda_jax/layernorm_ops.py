@@ -538,10 +538,11 @@ def layernorm_gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, *, impl: str = "aut
     w1: (D, F), b1: (F,), w2: (F, D), b2: (D,).
     impl: as ``coda_jax.gemm_epilogue``.
     residuals: what the forward keeps of the (..., F) hidden layer for the backward.
-      "slope" (default): a = gelu(z) and gelu'(z), both in x's dtype; the backward's
-      first GEMM multiplies by the slope and stores dz only. "recompute": z alone, half
-      the memory; that GEMM recomputes gelu and gelu' from z and stores a as well
-      (``docs/layernorm_math.md`` section 3).
+      "slope" (default): a = gelu(z) in x's dtype and gelu'(z) in ``slope_dtype_for``
+      x's dtype (for bfloat16 a one-byte code, error at most 0.0025: below bf16's own
+      rounding of slopes near 1); the backward's first GEMM multiplies by the slope and
+      stores dz only. "recompute": z alone, the least memory; that GEMM recomputes gelu
+      and gelu' from z and stores a as well (``docs/layernorm_math.md`` section 3).
     next_norm: optional (D,) weight of the LayerNorm that reads the output (the next
       block's LN_1, or the final LN_f). With it the second GEMM's epilogue also emits
       that norm's statistics, as ``residual_layernorm``'s does, instead of an XLA pass
