@@ -595,7 +595,8 @@ def _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, g_next, impl, residuals,
   dt = x.dtype
   w1d = w1.astype(dt)
   gw, cw = norm_columns(g, beta, w1d, b1)
-  # "slope": gelu'(z) is stored where z was (the same bytes), and a is kept.
+  # "slope": gelu'(z) is stored where z was (in half the bytes for bf16: the one-byte
+  # code), and a is kept.
   if residuals == "slope":
     steps, hidden = [Gelu(slope="s", slope_dtype=slope_dtype_for(dt))], ("a", "s")
   else:
