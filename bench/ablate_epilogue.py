@@ -122,15 +122,17 @@ def programs(s: dict, dt) -> list[tuple[str, tuple, dict, list[tuple[str, list]]
   for n_out in (f, s["qkv"]):
     out.append((f"LayerNormGrad, dz @ w^T ({n_out} -> {d})", (m, d, n_out, True), ln_ops,
                 ln_variants))
-  out.append(("MLP slope backward, dout @ w2^T", (m, f, d, True), {"s": "tile"},
-              [("full", [P.MulTile("s"), P.ColSum("db1"), P.Store("dz", dt)]),
-               ("no ColSum", [P.MulTile("s"), P.Store("dz", dt)]),
+  sd = L.slope_dtype_for(dt)  # the slope as the MLP stores it (bf16: the one-byte code)
+  mul = L.slope_multiplier("s", sd)
+  out.append(("MLP slope backward, dout @ w2^T", (m, f, d, True), {"s": "slope"},
+              [("full", [mul, P.ColSum("db1"), P.Store("dz", dt)]),
+               ("no ColSum", [mul, P.Store("dz", dt)]),
                ("no MulTile", [P.ColSum("db1"), P.Store("dz", dt)]),
                ("plain", [P.Store("dz", dt)])]))
   norm = lambda tail: L.norm_matmul_program(tail)
   out.append(("LayerNorm + GELU forward, h @ w1", (m, f, d, False),
               {"r": "row", "r_mu": "row", "gw": "col", "cw": "col"},
-              [("full", norm([L.Gelu(slope="s", slope_dtype=dt), P.Store("a", dt)])),
+              [("full", norm([L.Gelu(slope="s", slope_dtype=sd), P.Store("a", dt)])),
                ("no slope store", norm([L.Gelu(), P.Store("a", dt)])),
                ("no GELU", norm([P.Store("a", dt)])),
                ("plain", [P.Store("a", dt)])]))
@@ -160,6 +162,11 @@ def programs(s: dict, dt) -> list[tuple[str, tuple, dict, list[tuple[str, list]]
 def operand(kind: str, key, m: int, n: int, dt):
   if kind == "tile":
     return jax.random.normal(key, (m, n), dt)
+  if kind == "slope":  # a stored GELU slope, in the dtype the MLP stores it in
+    sd = L.slope_dtype_for(dt)
+    if sd == jnp.uint8:  # the codes a slope takes (layernorm_ops.SLOPE_CODE_STEP)
+      return jax.random.randint(key, (m, n), 0, 253, jnp.int32).astype(jnp.uint8)
+    return jax.random.uniform(key, (m, n), _F32, -0.13, 1.13).astype(sd)
   if kind == "row":  # positive: r and r mu are scales
     return jax.random.uniform(key, (m,), _F32, 0.5, 1.5)
   return jax.random.normal(key, (n,), _F32)

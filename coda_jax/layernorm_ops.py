@@ -89,15 +89,48 @@ class AddOuter(Primitive):
     return x + u * v if self.sign == 1 else x - u * v
 
 
+# gelu'(z) of the tanh form lies in [-0.12899, 1.12899] (its extremes at z = -+1.4185;
+# gelu'(-z) = 1 - gelu'(z)). A uint8 slope stores it as the code q = round((s - lo) /
+# step), lo = -0.13 and step = 1/200 (up to lo + 255 step = 1.145): an absolute error of
+# at most step / 2 = 0.0025, below bf16's rounding of s near 1 (2^-8 = 0.0039). The
+# saturated slopes 0 and 1 (|z| past ~4, as common as bf16 makes them exact) are codes
+# 26 and 226, exact too: no bias where many elements share them.
+# docs/layernorm_math.md, section 3.
+SLOPE_CODE_LO = -0.13
+SLOPE_CODE_STEP = 0.005
+
+
+def slope_dtype_for(dtype) -> Any:
+  """The dtype GPT-2's MLP stores gelu'(z) in for activations of ``dtype``: uint8 (the
+  code above; half bf16's bytes, and its error is below bf16's own rounding of the
+  slope's larger values) for bfloat16; the activations' own dtype otherwise (float16's
+  2^-11 rounding is finer than the code's step)."""
+  return jnp.dtype(jnp.uint8) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
+
+
+def slope_multiplier(name: str, dtype) -> MulTile:
+  """The step that multiplies by a slope ``Gelu(slope=name, slope_dtype=dtype)`` stored."""
+  if jnp.dtype(dtype) == jnp.uint8:
+    return MulTile(name, scale=SLOPE_CODE_STEP, offset=SLOPE_CODE_LO)
+  return MulTile(name)
+
+
 @dataclasses.dataclass(frozen=True)
 class Gelu(Primitive):
   """gelu(x), tanh form (GPT-2's); the same definition as ``Gated``'s "gelu". With
   ``slope``, also stores gelu'(x) (in ``slope_dtype``) as that (M, N) output, for a
-  backward that multiplies by it (``MulTile``) instead of recomputing it."""
+  backward that multiplies by it (``slope_multiplier``) instead of recomputing it.
+  ``slope_dtype`` uint8 stores the one-byte code (``SLOPE_CODE_LO``, ``SLOPE_CODE_STEP``)."""
   _keeps_zero_rows = True  # gelu(0) = 0 (a stored slope row is gelu'(0) = 1/2: sliced off)
   _column_sums_via_env = True
   slope: str | None = None
   slope_dtype: Any = jnp.bfloat16
+
+  def __post_init__(self):
+    dt = jnp.dtype(self.slope_dtype)
+    if not (jnp.issubdtype(dt, jnp.floating) or dt == jnp.uint8):
+      raise ValueError(f"Gelu.slope_dtype={dt}: a float dtype, or uint8 for the one-byte "
+                       "code (layernorm_ops.SLOPE_CODE_STEP)")
 
   def outputs(self, width):
     if self.slope is None:
@@ -108,6 +141,11 @@ class Gelu(Primitive):
     if self.slope is None:
       return ACTIVATIONS["gelu"][0](x)
     f, df = ACTIVATIONS["gelu"][1](x)
+    if jnp.dtype(self.slope_dtype) == jnp.uint8:
+      # (s - lo) / step + 1/2, kept in [0, 256): the store's conversion truncates it
+      # (toward zero) to round((s - lo) / step); a value past the range takes its end.
+      df = jnp.clip(df * jnp.float32(1 / SLOPE_CODE_STEP)
+                    + jnp.float32(0.5 - SLOPE_CODE_LO / SLOPE_CODE_STEP), 0.0, 255.5)
     env.store(self.slope, df)
     return f
 
@@ -500,10 +538,11 @@ def layernorm_gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, *, impl: str = "aut
     w1: (D, F), b1: (F,), w2: (F, D), b2: (D,).
     impl: as ``coda_jax.gemm_epilogue``.
     residuals: what the forward keeps of the (..., F) hidden layer for the backward.
-      "slope" (default): a = gelu(z) and gelu'(z), both in x's dtype; the backward's
-      first GEMM multiplies by the slope and stores dz only. "recompute": z alone, half
-      the memory; that GEMM recomputes gelu and gelu' from z and stores a as well
-      (``docs/layernorm_math.md`` section 3).
+      "slope" (default): a = gelu(z) in x's dtype and gelu'(z) in ``slope_dtype_for``
+      x's dtype (for bfloat16 a one-byte code, error at most 0.0025: below bf16's own
+      rounding of slopes near 1); the backward's first GEMM multiplies by the slope and
+      stores dz only. "recompute": z alone, the least memory; that GEMM recomputes gelu
+      and gelu' from z and stores a as well (``docs/layernorm_math.md`` section 3).
     next_norm: optional (D,) weight of the LayerNorm that reads the output (the next
       block's LN_1, or the final LN_f). With it the second GEMM's epilogue also emits
       that norm's statistics, as ``residual_layernorm``'s does, instead of an XLA pass
@@ -556,9 +595,10 @@ def _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, g_next, impl, residuals,
   dt = x.dtype
   w1d = w1.astype(dt)
   gw, cw = norm_columns(g, beta, w1d, b1)
-  # "slope": gelu'(z) is stored where z was (the same bytes), and a is kept.
+  # "slope": gelu'(z) is stored where z was (in half the bytes for bf16: the one-byte
+  # code), and a is kept.
   if residuals == "slope":
-    steps, hidden = [Gelu(slope="s", slope_dtype=dt)], ("a", "s")
+    steps, hidden = [Gelu(slope="s", slope_dtype=slope_dtype_for(dt))], ("a", "s")
   else:
     steps, hidden = [Store("z", dt), Gelu()], ("z",)
   first = gemm_epilogue(h, w1d, norm_matmul_program([*steps, Store("a", dt)]),
@@ -591,7 +631,7 @@ def _gelu_mlp_bwd(impl, residuals, cfg, saved, cts):
   # forward's stored slope, or recomputed from z along with a (dW2's A operand).
   if residuals == "slope":
     a, s = hidden
-    slope, ops = MulTile("s"), {"s": s}
+    slope, ops = slope_multiplier("s", s.dtype), {"s": s}
   else:
     (z,) = hidden
     slope, ops = GeluGrad("z", "a", dt), {"z": z}
@@ -612,7 +652,8 @@ _gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
 
 
 __all__ = ["AddBias", "AddOuter", "Gelu", "GeluGrad", "LayerNormConfig", "LayerNormGrad",
-           "LayerNormInputGrad",
+           "LayerNormInputGrad", "SLOPE_CODE_LO", "SLOPE_CODE_STEP", "slope_dtype_for",
+           "slope_multiplier",
            "DEFAULT_MLP_RESIDUALS", "MLP_RESIDUALS", "layernorm_gelu_mlp", "layernorm_matmul",
            "norm_columns", "residual_layernorm", "residual_stats", "stats_cotangent",
            "stats_from_sums"]

@@ -166,17 +166,31 @@ class AddTile(Primitive):
 
 @dataclasses.dataclass(frozen=True)
 class MulTile(Primitive):
-  """x * t[m, n]; ``name`` is an (M, N) operand (a saved activation slope: GPT-2's MLP
-  backward multiplies da by the gelu'(z) its forward stored)."""
+  """x * (offset + scale * t[m, n]); ``name`` is an (M, N) operand (a saved activation
+  slope: GPT-2's MLP backward multiplies da by the gelu'(z) its forward stored).
+
+  ``scale`` and ``offset`` decode a tile stored as an affine code: a uint8 operand t
+  stands for offset + scale * t (``layernorm_ops.SlopeCode``). The defaults (1, 0) read
+  the operand as it is."""
   _keeps_zero_rows = True  # a zero row stays zero whatever the operand holds
   _column_sums_via_env = True
   name: str
+  scale: float = 1.0
+  offset: float = 0.0
+
+  def __repr__(self):  # without the code when unset: the tuning cache's program names
+    code = ("" if (self.scale, self.offset) == (1.0, 0.0)
+            else f", scale={self.scale!r}, offset={self.offset!r}")
+    return f"MulTile(name={self.name!r}{code})"
 
   def inputs(self):
     return {self.name: InputKind.TILE}
 
   def apply(self, x, env):
-    return x * env.load(self.name).astype(jnp.float32)
+    t = env.load(self.name).astype(jnp.float32)
+    if (self.scale, self.offset) != (1.0, 0.0):
+      t = jnp.float32(self.offset) + jnp.float32(self.scale) * t
+    return x * t
 
 
 # ---- pairwise --------------------------------------------------------------------------

@@ -83,7 +83,8 @@ class GPT2Config:
     impl: coda_jax kernel dispatch ("auto", "mosaic", "interpret", "xla").
     mlp_residuals: what the fused MLP keeps for its backward
       (``coda_jax.layernorm_gelu_mlp``'s ``residuals``): "slope" (default; gelu(z) and
-      gelu'(z), the faster backward) or "recompute" (z alone, half that memory).
+      gelu'(z), the latter as a one-byte code for bf16: the faster backward) or
+      "recompute" (z alone, the least memory).
   """
   vocab_size: int
   n_positions: int

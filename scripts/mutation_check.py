@@ -940,10 +940,23 @@ MUTATIONS = [
         "the forward stores gelu(z) where the backward expects gelu'(z)"),
     Mutation(
         "mlp_slope_backward_skips_slope", "coda_jax/layernorm_ops.py",
-        '    slope, ops = MulTile("s"), {"s": s}',
+        '    slope, ops = slope_multiplier("s", s.dtype), {"s": s}',
         '    slope, ops = AddTile("s"), {"s": s}',
         ("tests/test_layernorm_ops.py", "-k", "op_and_grads_xla and mlp"),
         "the backward's first GEMM adds the stored slope where it multiplies by it"),
+    # ---- twenty-fourth session: the one-byte GELU slope ----------------------------------
+    Mutation(
+        "slope_code_truncates", "coda_jax/layernorm_ops.py",
+        "+ jnp.float32(0.5 - SLOPE_CODE_LO / SLOPE_CODE_STEP), 0.0, 255.5)",
+        "+ jnp.float32(-SLOPE_CODE_LO / SLOPE_CODE_STEP), 0.0, 255.5)",
+        ("tests/test_layernorm_ops.py", "-k", "gelu_slope_code"),
+        "the slope's code truncates instead of rounding: up to a whole step off, biased"),
+    Mutation(
+        "slope_decode_without_offset", "coda_jax/layernorm_ops.py",
+        "    return MulTile(name, scale=SLOPE_CODE_STEP, offset=SLOPE_CODE_LO)",
+        "    return MulTile(name, scale=SLOPE_CODE_STEP)",
+        ("tests/test_layernorm_ops.py", "-k", "gelu_slope_code or (op_and_grads_xla and mlp)"),
+        "the backward decodes the slope's code without the range's low end"),
     # ---- nineteenth session: the next LayerNorm's statistics from GPT-2's MLP -----------
     Mutation(
         "mlp_next_norm_bwd_passes_dx", "coda_jax/layernorm_ops.py",

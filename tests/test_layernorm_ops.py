@@ -366,6 +366,39 @@ def test_gelu_is_gpt2s_tanh_form():
   np.testing.assert_allclose(np.asarray(stored["s"]), slope, rtol=1e-5, atol=5e-6)
 
 
+def test_gelu_slope_code():
+  """The one-byte slope (bf16 activations): Gelu's code, converted as the store
+  converts it (truncating) and decoded by ``slope_multiplier``'s ``MulTile``, is within
+  half a step of the fp64 derivative everywhere, both extremes included, and exact where
+  the slope saturates at 0 or 1; no value is clipped by the code's range; bf16 activations
+  store uint8 and others their own dtype; a dtype that is neither float nor uint8 is an
+  error."""
+  z = jnp.concatenate([jnp.linspace(-12.0, 12.0, 200001), jnp.asarray([-1.4185, 1.4185])])
+  stored = {}
+  env = type("E", (), {"store": lambda self, nm, v: stored.update({nm: v}),
+                       "load": lambda self, nm: stored[nm].astype(jnp.uint8)})()
+  cj.Gelu(slope="s", slope_dtype=jnp.uint8).apply(z[None], env)
+  codes = stored["s"].astype(jnp.uint8)
+  decoded = np.asarray(L.slope_multiplier("s", jnp.uint8).apply(jnp.ones_like(z[None]), env))[0]
+  with jax.enable_x64():
+    exact = np.asarray(jax.vmap(jax.grad(GATED_ACTS["gelu"]))(
+        jnp.asarray(np.asarray(z), dtype=jnp.float64)))
+  err = np.abs(decoded - exact)
+  assert err.max() <= L.SLOPE_CODE_STEP / 2 + 1e-6, (err.max(), z[err.argmax()])
+  # the minimum takes the lowest code, the maximum one below the top (nothing clipped)
+  assert int(codes.min()) == 0 and int(codes.max()) == 252, (codes.min(), codes.max())
+  # the saturated slopes (|z| large; bf16 holds them exactly) decode exactly
+  sat = np.abs(np.asarray(z)) >= 10
+  np.testing.assert_array_equal(decoded[sat], exact[sat].round())
+  assert L.slope_dtype_for(jnp.bfloat16) == jnp.uint8
+  assert L.slope_dtype_for(jnp.float16) == jnp.float16
+  assert L.slope_dtype_for(jnp.float32) == jnp.float32
+  assert L.slope_multiplier("s", jnp.bfloat16) == cj.MulTile("s")
+  assert repr(cj.MulTile("s")) == "MulTile(name='s')"  # the tuning cache's names
+  with pytest.raises(ValueError, match=r"slope_dtype=int8: a float dtype, or uint8"):
+    cj.Gelu(slope="s", slope_dtype=jnp.int8)
+
+
 def test_zero_row_claims():
   """A bias moves a zero row (it must not claim keeps_zero_rows); the rank-1 update, the
   activation steps and LayerNormGrad keep it."""
