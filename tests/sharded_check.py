@@ -1,5 +1,6 @@
 """Run by test_sharding.py in a fresh process with 2 fake CPU devices (the device count
-is fixed when jax starts): every fused op and the shifted block under ``jax.shard_map``
+is fixed when jax starts): every fused op (the LayerNorm ops of issue 13 too) and the
+shifted block under ``jax.shard_map``
 with rows split over "data" and weights replicated, against the same call on one
 device. Prints one line per case: name, max relative gradient difference, and the
 compiled program's all-gather and all-reduce counts."""
@@ -15,7 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from coda_jax import blocks, fused_ops as F, layout, qk_norm  # noqa: E402
+from coda_jax import blocks, fused_ops as F, layernorm_ops as L, layout, qk_norm  # noqa: E402
 
 IMPL = sys.argv[1] if len(sys.argv) > 1 else "xla"
 # On a GPU (2 devices: the tensor-parallel mesh is then data=1 x model=2) the sizes tile
@@ -50,6 +51,22 @@ del post_params["g_attn"], post_params["wqkv"]
 
 def dot(out, ct):
   return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+
+
+# GPT-2's LayerNorm ops (issue 13): the stream x0 with its (h, mu, r) as
+# residual_layernorm hands them on, weights of the MLP (F_ wide) and a QKV projection.
+# Their own keys, so the cases above keep their draws.
+ks_ln = iter(jax.random.split(jax.random.key(1), 16))
+ln_vec = lambda n, s: s * jax.random.normal(next(ks_ln), (n,), jnp.float32)
+ln_g, ln_beta, ln_g_next = 1 + ln_vec(D, 0.1), ln_vec(D, 0.3), 1 + ln_vec(D, 0.1)
+ln_x = x0.astype(jnp.float32)
+ln_mu = jnp.mean(ln_x, axis=1)
+ln_r = jax.lax.rsqrt(jnp.mean(jnp.square(ln_x - ln_mu[:, None]), axis=1) + 1e-5)
+ln_h = (ln_x * ln_g).astype(bf)
+ln_w1 = (jax.random.normal(next(ks_ln), (D, F_)) * D ** -0.5).astype(bf)
+ln_w2 = (jax.random.normal(next(ks_ln), (F_, D)) * F_ ** -0.5).astype(bf)
+ln_b1, ln_b2, ln_bq = ln_vec(F_, 0.5), ln_vec(D, 0.5), ln_vec(QKV, 0.5)
+ln_cts = [jax.random.normal(next(ks_ln), (M,), jnp.float32) for _ in range(2)]
 
 
 # name -> (loss(*args), args, in_specs, indices of args to differentiate). Output
@@ -92,6 +109,27 @@ CASES = {
     "post_block": (
         lambda x, y, t, prm: blocks.post_block(x, y, t, prm, post_cfg),
         (x0, y, tgt, post_params), (R, R, R, W), (0, 1, 3)),
+    # the producer: x, h and the row statistics, whose backward is an epilogue pass
+    "residual_layernorm": (
+        lambda y, w, x, g, b, c1, c2, c3, c4: sum(
+            dot(o, c) for o, c in zip(L.residual_layernorm(y, w, x, g, bias=b, impl=IMPL),
+                                      (c1, c2, c3, c4))),
+        (y, wo, x0, ln_g, ln_b2, ct_x, normal((M, D)), *ln_cts),
+        (R, W, R, W, W, R, R, R, R), (0, 1, 2, 3, 4)),
+    "layernorm_matmul": (
+        lambda h, mu, r, g, beta, w, b, c: dot(
+            L.layernorm_matmul(h, mu, r, g, beta, w, bias=b, impl=IMPL), c),
+        (ln_h, ln_mu, ln_r, ln_g, ln_beta, wqkv, ln_bq, ct_q),
+        (R, R, R, W, W, W, W, R), (0, 1, 2, 3, 4, 5, 6)),
+    # GPT-2's MLP with the next norm's statistics: its saved slope is a one-byte code
+    "layernorm_gelu_mlp": (
+        lambda x, h, mu, r, g, beta, w1, b1, w2, b2, gn, c1, c2, c3, c4: sum(
+            dot(o, c) for o, c in zip(
+                L.layernorm_gelu_mlp(x, h, mu, r, g, beta, w1, b1, w2, b2, impl=IMPL,
+                                     next_norm=gn), (c1, c2, c3, c4))),
+        (x0, ln_h, ln_mu, ln_r, ln_g, ln_beta, ln_w1, ln_b1, ln_w2, ln_b2, ln_g_next, ct_x,
+         normal((M, D)), *ln_cts),
+        (R, R, R, R, W, W, W, W, W, W, W, R, R, R, R), tuple(range(11))),
 }
 
 mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])

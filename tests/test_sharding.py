@@ -53,7 +53,8 @@ class Case:
 M, D, F_, QKV, V = 256, 128, 192, 256, 320  # sharded_check.py's sizes
 OPS = ["residual_rmsnorm", "rmsnorm_swiglu", "rmsnorm_qkv_rope", "rmsnorm_qkv_qknorm_rope",
        "rmsnorm_lm_head_loss",
-       "lm_head_loss_chunked", "lm_head_loss_exp", "shifted_block", "post_block"]
+       "lm_head_loss_chunked", "lm_head_loss_exp", "shifted_block", "post_block",
+       "residual_layernorm", "layernorm_matmul", "layernorm_gelu_mlp"]
 TP = ["tp_rmsnorm_swiglu", "tp_lm_head_loss", "tp_lm_head_loss_exp", "tp_lm_head_loss_none",
       "tp_shifted_block", "tp_post_block"]
 
