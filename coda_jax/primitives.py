@@ -170,8 +170,8 @@ class MulTile(Primitive):
   slope: GPT-2's MLP backward multiplies da by the gelu'(z) its forward stored).
 
   ``scale`` and ``offset`` decode a tile stored as an affine code: a uint8 operand t
-  stands for offset + scale * t (``layernorm_ops.SlopeCode``). The defaults (1, 0) read
-  the operand as it is."""
+  stands for offset + scale * t (GPT-2's slope: ``layernorm_ops.slope_multiplier``). The
+  defaults (1, 0) read the operand as it is."""
   _keeps_zero_rows = True  # a zero row stays zero whatever the operand holds
   _column_sums_via_env = True
   name: str
