@@ -162,11 +162,9 @@ def programs(s: dict, dt) -> list[tuple[str, tuple, dict, list[tuple[str, list]]
 def operand(kind: str, key, m: int, n: int, dt):
   if kind == "tile":
     return jax.random.normal(key, (m, n), dt)
-  if kind == "slope":  # a stored GELU slope, in the dtype the MLP stores it in
-    sd = L.slope_dtype_for(dt)
-    if sd == jnp.uint8:  # the codes a slope takes (layernorm_ops.SLOPE_CODE_STEP)
-      return jax.random.randint(key, (m, n), 0, 253, jnp.int32).astype(jnp.uint8)
-    return jax.random.uniform(key, (m, n), _F32, -0.13, 1.13).astype(sd)
+  if kind == "slope":  # a stored GELU slope (gelu'(z)'s range), as the MLP stores it
+    s, sd = jax.random.uniform(key, (m, n), _F32, -0.129, 1.129), L.slope_dtype_for(dt)
+    return (L.slope_code(s) if sd == jnp.uint8 else s).astype(sd)
   if kind == "row":  # positive: r and r mu are scales
     return jax.random.uniform(key, (m,), _F32, 0.5, 1.5)
   return jax.random.normal(key, (n,), _F32)

@@ -100,6 +100,14 @@ SLOPE_CODE_LO = -0.13
 SLOPE_CODE_STEP = 0.005
 
 
+def slope_code(s: jax.Array) -> jax.Array:
+  """fp32 slopes -> (s - lo) / step + 1/2, kept in [0, 255.5]: what ``Gelu`` stores for
+  a uint8 slope. The store's conversion truncates it (toward zero) to round((s - lo) /
+  step); a value past the range takes its end."""
+  return jnp.clip(s * jnp.float32(1 / SLOPE_CODE_STEP)
+                  + jnp.float32(0.5 - SLOPE_CODE_LO / SLOPE_CODE_STEP), 0.0, 255.5)
+
+
 def slope_dtype_for(dtype) -> Any:
   """The dtype GPT-2's MLP stores gelu'(z) in for activations of ``dtype``: uint8 (the
   code above; half bf16's bytes, and its error is below bf16's own rounding of the
@@ -142,10 +150,7 @@ class Gelu(Primitive):
       return ACTIVATIONS["gelu"][0](x)
     f, df = ACTIVATIONS["gelu"][1](x)
     if jnp.dtype(self.slope_dtype) == jnp.uint8:
-      # (s - lo) / step + 1/2, kept in [0, 256): the store's conversion truncates it
-      # (toward zero) to round((s - lo) / step); a value past the range takes its end.
-      df = jnp.clip(df * jnp.float32(1 / SLOPE_CODE_STEP)
-                    + jnp.float32(0.5 - SLOPE_CODE_LO / SLOPE_CODE_STEP), 0.0, 255.5)
+      df = slope_code(df)
     env.store(self.slope, df)
     return f
 
@@ -652,8 +657,8 @@ _gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
 
 
 __all__ = ["AddBias", "AddOuter", "Gelu", "GeluGrad", "LayerNormConfig", "LayerNormGrad",
-           "LayerNormInputGrad", "SLOPE_CODE_LO", "SLOPE_CODE_STEP", "slope_dtype_for",
-           "slope_multiplier",
+           "LayerNormInputGrad", "SLOPE_CODE_LO", "SLOPE_CODE_STEP", "slope_code",
+           "slope_dtype_for", "slope_multiplier",
            "DEFAULT_MLP_RESIDUALS", "MLP_RESIDUALS", "layernorm_gelu_mlp", "layernorm_matmul",
            "norm_columns", "residual_layernorm", "residual_stats", "stats_cotangent",
            "stats_from_sums"]

@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from coda_jax import blocks, fused_ops as F, layernorm_ops as L, layout, qk_norm  # noqa: E402
+from coda_jax.unfused import layernorm_stats  # noqa: E402
 
 IMPL = sys.argv[1] if len(sys.argv) > 1 else "xla"
 # On a GPU (2 devices: the tensor-parallel mesh is then data=1 x model=2) the sizes tile
@@ -60,8 +61,7 @@ ks_ln = iter(jax.random.split(jax.random.key(1), 16))
 ln_vec = lambda n, s: s * jax.random.normal(next(ks_ln), (n,), jnp.float32)
 ln_g, ln_beta, ln_g_next = 1 + ln_vec(D, 0.1), ln_vec(D, 0.3), 1 + ln_vec(D, 0.1)
 ln_x = x0.astype(jnp.float32)
-ln_mu = jnp.mean(ln_x, axis=1)
-ln_r = jax.lax.rsqrt(jnp.mean(jnp.square(ln_x - ln_mu[:, None]), axis=1) + 1e-5)
+ln_mu, ln_r = layernorm_stats(ln_x, 1e-5)
 ln_h = (ln_x * ln_g).astype(bf)
 ln_w1 = (jax.random.normal(next(ks_ln), (D, F_)) * D ** -0.5).astype(bf)
 ln_w2 = (jax.random.normal(next(ks_ln), (F_, D)) * F_ ** -0.5).astype(bf)
