@@ -172,7 +172,7 @@ def local_call(sc: ShardedCall, layout: Layout, n_local: int, a, b, *values):
     acc_call = dispatch.Call(program=(P.Store("acc", jnp.float32),), inputs=(),
                              outputs=(pk.EpilogueOutput("acc", dtype=jnp.float32),),
                              column_group=1, trans_a=call.trans_a, trans_b=call.trans_b,
-                             program_id=repr(P.Store("acc", jnp.float32)))
+                             program_id=P.program_id([P.Store("acc", jnp.float32)]))
     acc = dispatch.run(acc_call, a, b, {}, sc.impl)["acc"]
     acc = jax.lax.psum(acc, layout.k)
     # (in_place only saves memory; here the program runs in XLA after the sum)

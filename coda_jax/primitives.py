@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -514,3 +514,22 @@ def finish_lse(max_partials: jax.Array, sumexp_partials: jax.Array) -> jax.Array
   """
   mx = jnp.max(max_partials, axis=0)
   return mx + jnp.log(jnp.sum(sumexp_partials * jnp.exp(max_partials - mx), axis=0))
+
+
+# ---- the tuning cache's name of a program ------------------------------------------------
+def _dtype_spelled_once(prim: Primitive) -> Primitive:
+  """``prim`` with its dtype fields (``dtype`` and ``*_dtype``) as ``jnp.dtype``s:
+  ``jnp.bfloat16``, ``"bfloat16"`` and ``x.dtype`` are one dtype, so they must name one
+  program."""
+  fixed = {f.name: jnp.dtype(v) for f in dataclasses.fields(prim)
+           if f.name == "dtype" or f.name.endswith("_dtype")
+           for v in [getattr(prim, f.name)] if v is not None}
+  return dataclasses.replace(prim, **fixed) if fixed else prim
+
+
+def program_id(program: Sequence[Primitive]) -> str:
+  """The program as the GEMM tuning cache names it: its steps' reprs, with dtypes
+  spelled one way (``dtype(bfloat16)``, ``dtype('float32')``) however they were
+  passed, so that ``Store("y", jnp.bfloat16)`` finds the config tuned for
+  ``Store("y", x.dtype)``."""
+  return "+".join(repr(_dtype_spelled_once(p)) for p in program)

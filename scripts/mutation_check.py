@@ -399,6 +399,22 @@ MUTATIONS = [
         "    acc = jax.lax.psum(acc, layout.k)\n", "",
         ("tests/test_sharding.py",),
         "a split contraction's partial products are not summed before the epilogue"),
+    Mutation(
+        "shard_contraction_not_summed_vs_truth", "coda_jax/partitioning.py",
+        "    acc = jax.lax.psum(acc, layout.k)\n", "",
+        ("tests/test_sharding.py", "-k", "as_accurate_as_one_device"),
+        "the same bug, for the blocks' check against float32, which alone holds the "
+        "tensor-parallel blocks on the GPU (their difference from one device is ~4e-3 "
+        "there)"),
+    # ---- the tuning cache's name of a program (coda_jax/primitives.py) -------------------
+    Mutation(
+        "program_id_dtype_as_passed", "coda_jax/primitives.py",
+        "           for v in [getattr(prim, f.name)] if v is not None}\n",
+        "           for v in [getattr(prim, f.name)] if False}\n",
+        ("tests/test_primitives.py", "-k", "program_id"),
+        "a program's cache name spells a dtype as passed: Store(y, jnp.bfloat16) misses the "
+        "config tuned for Store(y, x.dtype) and runs the heuristic (16% slower for GPT-2's "
+        "LayerNorm pass)"),
     # ---- issue 12: RoPE scaling, bad targets, training state -----------------------------
     Mutation(
         "rope_scaling_blend_inverted", "coda_jax/layout.py",

@@ -3,7 +3,12 @@ is fixed when jax starts): every fused op (the LayerNorm ops of issue 13 too) an
 shifted block under ``jax.shard_map``
 with rows split over "data" and weights replicated, against the same call on one
 device. Prints one line per case: name, max relative gradient difference, and the
-compiled program's all-gather and all-reduce counts."""
+compiled program's collective counts; for the blocks, also the one-device and the
+sharded gradients' errors against the same math in float32 (``TRUTH``).
+
+    python tests/sharded_check.py IMPL [shard_map] [jit] [auto] [train] [errors] [only=a,b]
+
+``only=`` keeps the cases whose name contains one of the comma-separated words."""
 import os
 import sys
 
@@ -17,6 +22,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from coda_jax import blocks, fused_ops as F, layernorm_ops as L, layout, qk_norm  # noqa: E402
+from coda_jax import jnp_reference as ref  # noqa: E402
 from coda_jax.unfused import layernorm_stats  # noqa: E402
 
 IMPL = sys.argv[1] if len(sys.argv) > 1 else "xla"
@@ -132,9 +138,51 @@ CASES = {
         (R, R, R, R, W, W, W, W, W, W, W, R, R, R, R), tuple(range(11))),
 }
 
+# The blocks' math in float32 at HIGHEST precision (coda_jax.jnp_reference): the truth the
+# one-device and the sharded gradients are both measured against, so that a sharded run
+# that differs from one device shows whether it is the less accurate one.
+_ref_kw = dict(n_q_heads=HQ, n_kv_heads=HKV, head_dim=HD, theta=cfg.rope_theta, eps=cfg.eps,
+               block=cfg.swiglu_block, activation=cfg.activation)
+TRUTH = {
+    "shifted_block": lambda x, y, p, prm, c1, c2: sum(dot(o, c) for o, c in zip(
+        ref.shifted_block(x, y, p, prm, **_ref_kw), (c1, c2))),
+    "post_block": lambda x, y, t, prm: ref.post_block(
+        x, y, t, prm, eps=cfg.eps, block=cfg.swiglu_block, activation=cfg.activation,
+        reduction="sum"),
+}
+TRUTH["tp_shifted_block"], TRUTH["tp_post_block"] = TRUTH["shifted_block"], TRUTH["post_block"]
+
+
+def to_f32(tree):
+  """The arguments with every floating array in float32 (integer ids kept)."""
+  return jax.tree.map(lambda a: a.astype(jnp.float32)
+                      if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+_truths = {}  # name -> its float32 gradients, shared by the modes
+
+
+def errors_vs_truth(name, args, argnums, *grads):
+  """" err_one=.. err_sharded=..": the largest relative error over the leaves of each of
+  ``grads`` against TRUTH[name]'s float32 gradients; "" for a case without a truth."""
+  if name not in TRUTH:
+    return ""
+  if name not in _truths:
+    with jax.default_matmul_precision("highest"):
+      _truths[name] = jax.jit(jax.grad(TRUTH[name], argnums=argnums))(*to_f32(args))
+  truth = _truths[name]
+  err = lambda g: max(rel(a.astype(jnp.float32), b) for a, b in
+                      zip(jax.tree.leaves(g), jax.tree.leaves(truth)))
+  return "".join(f" {label}={err(g):.3e}" for label, g in zip(("err_one", "err_sharded"),
+                                                              grads))
+
+
 mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
 CASES_TRAIN = "train" in sys.argv[2:]
 MODES = [m for m in ("shard_map", "jit", "auto") if m in sys.argv[2:]] or ["shard_map"]
+# "only=a,b": the cases whose name contains one of these (a short run on the GPU host)
+ONLY = [w for arg in sys.argv[2:] if arg.startswith("only=")
+        for w in arg.removeprefix("only=").split(",") if w]
 rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32))
                          / jnp.linalg.norm(b.astype(jnp.float32)))
 # Tensor parallel on a (data=2, model=2) mesh: column-parallel wqkv, w13 and wlm (the
@@ -157,7 +205,9 @@ TP_CASES = {
 
 
 def collectives(hlo):
-  return " ".join(f"{op}={hlo.count(op + '(')}" for op in
+  """Counts of each collective in compiled HLO text, synchronous or asynchronous (the
+  GPU compiler emits e.g. ``all-reduce-start``, the CPU's ``all-reduce``)."""
+  return " ".join(f"{op}={hlo.count(op + '(') + hlo.count(op + '-start(')}" for op in
                   ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
                    "collective-permute"))
 
@@ -190,6 +240,10 @@ for mode in MODES:
     mesh_tp = jax.make_mesh((TP_DATA, 2), ("data", "model"), axis_types=types * 2,
                             devices=jax.devices()[:2 * TP_DATA])
     cases.update(TP_CASES)
+  if ONLY:
+    cases = {nm: c for nm, c in cases.items() if any(w in nm for w in ONLY)}
+    if not cases:
+      sys.exit(f"only={','.join(ONLY)} matches no case of mode {mode}")
   for name, (loss, args, specs, argnums) in cases.items():
     one = jax.jit(jax.grad(loss, argnums=argnums))(*args)
     put = put_tree(mesh_tp if name.startswith("tp_") else mesh, args, specs)
@@ -205,7 +259,8 @@ for mode in MODES:
     fwd = "" if mode == "shard_map" else jax.jit(loss).lower(*put).compile().as_text()
     print(f"CASE {mode} {name} {diff:.3e} {collectives(hlo)} "
           f"largest_reduce={largest_reduce(hlo)} forward_largest_reduce="
-          f"{largest_reduce(fwd)}", flush=True)
+          f"{largest_reduce(fwd)}{errors_vs_truth(name, args, argnums, one, two)}",
+          flush=True)
 
 
 if CASES_TRAIN:  # the main job's data-parallel train step against one device

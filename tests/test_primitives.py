@@ -714,3 +714,32 @@ def test_column_sum_turns_only_when_every_step_says_so(key, monkeypatch, kernel_
                            ([_OwnColumnSum("c"), cj.ColSum("d"), cj.Store("y")], False)):
     check_program(a, b, program, {}, kernel_impl)
     assert seen[-1] is per_sum, program
+
+
+# ---- the tuning cache's name of a program ------------------------------------------------
+def test_program_id_spells_each_dtype_once():
+  """A dtype passed as a scalar type (``jnp.bfloat16``, ``np.float32``) or as a dtype
+  (``x.dtype``) names the same program, so both find the same tuned config; fields that
+  are not dtypes are left as they are."""
+  from coda_jax.epilogue_gemm import program_id
+  from coda_jax.layernorm_ops import Gelu
+  x = jnp.zeros((2, 2), jnp.bfloat16)
+  spellings = [[cj.ScaleRow("r"), cj.Store("y", dt)] for dt in
+               (jnp.bfloat16, jnp.dtype("bfloat16"), x.dtype, "bfloat16")]
+  ids = {program_id(p) for p in spellings}
+  assert ids == {"ScaleRow(name='r')+Store(name='y', dtype=dtype(bfloat16))"}, ids
+  assert (program_id([cj.Store("dw", jnp.float32)]) == program_id([cj.Store("dw", np.float32)])
+          == "Store(name='dw', dtype=dtype('float32'))")
+  assert (program_id([Gelu(slope="s", slope_dtype=jnp.uint8)])
+          == program_id([Gelu(slope="s", slope_dtype=jnp.dtype("uint8"))]))
+  assert "<class" not in program_id([Gelu(slope="s", slope_dtype=jnp.uint8)])
+
+
+def test_shipped_tuning_cache_keys_spell_dtypes_as_program_id():
+  """Every shipped cache entry names its program with dtypes spelled as ``program_id``
+  spells them (a key with a scalar type's repr, ``<class 'jax.numpy.bfloat16'>``, would
+  never be found)."""
+  import json
+  data = json.loads(pallas_kernels.autotune.SHIPPED_CACHE.read_text())
+  stale = [k for k in data["entries"] if "<class" in k]
+  assert not stale, stale[:3]
