@@ -528,8 +528,14 @@ def _dtype_spelled_once(prim: Primitive) -> Primitive:
 
 
 def program_id(program: Sequence[Primitive]) -> str:
-  """The program as the GEMM tuning cache names it: its steps' reprs, with dtypes
-  spelled one way (``dtype(bfloat16)``, ``dtype('float32')``) however they were
-  passed, so that ``Store("y", jnp.bfloat16)`` finds the config tuned for
-  ``Store("y", x.dtype)``."""
+  """The program as the GEMM tuning cache names it.
+
+  Args:
+    program: the epilogue steps.
+
+  Returns:
+    Their reprs joined by "+", every dtype spelled one way (``dtype(bfloat16)``,
+    ``dtype('float32')``) however it was passed, so that ``Store("y", jnp.bfloat16)``
+    finds the config tuned for ``Store("y", x.dtype)``.
+  """
   return "+".join(repr(_dtype_spelled_once(p)) for p in program)
