@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from bench import common
+from bench.ablate_epilogue import LayerNormInputGradNoDg
 from coda_jax import jnp_reference as R
 from coda_jax import layernorm_ops as L
 from coda_jax import primitives as P
@@ -47,20 +48,6 @@ class _WithoutNormGrads(Q.HeadRmsNormGrad):
 
   def finish(self, raw):
     return {self.udu: jnp.sum(raw[self.udu], axis=0)}
-
-
-@dataclasses.dataclass(frozen=True)
-class _WithoutLayerNormSums(L.LayerNormInputGrad):
-  """LayerNormInputGrad without g's column partial (what it costs)."""
-
-  def outputs(self, width):
-    return ()
-
-  def apply(self, acc, env):
-    return super().apply(acc, common.DroppingEnv(env, [self.dg]))
-
-  def finish(self, raw):
-    return {}
 
 
 def _copies(names, out, column_sum=False):
@@ -121,7 +108,7 @@ def layernorm_case(key, d=2048):
       "LayerNorm producer backward": (
           [P.AddTile("dx"), grad, P.ColSum("dsum"), P.Store("dxt")], ops),
       "without the two column sums": (
-          [P.AddTile("dx"), _WithoutLayerNormSums(**dataclasses.asdict(grad)),
+          [P.AddTile("dx"), LayerNormInputGradNoDg(**dataclasses.asdict(grad)),
            P.Store("dxt")], ops),
       "copy3": (_copies(copies, "dxt"), copies),
       "copy3 + column sum": (_copies(copies, "dxt", True), copies),
