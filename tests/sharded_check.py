@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from coda_jax import blocks, fused_ops as F, layernorm_ops as L, layout, qk_norm  # noqa: E402
 from coda_jax import jnp_reference as ref  # noqa: E402
 from coda_jax.unfused import layernorm_stats  # noqa: E402
+from helpers import f32_tree  # noqa: E402  (tests/, this script's folder)
 
 IMPL = sys.argv[1] if len(sys.argv) > 1 else "xla"
 # On a GPU (2 devices: the tensor-parallel mesh is then data=1 x model=2) the sizes tile
@@ -153,12 +154,6 @@ TRUTH = {
 TRUTH["tp_shifted_block"], TRUTH["tp_post_block"] = TRUTH["shifted_block"], TRUTH["post_block"]
 
 
-def to_f32(tree):
-  """The arguments with every floating array in float32 (integer ids kept)."""
-  return jax.tree.map(lambda a: a.astype(jnp.float32)
-                      if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
-
-
 _truths = {}  # name -> its float32 gradients, shared by the modes
 
 
@@ -169,7 +164,7 @@ def errors_vs_truth(name, args, argnums, *grads):
     return ""
   if name not in _truths:
     with jax.default_matmul_precision("highest"):
-      _truths[name] = jax.jit(jax.grad(TRUTH[name], argnums=argnums))(*to_f32(args))
+      _truths[name] = jax.jit(jax.grad(TRUTH[name], argnums=argnums))(*f32_tree(args))
   truth = _truths[name]
   err = lambda g: max(rel(a.astype(jnp.float32), b) for a, b in
                       zip(jax.tree.leaves(g), jax.tree.leaves(truth)))
