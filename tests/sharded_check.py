@@ -199,10 +199,15 @@ TP_CASES = {
 }
 
 
-def collectives(hlo):
-  """Counts of each collective in compiled HLO text, synchronous or asynchronous (the
+def count_op(hlo, op):
+  """How many ``op`` collectives compiled HLO text holds, synchronous or asynchronous (the
   GPU compiler emits e.g. ``all-reduce-start``, the CPU's ``all-reduce``)."""
-  return " ".join(f"{op}={hlo.count(op + '(') + hlo.count(op + '-start(')}" for op in
+  return hlo.count(op + "(") + hlo.count(op + "-start(")
+
+
+def collectives(hlo):
+  """Counts of each collective in compiled HLO text (``count_op``)."""
+  return " ".join(f"{op}={count_op(hlo, op)}" for op in
                   ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
                    "collective-permute"))
 
@@ -321,11 +326,11 @@ if CASES_TRAIN:  # the main job's data-parallel train step against one device
   l3, p3, hlo3, arg3 = results["fsdp"]
   print(f"FSDP loss_diff={max(abs(a - b) for a, b in zip(l1, l3)):.3e} "
         f"param_diff={max(rel(a, b) for a, b in zip(p3, p1)):.3e} "
-        f"arg_bytes_ratio={arg3 / arg2:.3f} all-gather={hlo3.count('all-gather(')}", flush=True)
+        f"arg_bytes_ratio={arg3 / arg2:.3f} all-gather={count_op(hlo3, 'all-gather')}", flush=True)
   pdiff = max(rel(a, b) for a, b in zip(p2, p1))
   print(f"TRAIN loss_diff={max(abs(a - b) for a, b in zip(l1, l2)):.3e} "
-        f"param_diff={pdiff:.3e} all-gather={hlo2.count('all-gather(')} "
-        f"all-reduce={hlo2.count('all-reduce(')} loss={l2[-1]:.4f}", flush=True)
+        f"param_diff={pdiff:.3e} all-gather={count_op(hlo2, 'all-gather')} "
+        f"all-reduce={count_op(hlo2, 'all-reduce')} loss={l2[-1]:.4f}", flush=True)
 
 
 if "errors" in sys.argv[2:] and len(jax.devices()) >= 4:  # splits the kernels cannot run are refused, never replicated
