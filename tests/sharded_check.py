@@ -8,7 +8,8 @@ sharded gradients' errors against the same math in float32 (``TRUTH``).
 
     python tests/sharded_check.py IMPL [shard_map] [jit] [auto] [train] [errors] [only=a,b]
 
-``only=`` keeps the cases whose name contains one of the comma-separated words."""
+``only=`` keeps the cases whose name contains one of the comma-separated words. With no
+mode named, the ops run under shard_map; ``train`` alone runs only the train step."""
 import os
 import sys
 
@@ -174,7 +175,9 @@ def errors_vs_truth(name, args, argnums, *grads):
 
 mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
 CASES_TRAIN = "train" in sys.argv[2:]
-MODES = [m for m in ("shard_map", "jit", "auto") if m in sys.argv[2:]] or ["shard_map"]
+# No mode named: shard_map, or none at all beside "train" (the train step alone).
+MODES = [m for m in ("shard_map", "jit", "auto") if m in sys.argv[2:]] or (
+    [] if CASES_TRAIN else ["shard_map"])
 # "only=a,b": the cases whose name contains one of these (a short run on the GPU host)
 ONLY = [w for arg in sys.argv[2:] if arg.startswith("only=")
         for w in arg.removeprefix("only=").split(",") if w]
