@@ -282,6 +282,7 @@ if CASES_TRAIN:  # the main job's data-parallel train step against one device
   runs = (("one", None, "jit"), ("two", mesh, "shard_map"), ("fsdp", mesh, "shard_map"),
           ("jit", mesh_jit, "jit"), ("jit_fsdp", mesh_jit, "jit"), ("tp", mesh_tp, "jit"))
   for label, m, partitioner in runs:
+    print(f"RUN train {label}", flush=True)  # progress; a crash names its run
     model = Llama(cfg_m, rngs=nnx.Rngs(0), fused=True)
     graphdef, state = train.init_state(model, train.make_optimizer(1e-3, total_steps=4))
     if label in ("fsdp", "jit_fsdp"):
@@ -306,6 +307,7 @@ if CASES_TRAIN:  # the main job's data-parallel train step against one device
   grads = {}
   for fused in (True, False):
     for label in ("one", "tp"):
+      print(f"RUN grad {label} fused={fused}", flush=True)
       model = Llama(cfg_m, rngs=nnx.Rngs(0), fused=fused)
       gdef, params, rest = nnx.split(model, nnx.Param, ...)
       t, y = tokens, targets
