@@ -112,12 +112,13 @@ def lm_head_loss(h, r, wlm, targets, ignore_index, reduction, fused, impl="auto"
   return loss.reshape(targets.shape) if reduction == "none" else loss
 
 
-def attention_impl(dtype, requested=None):
+def attention_impl(dtype, requested=None, platform=None):
   """``jax.nn.dot_product_attention``'s implementation: cuDNN on a GPU for 16-bit
-  activations, XLA elsewhere, unless ``requested``."""
+  activations, XLA elsewhere, unless ``requested``. ``platform``: default that of
+  ``jax.devices()``."""
   if requested is not None:
     return requested
-  on_gpu = jax.devices()[0].platform == "gpu"
+  on_gpu = (platform or jax.devices()[0].platform) == "gpu"
   return "cudnn" if on_gpu and jnp.dtype(dtype).itemsize == 2 else "xla"
 
 

@@ -172,6 +172,35 @@ def check_mesh(mesh, data_axis: str, batch: int | None = None, *,
 PARTITIONERS = ("shard_map", "jit")
 
 
+def check_shard_map_attention(config, platform: str | None = None):
+  """Refuses a ``partitioner="shard_map"`` train step that jax 0.11.2's GPU compiler
+  cannot build: the gradient of a ``jax.shard_map`` over a ``jax.lax.scan`` of cuDNN
+  attention segfaults in its ``shardy-xla`` pass (the process dies; no library code is
+  involved: ``docs/known_issues.md`` has the repro). The models scan their layers, so a
+  model of two or more layers with cuDNN attention (the default for 16-bit activations on
+  a GPU) hits it. XLA's attention and the "jit" partitioner compile.
+
+  Args:
+    config: the model's config (``LlamaConfig`` or ``GPT2Config``: ``attention_impl``,
+      ``dtype``, ``n_layers``).
+    platform: the devices' platform; default that of ``jax.devices()``.
+
+  Raises:
+    ValueError: naming the two ways around it.
+  """
+  from flax_layers import layers as Lyr
+  platform = platform or jax.devices()[0].platform
+  attention = Lyr.attention_impl(config.dtype, config.attention_impl, platform=platform)
+  if attention == "cudnn" and config.n_layers >= 2:
+    raise ValueError(
+        f"partitioner='shard_map' with cuDNN attention ({config.n_layers} layers, "
+        f"attention_impl={config.attention_impl!r} resolves to 'cudnn' on {platform}): "
+        "jax 0.11.2's GPU compiler segfaults on the gradient of a shard_map over a scan of "
+        "cuDNN attention (docs/known_issues.md). Use partitioner='jit' (the default; each "
+        "fused GEMM is split over the mesh), or attention_impl='xla' in the model's config "
+        "(XLA's attention, slower)")
+
+
 def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, mesh=None,
                     data_axis: str = "data", partitioner: str = "jit",
                     program_cache: str | os.PathLike | None = None):
@@ -191,8 +220,9 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, me
   over ``data_axis``, tensor-parallel weights over the model axis, FSDP-split weights
   gathered per GEMM, i.e. per layer). "shard_map": data parallel only; each device runs
   the whole model on its rows inside ``jax.shard_map`` and FSDP parameters are gathered
-  once per step. On 2 H200s the Llama-3.2-1B step segfaulted on this path with the
-  kernels (bench/NOTES.md, issue 11); it is tested on CPU devices only.
+  once per step. On a GPU, jax 0.11.2's compiler segfaults on this path with cuDNN
+  attention (``check_shard_map_attention`` refuses it with a ValueError; the kernels are
+  not the cause): use "jit", or the config's ``attention_impl="xla"``.
 
   ``program_cache``: a folder where the lowered step is kept across processes
   (``coda_jax.program_cache``): a later process with the same model, shapes and library
@@ -212,6 +242,7 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, me
     if mesh is not None:
       check_mesh(mesh, data_axis, tokens.shape[0], other_axes=partitioner == "jit")
     if shard_map_mesh is not None:
+      check_shard_map_attention(model.config)
       gdef, params, rest = nnx.split(model, nnx.Param, ...)
       return jax.value_and_grad(data_parallel_loss(gdef, rest, shard_map_mesh, data_axis))(
           params, tokens, targets)

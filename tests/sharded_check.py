@@ -269,7 +269,8 @@ for mode in MODES:
 if CASES_TRAIN:  # the main job's data-parallel train step against one device
   from flax import nnx  # noqa: E402
   from flax_layers import Llama, get_config, train  # noqa: E402
-  cfg_m = get_config("tiny")
+  # XLA's attention on a GPU: the shard_map runs refuse cuDNN's (train.check_shard_map_attention)
+  cfg_m = get_config("tiny", **({"attention_impl": "xla"} if ON_GPU else {}))
   tokens = jax.random.randint(jax.random.key(1), (4, 64), 0, cfg_m.vocab_size, jnp.int32)
   targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(train.IGNORE_INDEX)
   targets = targets.at[0, :40].set(train.IGNORE_INDEX)  # unequal counts per device

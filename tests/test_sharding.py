@@ -269,3 +269,39 @@ def test_tensor_parallel_checks_the_model():
     train.check_tensor_parallel(cfg, mesh)
   with pytest.raises(ValueError, match="model_axis='tp' is not an axis of the mesh"):
     train.tensor_parallel_shardings({}, mesh, model_axis="tp")
+
+
+@pytest.mark.parametrize("platform,overrides,refused", [
+    ("gpu", {}, True),                                  # bf16 on a GPU: cuDNN by default
+    ("gpu", {"attention_impl": "xla"}, False),
+    ("gpu", {"n_layers": 1}, False),                    # no scan of two layers
+    ("gpu", {"dtype": jnp.float32}, False),             # fp32 runs XLA's attention
+    ("cpu", {}, False),
+    ("cpu", {"attention_impl": "cudnn"}, True),         # asked for by name
+])
+def test_shard_map_train_step_refuses_cudnn_attention(platform, overrides, refused):
+  """jax 0.11.2's GPU compiler segfaults on the gradient of a shard_map over a scan of
+  cuDNN attention (docs/known_issues.md): the shard_map partitioner refuses that model."""
+  from flax_layers import get_config, train
+  cfg = get_config("tiny", **overrides)
+  if refused:
+    with pytest.raises(ValueError, match=r"partitioner='shard_map' with cuDNN attention .*"
+                                         r"Use partitioner='jit'.*attention_impl='xla'"):
+      train.check_shard_map_attention(cfg, platform)
+  else:
+    train.check_shard_map_attention(cfg, platform)
+
+
+def test_shard_map_train_step_checks_attention_before_compiling():
+  """The check sits in the step itself: a shard_map step of a model asking for cuDNN
+  attention is refused while tracing, before XLA compiles anything (one CPU device)."""
+  from flax import nnx
+  from flax_layers import Llama, get_config, train
+  model = Llama(get_config("tiny", attention_impl="cudnn", impl="xla"), rngs=nnx.Rngs(0),
+                fused=False)
+  graphdef, state = train.init_state(model, train.make_optimizer(1e-3, total_steps=2))
+  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  step = train.make_train_step(graphdef, mesh=mesh, donate=False, partitioner="shard_map")
+  tokens = jnp.zeros((2, 8), jnp.int32)
+  with pytest.raises(ValueError, match="partitioner='shard_map' with cuDNN attention"):
+    step(state, tokens, tokens)
