@@ -81,8 +81,12 @@ def parse_args():
   p.add_argument("--partitioner", choices=("shard_map", "jit"), default=None,
                  help="jit (default): plain jit, each fused GEMM split as its operands are "
                  "sharded (coda_jax.partitioning); shard_map: each device runs the whole "
-                 "model on its rows (data axis only; segfaulted with the kernels on 2 H200s, "
-                 "see bench/NOTES.md)")
+                 "model on its rows (data axis only; on a GPU it needs --attention xla: "
+                 "jax 0.11.2's compiler segfaults with cuDNN attention there, "
+                 "docs/known_issues.md)")
+  p.add_argument("--attention", choices=("cudnn", "xla"), default=None,
+                 help="jax.nn.dot_product_attention's implementation (default: cuDNN on a "
+                 "GPU for 16-bit activations, else XLA)")
   p.add_argument("--checkpoint-dir", type=Path, help="save the training state (parameters, "
                  "optimizer, step; the step is the data position) with orbax under "
                  "DIR/<path>/<step>")
@@ -403,6 +407,8 @@ def main():
       sys.exit("--head-grad: GPT-2's head is fused_ops.rmsnorm_lm_head_loss with the "
                "default head_grad; the flag is Llama-only")
     cfg = cfg.replace(head_grad=args.head_grad)
+  if args.attention is not None:
+    cfg = cfg.replace(attention_impl=args.attention)
   if isinstance(cfg, GPT2Config) and args.mesh and "model" in args.mesh:
     sys.exit("--mesh with a 'model' axis: tensor parallelism is Llama-only")
   if isinstance(cfg, GPT2Config) and args.seq > cfg.n_positions:
@@ -438,6 +444,11 @@ def main():
                f"axis 'data' (--mesh {args.mesh})")
     if tp > 1 and args.partitioner != "jit":
       sys.exit("--mesh with a 'model' axis needs --partitioner jit")
+    if args.partitioner == "shard_map":
+      try:
+        train.check_shard_map_attention(cfg)
+      except ValueError as e:
+        sys.exit(f"bench.train: {e} (here: --partitioner jit or --attention xla)")
     if tp > 1 and args.fsdp:
       sys.exit("--fsdp with a 'model' axis is not supported")
     if tp > 1:

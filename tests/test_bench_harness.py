@@ -533,3 +533,16 @@ def test_ablate_epilogue_main_prints_each_table(monkeypatch, capsys):
   out = capsys.readouterr().out
   assert len(timed) == 3 and len(ran) == 1, (timed, ran)  # untimed; traced once
   assert "ran twice" in out and "| plain |" not in out, out
+
+
+def test_train_job_refuses_shard_map_with_cudnn_attention(monkeypatch):
+  """bench.train: ``--partitioner shard_map`` with cuDNN attention (which segfaults jax
+  0.11.2's GPU compiler; docs/known_issues.md) stops before any step, naming the flags
+  around it; ``--attention`` reaches the model's config."""
+  from bench import train as job
+  monkeypatch.setattr("sys.argv", ["bench.train", "--config", "tiny", "--mesh", "data=1",
+                                   "--partitioner", "shard_map", "--attention", "cudnn",
+                                   "--steps", "4", "--paths", "reference"])
+  with pytest.raises(SystemExit, match=r"partitioner='shard_map' with cuDNN attention.*"
+                                       r"--partitioner jit or --attention xla"):
+    job.main()
