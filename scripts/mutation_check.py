@@ -415,6 +415,20 @@ MUTATIONS = [
         "a program's cache name spells a dtype as passed: Store(y, jnp.bfloat16) misses the "
         "config tuned for Store(y, x.dtype) and runs the heuristic (16% slower for GPT-2's "
         "LayerNorm pass)"),
+    # ---- the shard_map train step and jax 0.11.2's cuDNN-attention crash -------------------
+    Mutation(
+        "shard_map_step_skips_attention_check", "flax_layers/train.py",
+        "      check_shard_map_attention(model.config)\n", "",
+        ("tests/test_sharding.py", "-k", "checks_attention_before_compiling"),
+        "the shard_map train step no longer refuses cuDNN attention: on a GPU the process "
+        "dies in XLA's compiler instead of raising"),
+    Mutation(
+        "shard_map_attention_check_ignores_default", "flax_layers/train.py",
+        "  attention = Lyr.attention_impl(config.dtype, config.attention_impl, platform=platform)\n",
+        "  attention = config.attention_impl\n",
+        ("tests/test_sharding.py", "-k", "refuses_cudnn"),
+        "the check reads only an attention named in the config, missing cuDNN chosen by "
+        "default on a GPU"),
     # ---- issue 12: RoPE scaling, bad targets, training state -----------------------------
     Mutation(
         "rope_scaling_blend_inverted", "coda_jax/layout.py",
