@@ -6,13 +6,9 @@
 # Workers (pytest-xdist): a pytest process keeps about 1.3 cores busy (the interpreter's
 # warpgroups are Python threads), so the suite runs in CODA_JAX_TEST_WORKERS processes:
 # by default, without a GPU, as many as there are cores and 8 GB of available memory
-# each (the heaviest files peak near 6 GB); with a GPU, up to 8 sharing it. Tests go to
-# the workers one by one (--dist loadgroup), except those marked with an xdist_group,
-# which stay in one worker together: test_sharding's, so its module fixture (a
-# multi-device subprocess, the suite's longest step) runs once. Whole files per worker
-# (loadfile) bound the suite by its longest files: on a 2-core machine test_flax_layers'
-# slowest tests alone took ~18 min, test_blocks' ~12.
-# `-n 0`, or an -n of your own, overrides this.
+# each (the heaviest files peak near 6 GB); with a GPU, up to 8 sharing it. Each test file
+# stays in one worker (--dist loadfile), so a module's fixtures (test_sharding's
+# multi-device subprocess) run once. `-n 0`, or an -n of your own, overrides this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=$(bash scripts/setup.sh)
@@ -37,7 +33,7 @@ if ! $workers_given; then
   fi
   workers="${CODA_JAX_TEST_WORKERS:-$workers}"
   if [ "$workers" -gt 1 ]; then
-    extra=(-n "$workers" --dist loadgroup)
+    extra=(-n "$workers" --dist loadfile)
   fi
   echo "test: $workers worker process(es) (CODA_JAX_TEST_WORKERS to change)" >&2
 fi

@@ -15,10 +15,6 @@ import pytest
 
 from coda_jax import sharding
 
-# One xdist worker runs the whole module (scripts/test.sh: --dist loadgroup), so the
-# sharded_results fixture's subprocess runs once.
-pytestmark = pytest.mark.xdist_group("test_sharding")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
