@@ -175,10 +175,12 @@ PARTITIONERS = ("shard_map", "jit")
 def check_shard_map_attention(config, platform: str | None = None):
   """Refuses a ``partitioner="shard_map"`` train step that jax 0.11.2's GPU compiler
   cannot build: the gradient of a ``jax.shard_map`` over a ``jax.lax.scan`` of cuDNN
-  attention segfaults in its ``shardy-xla`` pass (the process dies; no library code is
-  involved: ``docs/known_issues.md`` has the repro). The models scan their layers, so a
-  model of two or more layers with cuDNN attention (the default for 16-bit activations on
-  a GPU) hits it. XLA's attention and the "jit" partitioner compile.
+  attention segfaults in its ``shardy-xla`` pass: the process dies, and it takes none of
+  this library's code (``docs/known_issues.md`` has a jax-only repro). The models scan
+  their layers, so this refuses any model of two or more layers whose attention is cuDNN
+  (the default for 16-bit activations on a GPU); measured crashing: the 4-layer tiny
+  Llama, fused and reference, and jax's scan over 2 layers. One layer, XLA's attention and
+  the "jit" partitioner compile.
 
   Args:
     config: the model's config (``LlamaConfig`` or ``GPT2Config``: ``attention_impl``,
