@@ -19,6 +19,7 @@ from flax import nnx
 
 import coda_jax.epilogue_gemm
 from coda_jax.program_cache import cached_jit
+from flax_layers import layers as Lyr
 
 
 def _decay_mask(params):
@@ -190,7 +191,6 @@ def check_shard_map_attention(config, platform: str | None = None):
   Raises:
     ValueError: naming the two ways around it.
   """
-  from flax_layers import layers as Lyr
   platform = platform or jax.devices()[0].platform
   attention = Lyr.attention_impl(config.dtype, config.attention_impl, platform=platform)
   if attention == "cudnn" and config.n_layers >= 2:
