@@ -249,6 +249,21 @@ def input_grad(dout, w, impl, r=None, w_nk=False, dtype=None):
   return gemm_epilogue(dout, w, program, operands, trans_b=not w_nk, impl=impl)["da"]
 
 
+def weight_and_bias_grad(a, dout, impl, dtype=jnp.float32):
+  """dW = a^T @ dout as ``weight_grad``, and a bias's gradient db = sum_rows dout (N,)
+  fp32, which the same GEMM's mainloop sums from the dout tiles it reads
+  (``primitives.BColumnSum``): no pass over dout of its own.
+
+  Returns:
+    (dW in ``dtype``, db in fp32); under ``shard_map`` with the rows split, both are one
+    shard's partial sums (dW then in fp32)."""
+  if varying_axes(a):
+    dtype = jnp.float32
+  out = gemm_epilogue(a, dout, [P.Store("dw", dtype), P.BColumnSum("db")], trans_a=True,
+                      impl=impl)
+  return out["dw"], out["db"]
+
+
 def grad_dtype(w):
   """Weight gradients are accumulated in fp32 and stored in the weight's dtype (fp32 for
   anything wider than 16 bits), so no separate conversion pass runs."""

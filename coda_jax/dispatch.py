@@ -129,10 +129,11 @@ class Call:
 class _MatrixEnv:
   """``primitives.Env`` over whole matrices, for the XLA implementation."""
 
-  def __init__(self, operands, shape, adds=None):
+  def __init__(self, operands, shape, adds=None, b_column_sums=None):
     self.operands = operands
     self.shape = shape
     self.adds = adds or {}  # output -> the operand its stored values add to
+    self.b_column_sums = b_column_sums  # () -> (N,) sums of B over K, where known
     self.stored: dict[str, jax.Array] = {}
 
   def column_ids(self):
@@ -152,6 +153,12 @@ class _MatrixEnv:
   def store_column_sum(self, name, x):
     self.store(name, self.column_sum(x))
 
+  def b_column_sum(self, name):
+    if self.b_column_sums is None:
+      raise ValueError(f"output {name!r} sums the GEMM's B operand over K, but this "
+                       "program runs without one")
+    self.stored[name] = self.b_column_sums()
+
 
 def finish(program, raw: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """The user-facing outputs from raw kernel outputs (partials reduced)."""
@@ -159,13 +166,21 @@ def finish(program, raw: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def apply_program(x: jax.Array, program, operands: dict[str, jax.Array], outputs,
-                  round_to=None) -> dict[str, jax.Array]:
+                  round_to=None, b_column_sums=None) -> dict[str, jax.Array]:
   """``program`` on a whole fp32 matrix ``x``: the finished outputs. ``round_to`` rounds
-  every intermediate as an unfused XLA graph in that dtype would."""
-  env = _MatrixEnv(operands, x.shape, {o.name: o.adds_to for o in outputs if o.adds_to})
+  every intermediate as an unfused XLA graph in that dtype would. ``b_column_sums``: a
+  function giving the (N,) sums of the GEMM's B over K, for a ``BColumnSum``."""
+  env = _MatrixEnv(operands, x.shape, {o.name: o.adds_to for o in outputs if o.adds_to},
+                   b_column_sums)
   P.run_program(program, x, env, round_to=round_to)
   return finish(program, {o.name: env.stored[o.name][None] if o.kind != pk.OutputKind.TILE
                           else env.stored[o.name].astype(o.dtype) for o in outputs})
+
+
+def b_sums(b, trans_b: bool):
+  """A function giving B's (N,) sums over K in fp32, B stored (K, N) or, with
+  ``trans_b``, (N, K)."""
+  return lambda: jnp.sum(b.astype(jnp.float32), axis=1 if trans_b else 0)
 
 
 def _xla_check(call, a, b, operands):
@@ -179,7 +194,8 @@ def _xla_run(call, a, b, operands, round_to=None):
                  precision=jax.lax.Precision.HIGHEST)
   if round_to is not None:
     x = x.astype(round_to).astype(jnp.float32)
-  return apply_program(x, call.program, operands, call.outputs, round_to=round_to)
+  return apply_program(x, call.program, operands, call.outputs, round_to=round_to,
+                       b_column_sums=b_sums(b, call.trans_b))
 
 
 def kernel_config(call, a, b, operands, m=None, k=None, clip_m=False) -> pk.GemmConfig:
@@ -204,8 +220,8 @@ def finished_kinds(call: Call) -> dict[str, tuple[str, float]]:
   for prim in call.program:
     for name in prim.combine_over_shards():
       o = raw.get(name)
-      kinds[name] = (("col", o.width) if o is not None and o.kind == pk.OutputKind.COL_PARTIAL
-                     else ("row", 1))
+      col = o is not None and o.kind in (pk.OutputKind.COL_PARTIAL, pk.OutputKind.B_COLUMN_SUM)
+      kinds[name] = ("col", o.width) if col else ("row", 1)
   return kinds
 
 

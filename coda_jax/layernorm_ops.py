@@ -513,10 +513,12 @@ def _ln_matmul_bwd(impl, saved, dz):
   h, mu, r, g, beta, w, bias = saved
   wd = w.astype(h.dtype)
   dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, wd, h, mu, r, g, beta, impl)
-  dw = S.weight_grad(n, dz, impl, S.grad_dtype(w))
-  db = None  # no GEMM produces dz here: an XLA column sum
-  if bias is not None:
-    db = reduce_like(jnp.sum(dz.astype(_F32), axis=0), bias).astype(bias.dtype)
+  db = None  # no GEMM produces dz here: dW's mainloop sums it
+  if bias is None:
+    dw = S.weight_grad(n, dz, impl, S.grad_dtype(w))
+  else:
+    dw, db = S.weight_and_bias_grad(n, dz, impl, S.grad_dtype(w))
+    db = reduce_like(db, bias).astype(bias.dtype)
   return (dh, dmu, dr, reduce_like(dg, g).astype(g.dtype),
           reduce_like(dbeta, beta).astype(beta.dtype), reduce_like(dw, w).astype(w.dtype), db)
 
@@ -623,10 +625,9 @@ def _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, g_next, impl, residuals,
 
 def _gelu_mlp_bwd(impl, residuals, cfg, saved, cts):
   h, mu, r, g, beta, w1, b1, w2, b2, hidden, stats = saved
-  dg_next = None
+  dg_next = db2 = None
   if stats is None:
-    dout = cts
-    db2 = jnp.sum(dout.astype(_F32), axis=0)  # no GEMM produces dout
+    dout = cts  # no GEMM produces dout: dW2's mainloop sums db2 (below)
   else:  # out also fed the next norm: the producer part of section 2, then as above
     xo, g_next, muo, ro = stats
     dout, db2, dg_next = stats_cotangent(xo, g_next, muo, ro, cts, impl)
@@ -647,7 +648,10 @@ def _gelu_mlp_bwd(impl, residuals, cfg, saved, cts):
   # B2: dn = dz @ w1^T -> dh and the LayerNorm terms. B3, B4: weight gradients.
   dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, w1.astype(dt), h, mu, r, g, beta, impl)
   dw1 = S.weight_grad(n, dz, impl, S.grad_dtype(w1))
-  dw2 = S.weight_grad(a, dout, impl, S.grad_dtype(w2))
+  if db2 is None:
+    dw2, db2 = S.weight_and_bias_grad(a, dout, impl, S.grad_dtype(w2))
+  else:
+    dw2 = S.weight_grad(a, dout, impl, S.grad_dtype(w2))
   cast = lambda grad, p: reduce_like(grad, p).astype(p.dtype)
   return (dout, dh, dmu, dr, cast(dg, g), cast(dbeta, beta), cast(dw1, w1), cast(db1, b1),
           cast(dw2, w2), cast(db2, b2), dg_next)

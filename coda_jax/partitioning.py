@@ -27,6 +27,8 @@ operands' shardings:
   contraction runs over the rows).** The local product is a partial sum: the kernel
   stores it in fp32, it is ``psum``-ed over K's mesh axes, and the epilogue program
   runs after the sum in XLA (an epilogue is not linear in the accumulator in general).
+  B's sums over K (``BColumnSum``, a bias gradient) are ``psum``-ed likewise; with M
+  split, each shard holds them whole.
   This is the one activation-sized reduction of Megatron's row-parallel layer, and the
   weight-gradient all-reduce of data parallelism.
 
@@ -145,6 +147,8 @@ def _combine(sc: ShardedCall, layout: Layout, out: dict) -> dict:
       axes = layout.m if kinds[name][0] == "col" else layout.n
       if not axes:
         continue
+      if how == "whole_per_row_shard":
+        continue
       if how == "sum":
         out[name] = jax.lax.psum(out[name], axes)
       elif how == "logsumexp":
@@ -175,8 +179,10 @@ def local_call(sc: ShardedCall, layout: Layout, n_local: int, a, b, *values):
                              program_id=P.program_id([P.Store("acc", jnp.float32)]))
     acc = dispatch.run(acc_call, a, b, {}, sc.impl)["acc"]
     acc = jax.lax.psum(acc, layout.k)
+    local_sums = dispatch.b_sums(b, call.trans_b)
     # (in_place only saves memory; here the program runs in XLA after the sum)
-    out = dispatch.apply_program(acc, call.program, operands, call.outputs)
+    out = dispatch.apply_program(acc, call.program, operands, call.outputs,
+                                 b_column_sums=lambda: jax.lax.psum(local_sums(), layout.k))
   else:
     out = dispatch.run(call, a, b, operands, sc.impl)
   return _combine(sc, layout, dict(out))

@@ -32,6 +32,9 @@ class Env(Protocol):
   # store(name, column_sum(x)) for a column-partial output, except that the kernel may
   # add x to the sub-tiles below it first and sum once (GemmConfig.epi_column_sums_per_tile)
   def store_column_sum(self, name: str, x: jax.Array) -> None: ...
+  # names output ``name`` as sum_k B[k, n], the GEMM's B operand summed over K (N,): the
+  # kernel's mainloop makes it, the XLA implementation sums B
+  def b_column_sum(self, name: str) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +87,9 @@ class Primitive:
   def combine_over_shards(self) -> dict[str, str]:
     """How each finished output of a call split over shards combines into the whole:
     "sum" for a partial sum (row sums over column shards, column sums over row shards),
-    "logsumexp" for a log-sum-exp. Tile outputs are not listed: they are split."""
+    "logsumexp" for a log-sum-exp, "whole_per_row_shard" for a column output that each
+    shard of the rows computes whole (``BColumnSum``: nothing to combine). Tile outputs
+    are not listed: they are split."""
     return {o.name: "sum" for o in self.outputs(1)
             if o.kind in (OutputKind.ROW_PARTIAL, OutputKind.COL_PARTIAL)}
 
@@ -422,6 +427,35 @@ class ColSum(Primitive):
 
   def finish(self, raw):
     return {self.name: jnp.sum(raw[self.name], axis=0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class BColumnSum(Primitive):
+  """Output ``name``: the GEMM's B operand summed over K, sum_k B[k, n] (N,) fp32.
+
+  With ``gemm_epilogue(x, dy, ..., trans_a=True)``, a weight gradient dW = x^T @ dy, that
+  is the bias gradient sum_rows dy, which the kernel's mainloop makes from the dy tiles
+  it streams anyway (as cuBLASLt's BGRADB epilogue does): no pass over dy of its own.
+  The tiles of a column block share the K steps, each running one more small wgmma on
+  its share, B's tile against a ones column (``pallas_kernels.OutputKind.B_COLUMN_SUM``). It leaves the running value as it
+  is, and may stand anywhere in the program. Sharded, the sums over K's shards are
+  added, and each shard of M holds them whole."""
+  _keeps_zero_rows = True  # rows padded onto M are rows of A: B's sums do not see them
+  _column_sums_via_env = True
+  name: str
+
+  def outputs(self, width):
+    return (EpilogueOutput(self.name, OutputKind.B_COLUMN_SUM, jnp.float32),)
+
+  def apply(self, x, env):
+    env.b_column_sum(self.name)
+    return x
+
+  def finish(self, raw):
+    return {self.name: jnp.sum(raw[self.name], axis=0)}
+
+  def combine_over_shards(self):
+    return {self.name: "whole_per_row_shard"}
 
 
 @dataclasses.dataclass(frozen=True)

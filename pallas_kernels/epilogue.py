@@ -26,6 +26,14 @@ pair halved the value or a gated backward doubled it):
                warpgroup tile, (M // tile_m, N * width): the kernel adds the sub-tiles of
                a column block before it sums (``store_column_sum``) or after (``store``).
                (With ``gemm``'s ``clip_m``, a row for every row of tiles, past M too.)
+  b_column_sum (ceil(M / tile_m), N) fp32: partials of sum_k B[k, n], the B operand
+               summed over the contraction (the bias gradient of a weight-gradient GEMM
+               dW = X^T dY, as cuBLASLt's BGRADB epilogue gives it), finished by a sum
+               over axis 0. The *mainloop* makes them, not the epilogue: the warpgroup
+               tiles of a column block share its K steps, row of tiles p taking steps p,
+               p + P, ... (P rows), each with one more small wgmma, B's tile (transposed)
+               against a ones column; each stores its sums as row p. The closure only
+               names the output, with ``tile.b_column_sum(name)``.
 
 A tile output may name ``adds_to``, a tile operand of its shape and dtype (float32): the
 kernel adds that operand's values to what the epilogue stores (an accumulator, e.g. a
@@ -60,6 +68,7 @@ class OutputKind(enum.Enum):
   TILE = "tile"
   ROW_PARTIAL = "row_partial"
   COL_PARTIAL = "col_partial"
+  B_COLUMN_SUM = "b_column_sum"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +93,9 @@ class EpilogueOutput:
     if self.kind == OutputKind.ROW_PARTIAL and self.width != 1:
       raise ValueError(f"output {self.name!r}: row partials have one value per row; "
                        "width does not apply")
+    if self.kind == OutputKind.B_COLUMN_SUM and self.width != 1:
+      raise ValueError(f"output {self.name!r}: B's sums over K have one value per column "
+                       "of B; width does not apply")
 
   def scaled(self, n: int) -> int:
     """A width (or column offset, possibly traced) of n accumulator columns, as this
@@ -107,11 +119,17 @@ def check_input(name: str, kind: InputKind, value, m: int, n: int) -> None:
                      f"got {tuple(value.shape)}")
 
 
-def output_shape(out: EpilogueOutput, m: int, n: int, epi_m: int, epi_n: int):
+def output_shape(out: EpilogueOutput, m: int, n: int, epi_m: int, epi_n: int,
+                 tile_m: int | None = None):
+  """The raw output's shape for an (M, N) problem: ``epi_m`` rows per column partial,
+  ``epi_n`` columns per row partial, and ``tile_m`` (the warpgroup tile's rows) per
+  row of b_column_sum partials."""
   if out.kind == OutputKind.TILE:
     return (m, out.scaled(n))
   if out.kind == OutputKind.ROW_PARTIAL:
     return (n // epi_n, m)
+  if out.kind == OutputKind.B_COLUMN_SUM:
+    return (-(-m // tile_m), n)
   return (m // epi_m, out.scaled(n))
 
 
@@ -157,6 +175,9 @@ class EpilogueTile:
     if name in self.stored:
       raise ValueError(f"epilogue stores {name!r} twice in one sub-tile")
     spec, write = self._outputs[name]
+    if spec.kind == OutputKind.B_COLUMN_SUM:
+      raise ValueError(f"epilogue stores {name!r}, a b_column_sum output: the mainloop "
+                       "makes it; name it with tile.b_column_sum")
     want = spec.subtile_shape(*self.shape)
     if tuple(value.shape) != want:
       raise ValueError(f"epilogue stores {name!r} with shape {value.shape}, "
@@ -164,17 +185,33 @@ class EpilogueTile:
     self.stored.add(name)
     write(value.astype(spec.dtype))
 
+  def _output_of_kind(self, name: str, call: str, kind: OutputKind, wrong: str):
+    """The declared output ``name``'s spec for ``tile.<call>``: a KeyError if it was not
+    declared, a ValueError ending in ``wrong`` if it is not of ``kind``."""
+    if name not in self._outputs:
+      raise KeyError(f"epilogue {'names' if kind == OutputKind.B_COLUMN_SUM else 'stores'} "
+                     f"{name!r}, but only {sorted(self._outputs)} were declared")
+    spec, _ = self._outputs[name]
+    if spec.kind != kind:
+      raise ValueError(f"{call}({name!r}): a {spec.kind.value} output; {wrong}")
+    return spec
+
+  def b_column_sum(self, name: str) -> None:
+    """Names output ``name`` (a ``b_column_sum`` output) as the sums of B over K that
+    the mainloop makes: nothing to compute or pass here, but the program must name it
+    in every sub-tile, as it stores every other output."""
+    self._output_of_kind(name, "b_column_sum", OutputKind.B_COLUMN_SUM,
+                         "not a b_column_sum one")
+    if name in self.stored:
+      raise ValueError(f"epilogue names {name!r} twice in one sub-tile")
+    self.stored.add(name)
+
   def store_column_sum(self, name: str, value: jax.Array) -> None:
     """Stores the sum of ``value`` (epi_m, w) over its rows as column-partial output
     ``name``: ``store(name, column_sum(value))``, except that the kernel may first add
     ``value`` to the sub-tiles below it and sum once (``epi_column_sums_per_tile``)."""
-    if name not in self._outputs:
-      raise KeyError(f"epilogue stores {name!r}, but only {sorted(self._outputs)} "
-                     "were declared")
-    spec, _ = self._outputs[name]
-    if spec.kind != OutputKind.COL_PARTIAL:
-      raise ValueError(f"store_column_sum({name!r}): a {spec.kind.value} output; only "
-                       "col_partial outputs are sums over rows")
+    spec = self._output_of_kind(name, "store_column_sum", OutputKind.COL_PARTIAL,
+                                "only col_partial outputs are sums over rows")
     want = (self.shape[0], spec.subtile_shape(*self.shape)[0])
     if tuple(value.shape) != want:
       raise ValueError(f"store_column_sum({name!r}) with shape {value.shape}, expected "

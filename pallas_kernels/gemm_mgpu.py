@@ -237,7 +237,8 @@ def smem_bytes(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
   """
   cm, cn = config.cta_tile
   total = config.stages * (cm + cn) * config.tile_k * jnp.dtype(dtype).itemsize * mainloop
-  for alloc in _Epilogue.scratch(config, input_kinds, input_dtypes, outputs).values():
+  for alloc in _Epilogue.scratch(config, input_kinds, input_dtypes, outputs,
+                                 operand_dtype=dtype).values():
     if isinstance(alloc, plgpu.Barrier):
       continue  # counted in the reserve
     # Mosaic aligns each buffer (swizzled ones to 1024 bytes): count whole KiB.
@@ -303,6 +304,7 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
   """
   input_kinds = input_kinds or {}
   input_dtypes = input_dtypes or {}
+  sums_b = any(o.kind == epi.OutputKind.B_COLUMN_SUM for o in outputs)
   if clip_m and m % CLIP_M_MULTIPLE:
     raise ValueError(f"M={m}: clip_m needs M to be a multiple of {CLIP_M_MULTIPLE}")
   if k == 0:
@@ -334,6 +336,8 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
                          epi_tile_n=min(64, tn), schedule=schedule)
       cm, cn = probe.cluster_tile
       if _split_b_too_narrow(probe, trans_b) or k % tk or (m % cm and not clip_m) or n % cn:
+        continue
+      if sums_b and b_column_sum_conflict(probe):
         continue
       # Pipeline depth matters more than epilogue sub-tile width: try narrower sub-tiles
       # (smaller epilogue buffers) before fewer stages.
@@ -491,6 +495,18 @@ def store_widths(epi_tile_n: int) -> tuple[int | None, ...]:
   return (None, 64) if epi_tile_n > 64 else (None,)
 
 
+def b_column_sum_conflict(cfg: GemmConfig) -> str | None:
+  """Why ``cfg`` cannot make a b_column_sum output (None when it can). Its wgmma reads a
+  warpgroup's columns of B's stage tile as the A operand, so they must be a multiple of
+  wgmma's 64 rows. That tile and the ones column then share a swizzle, as one wgmma's
+  operands must: B stored (N, K) and the ones are both swizzled by their rows of tile_k;
+  B stored (K, N) by rows of at least 64 16-bit columns (128 bytes), and the ones by
+  tile_k, which an operand stored so makes a multiple of 64 (``_check_tiling``)."""
+  if cfg.tile_n % 64:
+    return f"tile_n={cfg.tile_n} is not a multiple of 64 (wgmma's M)"
+  return None
+
+
 def _stored_width(cfg: GemmConfig, o: epi.EpilogueOutput) -> int:
   """Accumulator columns one TMA store of ``o`` covers: tile outputs are stored in
   ``cfg.store_parts`` parts, partials whole."""
@@ -519,6 +535,11 @@ def _vec_slots(cfg) -> int:
 # Staging slots of an output stored in parts (``GemmConfig.epi_store_n``): its parts
 # alternate between two, an even part count apart (``_Epilogue._store_in_parts``).
 _PART_SLOTS = 2
+
+# Columns of the ones operand that B's tiles are multiplied with for a b_column_sum output:
+# wgmma's narrowest N. The kernel gets the ones as an extra operand under this name.
+_ONES_COLUMNS = 8
+_ONES_OPERAND = "_b_column_sum_ones"
 
 # Tile operand kinds and their width in accumulator sub-tile widths.
 _TILE_KINDS = {epi.InputKind.TILE: 1, epi.InputKind.WIDE_TILE: 2}
@@ -552,7 +573,10 @@ class _Epilogue:
     # Outputs staged whole, one sub-tile per slot and one store group per sub-tile; the
     # rest (tile outputs, when the config splits stores) are stored part by part from
     # inside ``tile.store``.
-    self.whole = [o for o in outputs if _stored_width(cfg, o) == cfg.epi_tile_n]
+    self.whole = [o for o in outputs if _stored_width(cfg, o) == cfg.epi_tile_n
+                  and o.kind != epi.OutputKind.B_COLUMN_SUM]
+    # The sums of B over K (a b_column_sum output), made in the mainloop, or None.
+    self.b_sum = next((o for o in outputs if o.kind == epi.OutputKind.B_COLUMN_SUM), None)
     # Column sums use compiler-placed shared scratch at one offset, the same for both
     # warpgroups. Cooperative epilogues run at once, so they take turns: around each
     # sum when the epilogue sums only through tile.column_sum, else around the whole
@@ -568,10 +592,20 @@ class _Epilogue:
                      if nm not in {o.adds_to for o in outputs}}
 
   @staticmethod
-  def scratch(cfg, input_kinds, input_dtypes, outputs) -> dict:
+  def scratch(cfg, input_kinds, input_dtypes, outputs, operand_dtype=jnp.bfloat16) -> dict:
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     out = {}
-    for o in outputs:  # [warpgroup, slot, *sub-tile (or the part of it one store takes)]
+    for o in outputs:
+      if o.kind == epi.OutputKind.B_COLUMN_SUM:
+        # [warpgroup, column of its tile]: the sums, staged for one TMA store; and the
+        # ones column (8 wide, wgmma's narrowest N) that B's tiles are multiplied with
+        out["o_" + o.name] = plgpu.SMEM((_COMPUTE_WARPGROUPS, cfg.tile_n), jnp.float32)
+        out["b_ones"] = plgpu.SMEM((_COMPUTE_WARPGROUPS, _ONES_COLUMNS, cfg.tile_k),
+                                   operand_dtype,
+                                   transforms=_swizzle_transforms(cfg.tile_k, operand_dtype))
+        out["b_ones_bar"] = plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WARPGROUPS)
+        continue
+      # [warpgroup, slot, *sub-tile (or the part of it one store takes)]
       width = _stored_width(cfg, o)
       shape = o.subtile_shape(em, width)
       slots = cfg.epi_out_slots if width == en else _PART_SLOTS
@@ -645,6 +679,55 @@ class _Epilogue:
         src = self.in_gmem[nm].at[pl.ds(col_base, self.cfg.tile_n)]
       plgpu.copy_gmem_to_smem(src, self.smem["i_" + nm].at[self.wg, slot],
                               self.smem["vec_bar"].at[self.wg * self.vec_slots + slot])
+
+  def fill_ones(self):
+    """Before the first tile, when the program has a b_column_sum output: this
+    warpgroup's ones column, which its wgmma reads, loaded and waited for."""
+    if self.b_sum is None:
+      return
+
+    # (the cooperative kernel's memory warpgroup runs this scope too)
+    @pl.when(self.wg < _COMPUTE_WARPGROUPS)
+    def _fill():
+      # Copied in by TMA, which swizzles as wgmma reads it: no register layout stores
+      # a constant to swizzled shared memory.
+      bar = self.smem["b_ones_bar"].at[self.wg]
+      plgpu.copy_gmem_to_smem(self.in_gmem[_ONES_OPERAND], self.smem["b_ones"].at[self.wg],
+                              bar)
+      plgpu.barrier_wait(bar)
+
+  def sum_b(self, sums_ref, b_tile, trans_b, wg_n, kk, row_base, rows_of_tiles):
+    """K step ``kk`` of the sums of B over K, if it is this warpgroup tile's: the tiles
+    of each column block share its K steps, the one in row of tiles p taking the steps
+    p, p + P, ... (P rows of tiles), so each runs 1/P of the extra work. A wgmma eight
+    columns wide costs far more than its share of the tensor cores' time: with the first
+    row of tiles taking every step the kernel ran 5-9% longer than without the sums on
+    the H100, and with every tile taking every step 18% (an H200); shared, 1.2%
+    (``bench/NOTES.md``, twenty-seventh session). The step adds B's
+    stage tile ``b_tile`` (this warpgroup's ``wg_n`` columns), transposed, times the
+    ones column to ``sums_ref`` (tile_n, 8). Issue it before the step's main wgmma, so
+    that a wait leaving one wgmma in flight leaves the main one."""
+    if self.b_sum is None:
+      return
+    cols = b_tile.at[wg_n] if trans_b else b_tile.at[:, wg_n].transpose((1, 0))
+    ones = self.smem["b_ones"].at[self.wg].transpose((1, 0))
+    mine = kk % rows_of_tiles == row_base // self.cfg.tile_m
+    pl.when(mine)(lambda: plgpu.wgmma(sums_ref, cols, ones))
+
+  def store_b_sum(self, sums_ref, row_base, col_base):
+    """After the mainloop: this warpgroup tile's share of the sums of B over K (every
+    column of the ones gives the same sum: their mean is it exactly), TMA-stored to its
+    row of tiles' row of the partials, in its columns."""
+    if self.b_sum is None:
+      return
+    sums = jnp.sum(sums_ref[...], axis=1) * (1.0 / _ONES_COLUMNS)
+    buf = self.smem["o_" + self.b_sum.name].at[self.wg]
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store from buf is done
+    buf[...] = sums
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(buf, self.out_gmem[self.b_sum.name].at[
+        row_base // self.cfg.tile_m,
+        pl.ds(pl.multiple_of(col_base, self.cfg.tile_n), self.cfg.tile_n)])
 
   def begin(self):
     """Before the first tile. With turns per column sum, warpgroup 1 hands warpgroup 0
@@ -902,6 +985,7 @@ def _kernel_cooperative(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a
     wg = lax.axis_index("wg")
     ep = _Epilogue(cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg,
                    column_sum_turns)
+    ep.fill_ones()
     ep.begin()
 
     @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -916,18 +1000,22 @@ def _kernel_cooperative(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a
       def compute_context(run_mainloop):
         ep.prefetch(row_base, col_base)
 
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
-        def _acc_scope(acc_ref):
-          run_mainloop(acc_ref)
+        @functools.partial(pl.run_scoped, **_accumulators(cfg, outputs))
+        def _acc_scope(acc_ref, sums_ref=None):
+          run_mainloop((acc_ref, sums_ref))
+          ep.store_b_sum(sums_ref, row_base, col_base)
           ep.run(acc_ref[...], row_base, col_base)
 
-      def mma_body(_, a_smem, b_smem, acc_ref):
+      def mma_body(indices, a_smem, b_smem, refs):
+        acc_ref, sums_ref = refs
+        ep.sum_b(sums_ref, b_smem, trans_b, wg_n, indices[0], row_base,
+                 m_iters * cluster_tile_m // tm)
         plgpu.wgmma(acc_ref, *_operand_views(a_smem, b_smem, trans_a, trans_b, wg_m, wg_n))
         # Wait for this MMA before its slot is released: with the MMA left in flight
         # (delay_release) the pipeline never releases the last K step's slot, and the
         # next tile's prologue overwrites it while the MMA may still read it.
         plgpu.wgmma_wait(0)
-        return acc_ref
+        return refs
 
       a_cta = a_gmem.at[:, pl.ds(mi * cm, cm)] if trans_a else a_gmem.at[pl.ds(mi * cm, cm)]
       b_cta = b_gmem.at[pl.ds(ni * cn, cn)] if trans_b else b_gmem.at[:, pl.ds(ni * cn, cn)]
@@ -942,8 +1030,18 @@ def _kernel_cooperative(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a
       pipeline_allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
       collective_axes="wg",
       **_Epilogue.scratch(cfg, input_kinds, {nm: r.dtype for nm, r in in_gmem.items()},
-                          outputs),
+                          outputs, operand_dtype=dtype),
   )
+
+
+def _accumulators(cfg: GemmConfig, outputs) -> dict:
+  """A warpgroup's accumulators for one tile, for ``pl.run_scoped``: the product's
+  (``acc_ref``), and where the program has a b_column_sum output the sums of B over K
+  (``sums_ref``: one row per column of the tile, one column per column of the ones)."""
+  accs = {"acc_ref": plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32)}
+  if any(o.kind == epi.OutputKind.B_COLUMN_SUM for o in outputs):
+    accs["sums_ref"] = plgpu.ACC((cfg.tile_n, _ONES_COLUMNS), jnp.float32)
+  return accs
 
 
 def _kernel_no_product(*refs, cfg: GemmConfig, m, n, input_names, input_kinds, outputs,
@@ -1088,6 +1186,7 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
     def _compute():
       plgpu.set_max_registers(232, action="increase")
       ep = _Epilogue(cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg)
+      ep.fill_ones()
 
       def tile_body(i, _):
         t = 2 * i + wg
@@ -1096,14 +1195,16 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
         ep.prefetch(row_base, col_base)
         first_step = t * k_iters
 
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
-        def _acc_scope(acc_ref):
+        @functools.partial(pl.run_scoped, **_accumulators(cfg, outputs))
+        def _acc_scope(acc_ref, sums_ref=None):
           def k_body(kk, _):
             step = first_step + kk
             slot = step % stages
             plgpu.barrier_wait(full.at[wg * stages + slot])
             a_op = a_ring.at[slot].transpose((1, 0)) if trans_a else a_ring.at[slot]
             b_op = b_ring.at[slot].transpose((1, 0)) if trans_b else b_ring.at[slot]
+            ep.sum_b(sums_ref, b_ring.at[slot], trans_b, slice(None), kk, row_base,
+                     m_iters * cluster_tile_m // tm)
             plgpu.wgmma(acc_ref, a_op, b_op)
             plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
 
@@ -1114,6 +1215,7 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
           lax.fori_loop(0, k_iters, k_body, None)
           plgpu.wgmma_wait(0)
           plgpu.barrier_arrive(consumed.at[(first_step + k_iters - 1) % stages])
+          ep.store_b_sum(sums_ref, row_base, col_base)
           ep.run(acc_ref[...], row_base, col_base, first_tile=t == 0)
 
       lax.fori_loop(0, (local_tiles - wg + 1) // 2, tile_body, None)
@@ -1134,7 +1236,7 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
       consumed=consumed,
       collective_axes="wg",
       **_Epilogue.scratch(cfg, input_kinds, {nm: r.dtype for nm, r in in_gmem.items()},
-                          outputs),
+                          outputs, operand_dtype=dtype),
   )
 
 
@@ -1160,7 +1262,9 @@ def gemm(a: jax.Array, b: jax.Array, *,
     epilogue: ``fn(tile, acc)``; default stores ``acc`` to the output ``"out"``.
     outputs: declared outputs; default one (M, N) ``"out"`` in ``a.dtype``. A tile
       output with ``adds_to`` is the named float32 tile operand plus what the epilogue
-      stores; the epilogue cannot read that operand.
+      stores; the epilogue cannot read that operand. One ``b_column_sum`` output gets
+      partials of B's sums over K from the mainloop (``epilogue.py``; K > 0, tile_n a
+      multiple of 64).
     in_place: output name -> tile operand name: the output is written into that
       operand's buffer (a mutable ``jax.Ref`` inside; XLA reuses the buffer when the
       caller donates it), e.g. accumulating a gradient into its previous value. Each
@@ -1223,6 +1327,12 @@ def gemm(a: jax.Array, b: jax.Array, *,
                        f"float32 tile operand of the output's shape, got "
                        f"{'nothing' if v is None else f'a {kind.value} operand of {v.dtype}'}")
 
+  sums_b = [o.name for o in outputs if o.kind == epi.OutputKind.B_COLUMN_SUM]
+  if len(sums_b) > 1:
+    raise ValueError(f"outputs {sums_b} are all b_column_sum outputs: declare one")
+  if sums_b and k == 0:
+    raise ValueError(f"output {sums_b[0]!r} sums B over K, but K = 0 (an epilogue pass "
+                     "has no B)")
   if clip_m and interpret is not None:
     raise ValueError("clip_m=True needs the compiled kernel: the interpreter clamps "
                      "out-of-range slices instead of filling zeros; pad M to the tile")
@@ -1252,6 +1362,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
     raise ValueError(f"config.epi_tile_n={config.epi_tile_n} must be a multiple of the "
                      f"program's column group (pair block) {min_epi_tile_n}")
   _check_tiling(m, n, k, config, trans_a, trans_b, clip_m)
+  if sums_b and (why := b_column_sum_conflict(config)):
+    raise ValueError(f"{config} cannot sum B over K for output {sums_b[0]!r}: {why}")
   for o in outputs:
     if (o.kind == epi.OutputKind.TILE
         and o.subtile_shape(config.epi_tile_m, config.epi_tile_n)[-1] % 8):
@@ -1273,6 +1385,10 @@ def gemm(a: jax.Array, b: jax.Array, *,
   tiles = -(-m // config.cluster_tile[0]) * (n // config.cluster_tile[1])
   cluster = 1 if config.cluster_dim is None else 2
   names_in = tuple(inputs)
+  kernel_inputs = {nm: v for nm, (_, v) in inputs.items()}
+  if sums_b:  # the ones that B's tiles are multiplied with (_Epilogue.fill_ones)
+    names_in += (_ONES_OPERAND,)
+    kernel_inputs[_ONES_OPERAND] = jnp.ones((_ONES_COLUMNS, config.tile_k), a.dtype)
   if num_sms < cluster:
     raise ValueError(f"num_sms={num_sms} is smaller than the cluster ({cluster} CTAs) of "
                      f"{config}: pass cluster_dim=None or more SMs")
@@ -1307,7 +1423,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
         out_type=tuple(
             jax.ShapeDtypeStruct(epi.output_shape(o, partial_m(o), n,
                                                   config.column_partial_rows,
-                                                  config.epi_tile_n), o.dtype)
+                                                  config.epi_tile_n, config.tile_m), o.dtype)
             for o in outputs if o.name not in in_place),
         grid=(grid,), grid_names=("sm",), cluster=(cluster,), cluster_names=("cluster",),
         num_threads=3 if mainloop else 2, thread_name="wg",
@@ -1320,7 +1436,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
 
   lead = (a, b) if mainloop else ()
   if not in_place:
-    results = make_kernel({})(*lead, *(inputs[nm][1] for nm in names_in))
+    results = make_kernel({})(*lead, *(kernel_inputs[nm] for nm in names_in))
     return unclip(dict(zip(names, results)))
 
   def run_in_place(*args):  # a and b where there is a product, then the operands
@@ -1355,4 +1471,4 @@ def gemm(a: jax.Array, b: jax.Array, *,
     outs = jax.vmap(lambda *xs: tuple(fresh(*xs)))(*args)
     return outs, tuple(True for _ in outs)
 
-  return unclip(dict(zip(names, run(*lead, *(inputs[nm][1] for nm in names_in)))))
+  return unclip(dict(zip(names, run(*lead, *(kernel_inputs[nm] for nm in names_in)))))

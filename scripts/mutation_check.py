@@ -726,8 +726,8 @@ MUTATIONS = [
         "the 3-GEMM head's column sums (the final norm's dg) keep only the last chunk"),
     Mutation(
         "in_place_ref_outside_custom_vmap", "pallas_kernels/gemm_mgpu.py",
-        "  return unclip(dict(zip(names, run(*lead, *(inputs[nm][1] for nm in names_in)))))",
-        "  return unclip(dict(zip(names, run_in_place(*lead, *(inputs[nm][1] for nm in "
+        "  return unclip(dict(zip(names, run(*lead, *(kernel_inputs[nm] for nm in names_in)))))",
+        "  return unclip(dict(zip(names, run_in_place(*lead, *(kernel_inputs[nm] for nm in "
         "names_in)))))",
         ("tests/test_in_place.py", "-k", "checkpointed"),
         "the in-place kernel's Ref is made and frozen in the caller's trace, not inside a "
@@ -1073,6 +1073,35 @@ MUTATIONS = [
         "  if keep is not None and keep in times and times[keep] <= times[best]:",
         ("tests/test_autotune.py", "-k", "pick_best"),
         "a challenger 0.5% faster (within the timings' spread) replaces the current config"),
+    # ---- B's sums over K in the mainloop (a weight gradient's bias gradient) -------------
+    Mutation(
+        "b_sum_every_tile_takes_the_same_steps", "pallas_kernels/gemm_mgpu.py",
+        "    mine = kk % rows_of_tiles == row_base // self.cfg.tile_m\n",
+        "    mine = kk % rows_of_tiles == 0\n",
+        ("tests/test_gemm_mainloop.py", "-k", "b_column_sum"),
+        "every row of tiles sums the K steps of row 0: those are counted once per row "
+        "and the others never"),
+    Mutation(
+        "b_sum_partials_to_row_zero", "pallas_kernels/gemm_mgpu.py",
+        "        row_base // self.cfg.tile_m,\n",
+        "        0,\n",
+        ("tests/test_gemm_mainloop.py", "-k", "b_column_sum"),
+        "every tile stores its share of the sums into the first row of partials: the "
+        "others stay unwritten and row 0 keeps whichever tile stored last"),
+    Mutation(
+        "b_sum_k_shards_not_added", "coda_jax/partitioning.py",
+        "                                 b_column_sums=lambda: jax.lax.psum(local_sums(), layout.k))",
+        "                                 b_column_sums=local_sums)",
+        ("tests/test_sharding.py", "-k", "b_column_sums"),
+        "with the weight gradient's rows split over devices, the bias gradient is one "
+        "shard's partial sum"),
+    Mutation(
+        "b_sum_added_over_row_shards", "coda_jax/partitioning.py",
+        "      if how == \"whole_per_row_shard\":\n        continue\n",
+        "      if how == \"whole_per_row_shard\":\n        how = \"sum\"\n",
+        ("tests/test_sharding.py", "-k", "b_column_sums"),
+        "with M split every shard's sums of B are whole, and adding them multiplies the "
+        "bias gradient by the shard count"),
 ]
 
 

@@ -1,5 +1,7 @@
-"""The plain GEMM (default epilogue) of pallas_kernels.gemm against an fp32 reference."""
+"""The plain GEMM (default epilogue) of pallas_kernels.gemm against an fp32 reference, and
+B's sums over K that its mainloop can make beside it (a b_column_sum output)."""
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pallas_kernels as pk
@@ -141,3 +143,77 @@ def test_tall_pingpong_tiles_clip_m(key, interpret, m):
                 "slices instead of filling zeros")
   a, b = gemm_inputs(key, m, 256, 128, jnp.bfloat16)
   check_gemm(a, b, interpret, config=TALL["tall_cluster_n"], num_sms=2, clip_m=True)
+
+
+# ---- B's sums over K from the mainloop (OutputKind.B_COLUMN_SUM) ------------------------
+B_SUM_OUTPUTS = (pk.EpilogueOutput("out", dtype=jnp.bfloat16),
+                 pk.EpilogueOutput("db", pk.OutputKind.B_COLUMN_SUM, jnp.float32))
+
+
+def _store_and_name_b_sum(tile, acc):
+  tile.store("out", acc)
+  tile.b_column_sum("db")
+
+
+def check_b_column_sum(a, b, params, trans_b, config, num_sms=2):
+  got = pk.gemm(a, b, epilogue=_store_and_name_b_sum, outputs=B_SUM_OUTPUTS, trans_a=True,
+                trans_b=trans_b, config=config, interpret=params, num_sms=num_sms)
+  truth = np.asarray(b, np.float64).sum(axis=1 if trans_b else 0)
+  partials = np.asarray(got["db"], np.float64)
+  rows_of_tiles = -(-a.shape[1] // config.tile_m)
+  assert got["db"].dtype == jnp.float32
+  assert partials.shape == (rows_of_tiles, truth.shape[0])
+  # the interpreter fills what a kernel leaves unwritten with NaN
+  assert np.all(np.isfinite(partials)), "b_column_sum: unwritten partials"
+  db = partials.sum(axis=0)
+  assert np.linalg.norm(db - truth) <= 1e-6 * np.linalg.norm(truth)
+  assert np.max(np.abs(db - truth)) <= 1e-5 * np.max(np.abs(truth))
+  xla = jnp.matmul(a.T, b.T if trans_b else b)
+  assert_within_baseline(got["out"], matmul_f32(a, b, True, trans_b), xla, "gemm")
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["b_kn", "b_nk"])
+@pytest.mark.parametrize("config", ["wg_m", "wg_n", "cluster_m", "pingpong",
+                                    "pingpong_cluster_m"])
+def test_b_column_sum(key, interpret, config, trans_b):
+  """A weight gradient's bias gradient: sum_k B[k, n] from the extra wgmma (B's tile
+  against a ones column) that the tiles of a column block run on their shares of the K
+  steps, every partial written and their sum as exact as an fp32 sum; the product
+  beside it unchanged. M = 256 is two to four rows of tiles and K = 192 three steps, so
+  some rows of tiles take no step (and store zeros); with 2 SMs each CTA runs several
+  tiles, so the sums are reset from tile to tile."""
+  a, b = gemm_inputs(key, 256, 256, 192, jnp.bfloat16, True, trans_b)
+  check_b_column_sum(a, b, interpret, trans_b, CONFIGS[config])
+
+
+def test_b_column_sum_race_free(key, race_detector):
+  a, b = gemm_inputs(key, 256, 256, 128, jnp.bfloat16, True, False)
+  check_b_column_sum(a, b, race_detector.params, False, CONFIGS["pingpong"])
+  assert not race_detector.races_found(), "data race in the kernel (see stdout)"
+
+
+def test_b_column_sum_refuses_what_it_cannot_run(key):
+  a, b = gemm_inputs(key, 128, 128, 64, jnp.bfloat16, True, False)
+  params = pk.interpret_params()
+  run = lambda outputs=B_SUM_OUTPUTS, epilogue=_store_and_name_b_sum, **kw: pk.gemm(
+      a, b, epilogue=epilogue, outputs=outputs, trans_a=True, interpret=params,
+      **{"config": CONFIGS["wg_m"], **kw})
+  with pytest.raises(ValueError, match="declare one"):
+    run(outputs=B_SUM_OUTPUTS + (pk.EpilogueOutput("db2", pk.OutputKind.B_COLUMN_SUM,
+                                                   jnp.float32),))
+  with pytest.raises(ValueError, match="K = 0"):
+    pk.gemm(a[:0], b[:0], epilogue=_store_and_name_b_sum, outputs=B_SUM_OUTPUTS,
+            trans_a=True, interpret=params)
+  narrow = GemmConfig(tile_m=64, tile_n=32, tile_k=64, stages=2, epi_tile_n=32,
+                      cluster_dim=None, schedule=Schedule.PINGPONG)
+  with pytest.raises(ValueError, match="tile_n=32 is not a multiple of 64"):
+    run(config=narrow)
+  stores = lambda tile, acc: (tile.store("out", acc), tile.store("db", acc[0]))
+  with pytest.raises(ValueError, match="the mainloop makes it"):
+    run(epilogue=stores)
+  with pytest.raises(ValueError, match="did not store outputs \\['db'\\]"):
+    run(epilogue=lambda tile, acc: tile.store("out", acc))
+  with pytest.raises(ValueError, match="output; not a b_column_sum one"):
+    run(epilogue=lambda tile, acc: tile.b_column_sum("out"))
+  with pytest.raises(ValueError, match="width does not apply"):
+    pk.EpilogueOutput("db", pk.OutputKind.B_COLUMN_SUM, jnp.float32, width=2)

@@ -53,6 +53,9 @@ PROGRAMS = {
     "geglu_rowsum": [cj.ScaleRow("r"), cj.Gated(P32, "gelu"), cj.RowSum("s", square=True),
                      cj.Store("y")],
     "swiglu_colsum": [cj.Gated(P32), cj.ColSum("c"), cj.Store("y")],  # (N/2,) sums
+    # B's sums over K from the mainloop (a weight gradient's bias gradient)
+    "b_colsum": [cj.Store("y"), cj.BColumnSum("db")],
+    "swiglu_b_colsum": [cj.Gated(P32), cj.BColumnSum("db"), cj.Store("y")],  # (N,) sums
 }
 
 
@@ -145,7 +148,8 @@ def test_program(key, kernel_impl, name, config):
 @pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True),
                                              (True, True)], ids=["nn", "tn", "nt", "tt"])
 def test_transposed_operands(key, kernel_impl, trans_a, trans_b):
-  program = [cj.ScaleRow("r"), cj.ScaleCol("g"), cj.Store("y"), cj.RowSum("s")]
+  program = [cj.ScaleRow("r"), cj.ScaleCol("g"), cj.Store("y"), cj.RowSum("s"),
+             cj.BColumnSum("db")]
   a, b = gemm_inputs(key, 128, 256, 128, jnp.bfloat16, trans_a, trans_b)
   ops = make_operands(jax.random.fold_in(key, 1), program, 128, 256, a.dtype)
   check_program(a, b, program, ops, kernel_impl, trans_a=trans_a, trans_b=trans_b)

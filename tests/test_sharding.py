@@ -11,6 +11,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from coda_jax import sharding
@@ -305,3 +306,37 @@ def test_shard_map_train_step_checks_attention_before_compiling():
   tokens = jnp.zeros((2, 8), jnp.int32)
   with pytest.raises(ValueError, match="partitioner='shard_map' with cuDNN attention"):
     step(state, tokens, tokens)
+
+
+def test_b_column_sums_split_over_k_add_and_over_m_do_not():
+  """BColumnSum's per-shard rule, in process (shards as a vmapped named axis): with K
+  split, each shard's sums of B over its K rows are added (the weight gradient's
+  data-parallel split); with M split, every shard holds the whole sums, so they are
+  left as they are, while a ColSum beside them is added."""
+  from coda_jax import dispatch, partitioning
+  import coda_jax as cj
+  import pallas_kernels as pk
+  a = jax.random.normal(jax.random.key(0), (2, 32, 16))  # (shards, K rows, M): A^T
+  b = jax.random.normal(jax.random.key(1), (2, 32, 24))  # (shards, K rows, N)
+  program = (cj.Store("dw", jnp.float32), cj.BColumnSum("db"), cj.ColSum("dc"))
+  outputs = tuple(o for p in program for o in p.outputs(1))
+  call = dispatch.Call(program=program, inputs=(), outputs=outputs, column_group=1,
+                       trans_a=True)
+  sc = partitioning.ShardedCall(call, (), ("xla",))
+  k_split = partitioning.Layout(m=(), n=(), k=("x",))
+  got = jax.vmap(lambda a, b: partitioning.local_call(sc, k_split, 24, a, b),
+                 axis_name="x")(a, b)
+  whole_b = np.asarray(b, np.float64).reshape(64, 24)  # the truth in float64 (a GPU's
+  dw = np.asarray(a, np.float64).reshape(64, 16).T @ whole_b  # f32 matmul is TF32)
+  for shard in range(2):
+    np.testing.assert_allclose(got["db"][shard], whole_b.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["dw"][shard], dw, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(got["dc"][shard], dw.sum(0), rtol=1e-5, atol=1e-4)
+  m_split = partitioning.Layout(m=("x",), n=(), k=())
+  out = {"db": jnp.stack([b[0].sum(0), b[0].sum(0)]), "dc": jnp.ones((2, 24))}
+  combined = jax.vmap(lambda o: partitioning._combine(sc, m_split, dict(o)),
+                      axis_name="x")(out)
+  assert jnp.array_equal(combined["db"], out["db"])  # each shard's is already whole
+  assert jnp.array_equal(combined["dc"], 2 * out["dc"])  # partial sums over M: added
+  assert dispatch.finished_kinds(call)["db"] == ("col", 1)
+  assert pk.OutputKind.B_COLUMN_SUM in {o.kind for o in outputs}
