@@ -7,17 +7,18 @@ gradients under ``jax.shard_map``. Beyond Llama: LayerNorm,
 biases and the GELU MLP (``layernorm_ops``), QK-norm (``qk_norm``)."""
 from coda_jax.epilogue_gemm import (IMPLS, epilogue_pass, gemm_epilogue, kernel_config, reference,
                           scalar_operand)
-from coda_jax.primitives import (AddBias, AddTile, BColumnSum, ColSum, Env, Gated, MulTile, PickColumn,
-                                 Primitive, Rotate, RowDot, RowLogSumExp, RowSum, ScaleCol,
-                                 ScaleConst, ScaleRow, Store, finish_lse)
+from coda_jax.primitives import (AddBias, AddTile, BColumnSum, ColSum, Env, Gated, MulTile,
+                                 PickColumn, Primitive, Rotate, RowDot, RowLogSumExp, RowSum,
+                                 ScaleCol, ScaleConst, ScaleRow, Store, finish_lse)
 from coda_jax.sharding import reduce_like
 from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 
 __all__ = [
-    "IMPLS", "AddBias", "AddTile", "BColumnSum", "ColSum", "Env", "EpilogueOutput", "Gated", "InputKind",
-    "MulTile", "OutputKind", "PickColumn", "Primitive", "Rotate", "RowDot", "RowLogSumExp",
-    "RowSum", "ScaleCol", "ScaleConst", "ScaleRow", "Store", "epilogue_pass", "finish_lse",
-    "gemm_epilogue", "kernel_config", "reduce_like", "reference", "scalar_operand",
+    "IMPLS", "AddBias", "AddTile", "BColumnSum", "ColSum", "Env", "EpilogueOutput", "Gated",
+    "InputKind", "MulTile", "OutputKind", "PickColumn", "Primitive", "Rotate", "RowDot",
+    "RowLogSumExp", "RowSum", "ScaleCol", "ScaleConst", "ScaleRow", "Store",
+    "epilogue_pass", "finish_lse", "gemm_epilogue", "kernel_config", "reduce_like",
+    "reference", "scalar_operand",
 ]
 
 # Each imports the library's own modules (above) first.

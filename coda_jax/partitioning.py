@@ -27,10 +27,9 @@ operands' shardings:
   contraction runs over the rows).** The local product is a partial sum: the kernel
   stores it in fp32, it is ``psum``-ed over K's mesh axes, and the epilogue program
   runs after the sum in XLA (an epilogue is not linear in the accumulator in general).
-  B's sums over K (``BColumnSum``, a bias gradient) are ``psum``-ed likewise; with M
-  split, each shard holds them whole.
   This is the one activation-sized reduction of Megatron's row-parallel layer, and the
-  weight-gradient all-reduce of data parallelism.
+  weight-gradient all-reduce of data parallelism. B's sums over K (``BColumnSum``, a
+  bias gradient) are ``psum``-ed likewise; with M split, each shard holds them whole.
 
 A weight sharded along a dimension the rule does not split (FSDP's storage layout) is
 gathered just before the call: per layer, as FSDP does. A mesh axis that does not
