@@ -249,40 +249,32 @@ def input_grad(dout, w, impl, r=None, w_nk=False, dtype=None):
   return gemm_epilogue(dout, w, program, operands, trans_b=not w_nk, impl=impl)["da"]
 
 
-def weight_and_bias_grad(a, dout, impl, dtype=jnp.float32):
-  """dW = a^T @ dout as ``weight_grad``, and a bias's gradient db = sum_rows dout (N,)
-  fp32, which the same GEMM's mainloop sums from the dout tiles it reads
-  (``primitives.BColumnSum``): no pass over dout of its own.
-
-  Returns:
-    (dW in ``dtype``, db in fp32); under ``shard_map`` with the rows split, both are one
-    shard's partial sums (dW then in fp32)."""
-  if varying_axes(a):
-    dtype = jnp.float32
-  out = gemm_epilogue(a, dout, [P.Store("dw", dtype), P.BColumnSum("db")], trans_a=True,
-                      impl=impl)
-  return out["dw"], out["db"]
-
-
 def grad_dtype(w):
   """Weight gradients are accumulated in fp32 and stored in the weight's dtype (fp32 for
   anything wider than 16 bits), so no separate conversion pass runs."""
   return w.dtype if jnp.dtype(w.dtype).itemsize == 2 else jnp.float32
 
 
-def weight_grad(a, dout, impl, dtype=jnp.float32, accumulate=None):
+def weight_grad(a, dout, impl, dtype=jnp.float32, accumulate=None, bias_grad=False):
   """dW = a^T @ dout (fp32 accumulation, stored in ``dtype``); added in place to the
   fp32 ``accumulate`` when given. Under ``shard_map`` with the rows split, dW is one
-  shard's partial sum, still to be summed across shards: it stays fp32."""
+  shard's partial sum, still to be summed across shards: it stays fp32.
+
+  With ``bias_grad``, returns (dW, db): db = sum_rows dout (N,) fp32, a bias's gradient
+  (this call's rows only), which the same GEMM's mainloop sums from the dout tiles it
+  reads (``primitives.BColumnSum``): no pass over dout of its own."""
   if varying_axes(a):
     dtype = jnp.float32
+  sums = [P.BColumnSum("db")] if bias_grad else []
   if accumulate is None:
-    return gemm_epilogue(a, dout, [P.Store("dw", dtype)], trans_a=True, impl=impl)["dw"]
-  # The kernel's TMA store adds n^T dout into the accumulator's buffer: no tile of it
-  # is staged or read by the SMs (an AddTile would read it in the epilogue).
-  return gemm_epilogue(a, dout, [P.Store("dw", jnp.float32, add_to="acc")],
-                       {"acc": accumulate}, trans_a=True, impl=impl,
-                       in_place={"dw": "acc"})["dw"]
+    out = gemm_epilogue(a, dout, [P.Store("dw", dtype)] + sums, trans_a=True, impl=impl)
+  else:
+    # The kernel's TMA store adds n^T dout into the accumulator's buffer: no tile of it
+    # is staged or read by the SMs (an AddTile would read it in the epilogue).
+    out = gemm_epilogue(a, dout, [P.Store("dw", jnp.float32, add_to="acc")] + sums,
+                        {"acc": accumulate}, trans_a=True, impl=impl,
+                        in_place={"dw": "acc"})
+  return (out["dw"], out["db"]) if bias_grad else out["dw"]
 
 
 def head_weight_grad(n, dlogits, impl, w_nk, accumulate):

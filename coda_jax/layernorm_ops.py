@@ -517,7 +517,7 @@ def _ln_matmul_bwd(impl, saved, dz):
   if bias is None:
     dw = S.weight_grad(n, dz, impl, S.grad_dtype(w))
   else:
-    dw, db = S.weight_and_bias_grad(n, dz, impl, S.grad_dtype(w))
+    dw, db = S.weight_grad(n, dz, impl, S.grad_dtype(w), bias_grad=True)
     db = reduce_like(db, bias).astype(bias.dtype)
   return (dh, dmu, dr, reduce_like(dg, g).astype(g.dtype),
           reduce_like(dbeta, beta).astype(beta.dtype), reduce_like(dw, w).astype(w.dtype), db)
@@ -625,7 +625,7 @@ def _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, g_next, impl, residuals,
 
 def _gelu_mlp_bwd(impl, residuals, cfg, saved, cts):
   h, mu, r, g, beta, w1, b1, w2, b2, hidden, stats = saved
-  dg_next = db2 = None
+  dg_next = None
   if stats is None:
     dout = cts  # no GEMM produces dout: dW2's mainloop sums db2 (below)
   else:  # out also fed the next norm: the producer part of section 2, then as above
@@ -648,8 +648,8 @@ def _gelu_mlp_bwd(impl, residuals, cfg, saved, cts):
   # B2: dn = dz @ w1^T -> dh and the LayerNorm terms. B3, B4: weight gradients.
   dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, w1.astype(dt), h, mu, r, g, beta, impl)
   dw1 = S.weight_grad(n, dz, impl, S.grad_dtype(w1))
-  if db2 is None:
-    dw2, db2 = S.weight_and_bias_grad(a, dout, impl, S.grad_dtype(w2))
+  if stats is None:
+    dw2, db2 = S.weight_grad(a, dout, impl, S.grad_dtype(w2), bias_grad=True)
   else:
     dw2 = S.weight_grad(a, dout, impl, S.grad_dtype(w2))
   cast = lambda grad, p: reduce_like(grad, p).astype(p.dtype)
