@@ -17,6 +17,16 @@ py=$(bash scripts/setup.sh)
 export NPROC="${NPROC:-32}"
 # Workers share the GPU: none may take most of its memory up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
+has_gpu=false
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then has_gpu=true; fi
+# Without a GPU, XLA compiles every program for the CPU at LLVM's lowest optimisation
+# level: the suite's programs are small and run briefly (the interpreter's time goes to
+# its Python callbacks), so optimising them costs more than it saves. test_sharding's
+# multi-device subprocess ran 89 s -> 59 s on a 2-core machine (bench/NOTES.md,
+# twenty-eighth session). HLO passes, and so the collectives counted, are the same.
+if ! $has_gpu && [[ "${XLA_FLAGS:-}" != *xla_backend_optimization_level* ]]; then
+  export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0"
+fi
 workers_given=false
 for arg in "$@"; do
   case "$arg" in -n|-n*|--numprocesses*|-pno:xdist|no:xdist) workers_given=true ;; esac
@@ -24,7 +34,7 @@ done
 extra=()
 if ! $workers_given; then
   cores=$(nproc)
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  if $has_gpu; then
     workers=$(( cores < 8 ? cores : 8 ))
   else
     mem_gb=$(awk '/MemAvailable/ {print int($2 / 1048576)}' /proc/meminfo)

@@ -489,7 +489,7 @@ def test_training_steps_match_reference(key, kernel_impl):
   """N optimizer steps, fused kernels vs the reference path, from the same init on the
   same batches: each step's loss is within 2x the bf16 reference's deviation from the
   fp32 reference (the bf16 noise), plus a floor for steps where that is ~0."""
-  steps = 3
+  steps = 2  # the second step runs on the optimizer state the first left
   batches = [_tokens(key)] * steps  # one batch, so that the loss must fall
   curves = {}
   for name, fused, dt in RUNS:
