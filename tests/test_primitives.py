@@ -628,6 +628,7 @@ def test_no_product(key, kernel_impl, races_checked, name, config):
   cfg = NO_PRODUCT_CONFIGS[config]
   a, b = jnp.zeros((m, 0), jnp.bfloat16), jnp.zeros((0, n), jnp.bfloat16)
   got, _ = check_program(a, b, program, ops, kernel_impl, config=cfg)
+  assert not races_checked.races_found(), "data race in the kernel (see stdout)"
   via_pass = cj.epilogue_pass(program, ops, impl=kernel_impl, config=cfg)
   for nm in got:
     np.testing.assert_array_equal(f64(via_pass[nm]), f64(got[nm]), err_msg=nm)
