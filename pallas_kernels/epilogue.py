@@ -34,6 +34,17 @@ pair halved the value or a gated backward doubled it):
                p + P, ... (P rows), each with one more small wgmma, B's tile (transposed)
                against a ones column; each stores its sums as row p. The closure only
                names the output, with ``tile.b_column_sum(name)``.
+  row_total    (N // tile_n, M) fp32: a row partial per warpgroup tile that the kernel
+               also sums across the whole row *during* the epilogue, so that the
+               program can use each row's total over all N columns before it stores
+               anything (a norm's row terms, such as LayerNorm's backward needs). Such a
+               program runs in two passes over its sub-tiles: ``row_totals_pass``
+               (``gemm``'s argument) stores each row-total output's (epi_m,) partial
+               with ``tile.store``; then the CTAs holding a row block's tiles exchange
+               their partials through global memory (a semaphore per row block), and the
+               epilogue proper reads each total as a row operand of the same name
+               (``tile.load``). Ping-pong schedule, compiled kernels only
+               (``gemm_mgpu.row_totals_conflict``).
 
 A tile output may name ``adds_to``, a tile operand of its shape and dtype (float32): the
 kernel adds that operand's values to what the epilogue stores (an accumulator, e.g. a
@@ -69,6 +80,7 @@ class OutputKind(enum.Enum):
   ROW_PARTIAL = "row_partial"
   COL_PARTIAL = "col_partial"
   B_COLUMN_SUM = "b_column_sum"
+  ROW_TOTAL = "row_total"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +102,7 @@ class EpilogueOutput:
                        f"{jnp.dtype(self.dtype)}")
     if self.kind != OutputKind.TILE and jnp.dtype(self.dtype) != jnp.float32:
       raise ValueError(f"output {self.name!r}: partial reductions are fp32")
-    if self.kind == OutputKind.ROW_PARTIAL and self.width != 1:
+    if self.kind in (OutputKind.ROW_PARTIAL, OutputKind.ROW_TOTAL) and self.width != 1:
       raise ValueError(f"output {self.name!r}: row partials have one value per row; "
                        "width does not apply")
     if self.kind == OutputKind.B_COLUMN_SUM and self.width != 1:
@@ -105,7 +117,7 @@ class EpilogueOutput:
 
   def subtile_shape(self, epi_m: int, epi_n: int) -> tuple[int, ...]:
     """What ``EpilogueTile.store`` takes for this output in one (epi_m, epi_n) sub-tile."""
-    if self.kind == OutputKind.ROW_PARTIAL:
+    if self.kind in (OutputKind.ROW_PARTIAL, OutputKind.ROW_TOTAL):
       return (epi_m,)
     width = self.scaled(epi_n)
     return (epi_m, width) if self.kind == OutputKind.TILE else (width,)
@@ -120,14 +132,16 @@ def check_input(name: str, kind: InputKind, value, m: int, n: int) -> None:
 
 
 def output_shape(out: EpilogueOutput, m: int, n: int, epi_m: int, epi_n: int,
-                 tile_m: int | None = None):
+                 tile_m: int | None = None, tile_n: int | None = None):
   """The raw output's shape for an (M, N) problem: ``epi_m`` rows per column partial,
-  ``epi_n`` columns per row partial, and ``tile_m`` (the warpgroup tile's rows) per
-  row of b_column_sum partials."""
+  ``epi_n`` columns per row partial, ``tile_m`` (the warpgroup tile's rows) per row of
+  b_column_sum partials, and ``tile_n`` (its columns) per row-total partial."""
   if out.kind == OutputKind.TILE:
     return (m, out.scaled(n))
   if out.kind == OutputKind.ROW_PARTIAL:
     return (n // epi_n, m)
+  if out.kind == OutputKind.ROW_TOTAL:
+    return (n // tile_n, m)
   if out.kind == OutputKind.B_COLUMN_SUM:
     return (-(-m // tile_m), n)
   return (m // epi_m, out.scaled(n))

@@ -220,7 +220,8 @@ def _swizzle_transforms(minor_elems: int, dtype) -> tuple:
 
 
 def smem_bytes(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
-               outputs: tuple[epi.EpilogueOutput, ...], *, mainloop: bool = True) -> int:
+               outputs: tuple[epi.EpilogueOutput, ...], *, mainloop: bool = True,
+               columns: int = 0) -> int:
   """Shared memory one CTA needs for this config and epilogue program.
 
   Args:
@@ -229,6 +230,8 @@ def smem_bytes(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
     input_kinds, input_dtypes: the staged epilogue operands' kinds and dtypes by name.
     outputs: the epilogue's declared outputs.
     mainloop: False for a K = 0 problem, which has no pipeline ring.
+    columns: the problem's N; sizes the buffer that gathers a row block's partials of
+      each row_total output (one row per warpgroup tile across N).
 
   Returns:
     bytes: the pipeline ring plus exactly the buffers the epilogue allocates
@@ -238,7 +241,7 @@ def smem_bytes(config: GemmConfig, dtype, input_kinds: dict, input_dtypes: dict,
   cm, cn = config.cta_tile
   total = config.stages * (cm + cn) * config.tile_k * jnp.dtype(dtype).itemsize * mainloop
   for alloc in _Epilogue.scratch(config, input_kinds, input_dtypes, outputs,
-                                 operand_dtype=dtype).values():
+                                 operand_dtype=dtype, columns=columns).values():
     if isinstance(alloc, plgpu.Barrier):
       continue  # counted in the reserve
     # Mosaic aligns each buffer (swizzled ones to 1024 bytes): count whole KiB.
@@ -507,6 +510,30 @@ def b_column_sum_conflict(cfg: GemmConfig) -> str | None:
   return None
 
 
+def row_totals_conflict(cfg: GemmConfig, n: int, num_clusters: int) -> str | None:
+  """Why ``cfg`` cannot make row_total outputs for an N-column problem on a grid of
+  ``num_clusters`` (None when it can). A warpgroup tile publishes its partials, then
+  waits until every tile of its row block has: that cannot deadlock only when each CTA
+  takes its tiles in increasing order and the tiles of a row block come one after
+  another in that order, on different CTAs (``docs/layernorm_math.md`` section 6). So:
+  the ping-pong schedule (whose warpgroups own whole tiles), the grid walked row block
+  by row block (``grid_minor_dim`` N, one band as wide as the row), and no more tiles
+  along N than the grid has clusters."""
+  n_iters = n // cfg.cluster_tile[1]
+  if cfg.schedule != Schedule.PINGPONG:
+    return ("the cooperative schedule splits a tile between two warpgroups that would "
+            "wait for each other; use schedule=Schedule.PINGPONG")
+  if cfg.grid_minor_dim != MatDim.N or cfg.grid_tile_width < n_iters:
+    return (f"the grid must visit each row block's {n_iters} tiles one after another: "
+            f"grid_minor_dim=MatDim.N and grid_tile_width >= {n_iters}, got "
+            f"{cfg.grid_minor_dim.name} and {cfg.grid_tile_width}")
+  if n_iters > num_clusters:
+    return (f"a row block has {n_iters} tiles along N but the grid only {num_clusters} "
+            "clusters, so one CTA would wait for a tile it has yet to run; use wider "
+            "tiles or more SMs")
+  return None
+
+
 def _stored_width(cfg: GemmConfig, o: epi.EpilogueOutput) -> int:
   """Accumulator columns one TMA store of ``o`` covers: tile outputs are stored in
   ``cfg.store_parts`` parts, partials whole."""
@@ -550,7 +577,7 @@ class _Epilogue:
   operands, the sub-tile walk that calls the closure, and the TMA stores."""
 
   def __init__(self, cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg,
-               column_sum_turns=False):
+               column_sum_turns=False, row_totals_pass=None, semaphores=None, columns=0):
     self.cfg, self.in_gmem, self.out_gmem = cfg, in_gmem, out_gmem
     self.kinds, self.outputs, self.fn, self.smem, self.wg = (
         input_kinds, outputs, epilogue, smem, wg)
@@ -574,7 +601,15 @@ class _Epilogue:
     # rest (tile outputs, when the config splits stores) are stored part by part from
     # inside ``tile.store``.
     self.whole = [o for o in outputs if _stored_width(cfg, o) == cfg.epi_tile_n
-                  and o.kind != epi.OutputKind.B_COLUMN_SUM]
+                  and o.kind not in (epi.OutputKind.B_COLUMN_SUM, epi.OutputKind.ROW_TOTAL)]
+    # Row totals (row_total outputs): the first pass's partials, carried across the
+    # tile's columns by (name, row of sub-tiles); the tiles across N per row block; the
+    # semaphore per row block; the totals read back, by (name, row of sub-tiles).
+    self.totals = [o for o in outputs if o.kind == epi.OutputKind.ROW_TOTAL]
+    self.first_pass, self.semaphores = row_totals_pass, semaphores
+    self.total_tiles = columns // cfg.tile_n
+    self.partials: dict[tuple[str, int], jax.Array] = {}
+    self.read_totals: dict[tuple[str, int], jax.Array] = {}
     # The sums of B over K (a b_column_sum output), made in the mainloop, or None.
     self.b_sum = next((o for o in outputs if o.kind == epi.OutputKind.B_COLUMN_SUM), None)
     # Column sums use compiler-placed shared scratch at one offset, the same for both
@@ -592,10 +627,23 @@ class _Epilogue:
                      if nm not in {o.adds_to for o in outputs}}
 
   @staticmethod
-  def scratch(cfg, input_kinds, input_dtypes, outputs, operand_dtype=jnp.bfloat16) -> dict:
+  def scratch(cfg, input_kinds, input_dtypes, outputs, operand_dtype=jnp.bfloat16,
+              columns=0) -> dict:
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     out = {}
+    totals = [o for o in outputs if o.kind == epi.OutputKind.ROW_TOTAL]
+    for o in totals:
+      # One buffer for both warpgroups (ping-pong epilogues take turns): this tile's
+      # partials, staged for their TMA store, and the row block's, loaded back.
+      out["t_" + o.name] = plgpu.SMEM((cfg.tile_m,), jnp.float32)
+      out["x_" + o.name] = plgpu.SMEM((max(columns // cfg.tile_n, 1), cfg.tile_m),
+                                      jnp.float32)
+    if totals:
+      out["x_bar"] = plgpu.Barrier(num_arrivals=len(totals),
+                                   num_barriers=_COMPUTE_WARPGROUPS)
     for o in outputs:
+      if o.kind == epi.OutputKind.ROW_TOTAL:
+        continue
       if o.kind == epi.OutputKind.B_COLUMN_SUM:
         # [warpgroup, column of its tile]: the sums, staged for one TMA store; and the
         # ones column (8 wide, wgmma's narrowest N) that B's tiles are multiplied with
@@ -629,13 +677,16 @@ class _Epilogue:
     if vecs:
       out["vec_bar"] = plgpu.Barrier(num_arrivals=len(vecs),
                                      num_barriers=_COMPUTE_WARPGROUPS * _vec_slots(cfg))
-    if any(o.kind == epi.OutputKind.COL_PARTIAL for o in outputs):
-      # one barrier per warpgroup: each arrives on its own when its turn ends
+    if any(o.kind in (epi.OutputKind.COL_PARTIAL, epi.OutputKind.ROW_TOTAL)
+           for o in outputs):
+      # one barrier per warpgroup: each arrives on its own when its turn ends (row
+      # totals share their buffers between the warpgroups, so they take turns too)
       out["turn"] = plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WARPGROUPS)
     return out
 
   def _origin(self, s, row_base, col_base):
-    i, j = self.sub_tiles[s]
+    """Sub-tile ``s``'s first row and column; ``s`` counts on through a second pass."""
+    i, j = self.sub_tiles[s % len(self.sub_tiles)]
     em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
     return pl.multiple_of(row_base + i * em, em), pl.multiple_of(col_base + j * en, en)
 
@@ -787,15 +838,63 @@ class _Epilogue:
     plgpu.barrier_arrive(turn.at[self.wg])
 
   def _subtiles(self, acc, row_base, col_base, next_tile=None):
+    if not self.totals:
+      self._walk(acc, row_base, col_base, next_tile)
+      return
+    # Two passes over the sub-tiles, their tile operands staged in one sequence (the
+    # first pass's last sub-tiles load the second's first): the row totals' partials,
+    # the exchange with the row block's other tiles, then the program proper.
+    self._walk(acc, row_base, col_base, first_pass=True)
+    self._exchange(row_base, col_base)
+    self._walk(acc, row_base, col_base, second_pass=True)
+
+  def _exchange(self, row_base, col_base):
+    """Publishes this tile's row-total partials and gathers its row block's: TMA-stores
+    them to the output's row for this tile's columns, waits for the stores to complete,
+    signals the row block's semaphore (a release at GPU scope), waits until every tile
+    of the row block has signalled, and loads the block's partials back. They are summed
+    in a fixed order when read (``_tile``), so the totals do not depend on timing."""
+    em, tm = self.cfg.epi_tile_m, self.cfg.tile_m
+    for o in self.totals:
+      buf = self.smem["t_" + o.name]
+      for i in range(tm // em):
+        buf[pl.ds(i * em, em)] = self.partials.pop((o.name, i))
+    assert not self.partials, f"row-total partials left over: {sorted(self.partials)}"
+    plgpu.commit_smem()
+    column_tile = col_base // self.cfg.tile_n
+    rows = pl.ds(pl.multiple_of(row_base, tm), tm)
+    for o in self.totals:
+      plgpu.copy_smem_to_gmem(self.smem["t_" + o.name],
+                              self.out_gmem[o.name].at[column_tile, rows], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+    semaphore = self.semaphores.at[row_base // tm]
+    plgpu.semaphore_signal(semaphore, 1, memory_scope="gpu")
+    plgpu.semaphore_wait(semaphore, self.total_tiles, decrement=False, memory_scope="gpu")
+    bar = self.smem["x_bar"].at[self.wg]
+    for o in self.totals:
+      plgpu.copy_gmem_to_smem(self.out_gmem[o.name].at[:, rows], self.smem["x_" + o.name],
+                              bar)
+    plgpu.barrier_wait(bar)
+    self.read_totals = {}
+
+  def _walk(self, acc, row_base, col_base, next_tile=None, *, first_pass=False,
+            second_pass=False):
+    """One pass of the epilogue over the tile's sub-tiles: the program proper, or with
+    ``first_pass`` the row totals' (which stores only their partials). Tile operands
+    are staged through one sequence of sub-tiles that runs on through both passes."""
     em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
     count = len(self.sub_tiles)
+    offset = count if second_pass else 0  # where this pass starts in the sequence
+    sequence = 2 * count if self.totals else count
     self.running = {}
     for s, (i, j) in enumerate(self.sub_tiles):
-      slot, in_slot = s % self.out_slots, s % self.in_slots
+      q = offset + s
+      slot, in_slot = s % self.out_slots, q % self.in_slots
       r0, c0 = self._origin(s, row_base, col_base)
       if self.tiles_in:
         plgpu.barrier_wait(self.smem["tile_bar"].at[self.wg * self.in_slots + in_slot])
-      if self.whole:
+      if self.whole and not first_pass:
         # The stores issued out_slots sub-tiles ago used this slot, and each sub-tile
         # commits at least one store group, so at most out_slots - 1 groups may still
         # be reading. At a tile's first sub-tile the previous tile's stores used the
@@ -806,8 +905,8 @@ class _Epilogue:
       # sub-tile of this tile, or past its last, the next tile's (the same slot:
       # in_slots divides count); None where there is none.
       refill = None
-      if self.tiles_in and s + self.in_slots < count:
-        refill = lambda: self._fetch_tiles(s + self.in_slots, row_base, col_base)
+      if self.tiles_in and q + self.in_slots < sequence:
+        refill = functools.partial(self._fetch_tiles, q + self.in_slots, row_base, col_base)
       elif self.tiles_in and next_tile is not None:
         has_next, next_row, next_col = next_tile
         refill = lambda: pl.when(has_next)(
@@ -820,15 +919,19 @@ class _Epilogue:
         if refill:
           plgpu.commit_smem()  # ends with a warpgroup barrier: every warp has read
           refill()
-      tile = self._tile(slot, in_slot, i, j, r0, c0, read)
-      self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
-      missing = {o.name for o in self.outputs} - tile.stored
+      tile = self._tile(slot, in_slot, i, j, r0, c0, read, first_pass=first_pass)
+      program = self.first_pass if first_pass else self.fn
+      program(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
+      declared = {o.name for o in (self.totals if first_pass else self.outputs)
+                  if first_pass or o.kind != epi.OutputKind.ROW_TOTAL}
+      missing = declared - tile.stored
       if missing:
-        raise ValueError(f"epilogue did not store outputs {sorted(missing)}")
+        raise ValueError(f"{'row_totals_pass' if first_pass else 'epilogue'} did not "
+                         f"store outputs {sorted(missing)}")
       plgpu.commit_smem()  # also: every warp is done reading this slot's operands
       if refill and read is None:
         refill()
-      if self.whole:
+      if self.whole and not first_pass:
         for o in self.whole:
           if self._carried(o) and i != self.last_row:
             continue  # carried down to the tile's last row of sub-tiles
@@ -872,9 +975,11 @@ class _Epilogue:
     in place, None (overwrite) otherwise."""
     return "add" if o.name in self.reduces else None
 
-  def _tile(self, slot, in_slot, i, j, r0, c0, read=None):
+  def _tile(self, slot, in_slot, i, j, r0, c0, read=None, first_pass=False):
     """The program's view of sub-tile (i, j). ``read``: its tile operands, already read
-    from their slot (``GemmConfig.epi_operand_refetch_early``), else None."""
+    from their slot (``GemmConfig.epi_operand_refetch_early``), else None. With
+    ``first_pass`` the row totals' pass's view: it stores their partials only; after
+    it, the program proper reads each total as a row operand."""
     em, en, smem, wg = self.cfg.epi_tile_m, self.cfg.epi_tile_n, self.smem, self.wg
 
     def reader(nm):
@@ -913,11 +1018,38 @@ class _Epilogue:
 
     # a tile whose sum over rows is the partial: summed once the rows are added
     sum_writer = lambda o: writer(o, lambda value: column_sum(value).astype(o.dtype))
+    inputs = {nm: (kind, reader(nm)) for nm, kind in self.readable.items()}
 
+    if first_pass:
+      def add_partial(o):
+        def write(value):
+          key = (o.name, i)
+          self.partials[key] = value if key not in self.partials else (
+              self.partials[key] + value)
+        return write
+      return epi.EpilogueTile(
+          row0=r0, col0=c0, shape=(em, en), inputs=inputs,
+          outputs={o.name: (o, add_partial(o)) for o in self.totals},
+          column_sum=self._no_column_sums)
+
+    def total(nm):
+      def read_total():
+        # the row block's partials in column order (the same sum on every tile); read
+        # once per row of sub-tiles
+        if (nm, i) not in self.read_totals:
+          buf = smem["x_" + nm]
+          parts = [epi.load_row(buf.at[c, pl.ds(i * em, em)])
+                   for c in range(self.total_tiles)]
+          self.read_totals[nm, i] = functools.reduce(lambda x, y: x + y, parts)
+        return self.read_totals[nm, i]
+      return read_total
+
+    inputs.update({o.name: (epi.InputKind.ROW, total(o.name)) for o in self.totals})
     return epi.EpilogueTile(
         row0=r0, col0=c0, shape=(em, en),
-        inputs={nm: (kind, reader(nm)) for nm, kind in self.readable.items()},
-        outputs={o.name: (o, writer(o)) for o in self.outputs},
+        inputs=inputs,
+        outputs={o.name: (o, writer(o)) for o in self.outputs
+                 if o.kind != epi.OutputKind.ROW_TOTAL},
         column_sum=column_sum,
         column_sum_writers={o.name: sum_writer(o) for o in self.outputs
                             if o.kind == epi.OutputKind.COL_PARTIAL})
@@ -1118,7 +1250,7 @@ def _tile_origin(lin, cfg: GemmConfig, m_iters, n_iters):
 
 def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, trans_b,
                      input_names, input_kinds, outputs, epilogue, in_place, num_clusters,
-                     column_sum_turns):
+                     column_sum_turns, row_totals_pass=None):
   del column_sum_turns  # ping-pong epilogues alternate whole (``_Epilogue.run``)
   """Ping-pong: warpgroups 0 and 1 take the CTA's tiles in turn, each a whole
   (tile_m, tile_n) tile; warpgroup 2 streams every tile's A and B stages, in tile order,
@@ -1146,6 +1278,12 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
   def scope(a_ring, b_ring, full, consumed, **smem):
     wg = lax.axis_index("wg")
     cluster_id = lax.axis_index("sm")
+    # Row totals: one semaphore per row block of warpgroup tiles, in global memory,
+    # zeroed before each launch (``_Epilogue._exchange``).
+    semaphores = None
+    if any(o.kind == epi.OutputKind.ROW_TOTAL for o in outputs):
+      semaphores = pl.get_global(plgpu.SemaphoreType.REGULAR(
+          (m_iters * cluster_tile_m // tm,)))
     # This cluster's tiles: cluster_id, cluster_id + num_clusters, ...
     local_tiles = (num_tiles - cluster_id + num_clusters - 1) // num_clusters
 
@@ -1185,7 +1323,8 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
     @pl.when(wg < 2)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
-      ep = _Epilogue(cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg)
+      ep = _Epilogue(cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg,
+                     row_totals_pass=row_totals_pass, semaphores=semaphores, columns=n)
       ep.fill_ones()
 
       def tile_body(i, _):
@@ -1236,7 +1375,7 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
       consumed=consumed,
       collective_axes="wg",
       **_Epilogue.scratch(cfg, input_kinds, {nm: r.dtype for nm, r in in_gmem.items()},
-                          outputs, operand_dtype=dtype),
+                          outputs, operand_dtype=dtype, columns=n),
   )
 
 
@@ -1249,7 +1388,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
          config: GemmConfig | None = None, num_sms: int | None = None,
          interpret=None, program_id: str | None = None,
          min_epi_tile_n: int = 1, device_kind: str | None = None,
-         column_sum_turns: bool = False, clip_m: bool = False) -> dict[str, jax.Array]:
+         column_sum_turns: bool = False, clip_m: bool = False,
+         row_totals_pass: Callable | None = None) -> dict[str, jax.Array]:
   """Runs ``a @ b`` (operands optionally transposed) with an epilogue program.
 
   Args:
@@ -1290,6 +1430,11 @@ def gemm(a: jax.Array, b: jax.Array, *,
       do reach column partials: the caller's epilogue must map a zero accumulator row
       with zero operands to zero (or declare no column partials). Compiled kernels
       only (the interpreter clamps out-of-range slices instead of filling zeros).
+    row_totals_pass: ``fn(tile, acc)``, the first pass of a program with row_total
+      outputs: it stores each one's (epi_tile_m,) partial for the sub-tile (and nothing
+      else). The kernel sums them over the whole row across the grid, and ``epilogue``
+      then reads each total as a row operand of the output's name (``epilogue.py``).
+      Needs a ping-pong ``config`` (``row_totals_conflict``) and the compiled kernel.
   Returns:
     dict of output name to array, shapes per ``epilogue.output_shape`` (with
     ``clip_m``, column partials keep a row for each row of sub-tiles, past M too).
@@ -1327,6 +1472,19 @@ def gemm(a: jax.Array, b: jax.Array, *,
                        f"float32 tile operand of the output's shape, got "
                        f"{'nothing' if v is None else f'a {kind.value} operand of {v.dtype}'}")
 
+  totals = [o.name for o in outputs if o.kind == epi.OutputKind.ROW_TOTAL]
+  if bool(totals) != (row_totals_pass is not None):
+    raise ValueError(f"row_total outputs {totals} need a row_totals_pass that stores "
+                     "their partials, and a row_totals_pass needs row_total outputs; got "
+                     f"row_totals_pass={row_totals_pass!r}")
+  if totals and (interpret is not None or k == 0 or in_place):
+    raise ValueError(f"row_total outputs {totals}: compiled kernels with a mainloop only "
+                     "and no in-place outputs (the interpreter has no global semaphores, "
+                     "and runs one CTA at a time, so a row block's wait would never end)")
+  clash = set(totals) & set(inputs)
+  if clash:
+    raise ValueError(f"row_total outputs {sorted(clash)} are also passed operands: the "
+                     "epilogue reads a total under its output's name, so rename one")
   sums_b = [o.name for o in outputs if o.kind == epi.OutputKind.B_COLUMN_SUM]
   if len(sums_b) > 1:
     raise ValueError(f"outputs {sums_b} are all b_column_sum outputs: declare one")
@@ -1375,11 +1533,11 @@ def gemm(a: jax.Array, b: jax.Array, *,
                      f"mainloop a tile's operands load under it); K={k}")
 
   def check_smem(kinds):
-    need = smem_bytes(config, a.dtype, kinds, input_dtypes, outputs, mainloop=mainloop)
+    need = smem_bytes(config, a.dtype, kinds, input_dtypes, outputs, mainloop=mainloop,
+                      columns=n)
     if need > SMEM_LIMIT_BYTES:
       raise ValueError(f"{config} with this epilogue needs {need} bytes of shared memory, "
                        f"over the {SMEM_LIMIT_BYTES}-byte limit: lower stages or tiles")
-  check_smem(staged(in_place))
   if num_sms is None:
     num_sms = jax.devices()[0].core_count if interpret is None else 2
   tiles = -(-m // config.cluster_tile[0]) * (n // config.cluster_tile[1])
@@ -1393,6 +1551,9 @@ def gemm(a: jax.Array, b: jax.Array, *,
     raise ValueError(f"num_sms={num_sms} is smaller than the cluster ({cluster} CTAs) of "
                      f"{config}: pass cluster_dim=None or more SMs")
   grid = min(num_sms // cluster, tiles)
+  if totals and (why := row_totals_conflict(config, n, grid)):
+    raise ValueError(f"{config} cannot make row_total outputs {totals}: {why}")
+  check_smem(staged(in_place))
   if not mainloop:  # K = 0: the product is zero; a, b are not passed to the kernel
     body = functools.partial(_kernel_no_product, cfg=config, m=m, n=n)
   else:
@@ -1400,6 +1561,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
         _kernel_pingpong if config.schedule == Schedule.PINGPONG else _kernel_cooperative,
         num_clusters=grid, cfg=config, m=m, n=n, k=k, trans_a=trans_a, trans_b=trans_b)
   body = functools.partial(body, column_sum_turns=column_sum_turns)
+  if totals:
+    body = functools.partial(body, row_totals_pass=row_totals_pass)
   kernel_name = (f"coda_gemm_{config.schedule.name.lower()}" if mainloop
                  else "coda_gemm_epilogue_only")
 
@@ -1412,7 +1575,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
   partial_m = lambda o: m if o.kind == epi.OutputKind.TILE else rows_m
 
   def unclip(results):
-    return {nm: v[:, :m] if specs[nm].kind == epi.OutputKind.ROW_PARTIAL and rows_m != m
+    rows = (epi.OutputKind.ROW_PARTIAL, epi.OutputKind.ROW_TOTAL)
+    return {nm: v[:, :m] if specs[nm].kind in rows and rows_m != m
             else v for nm, v in results.items()}
 
   def make_kernel(in_place):
@@ -1423,7 +1587,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
         out_type=tuple(
             jax.ShapeDtypeStruct(epi.output_shape(o, partial_m(o), n,
                                                   config.column_partial_rows,
-                                                  config.epi_tile_n, config.tile_m), o.dtype)
+                                                  config.epi_tile_n, config.tile_m,
+                                                  config.tile_n), o.dtype)
             for o in outputs if o.name not in in_place),
         grid=(grid,), grid_names=("sm",), cluster=(cluster,), cluster_names=("cluster",),
         num_threads=3 if mainloop else 2, thread_name="wg",

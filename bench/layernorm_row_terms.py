@@ -1,0 +1,181 @@
+"""Whether LayerNorm's backward row terms can be finished inside the GEMM that makes dn
+(``docs/layernorm_math.md`` section 6), measured at GPT-2 1B's shapes.
+
+Today the backward of a LayerNorm takes two kernels: the GEMM dn = dz @ W^T with
+``LayerNormGrad`` (stores dh, n and the row partials of dr and dmu), then the producer's
+pass (``stats_cotangent``: dx, dh and x in, dxt out). With row totals
+(``pallas_kernels`` row_total outputs, summed across the grid mid-epilogue) one GEMM
+does both: its first pass sums g dn and g dn (x - mu) over each tile's columns, the
+row block's tiles exchange those partials, and the second pass writes
+
+    dxt = dx + r (g dn - a - xhat c),  a = sum g dn / D,  c = r sum g dn (x - mu) / D
+
+with n = xhat g + beta and the column partials of dbeta, dg and the bias's sum dxt.
+
+    PYTHONPATH=. python -m bench.layernorm_row_terms [--k 8192 6144] [--quick]
+
+For each K (8192: the MLP's c_fc; 6144: attention's c_attn): checks both paths against
+a float64 reference (relative error of dxt, n, dbeta, dg), then times (CUPTI medians,
+random normal inputs) today's GEMM + pass against the one GEMM under several ping-pong
+configs. Prints a markdown table. Needs a GPU."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import common
+from coda_jax import layernorm_ops as L
+from pallas_kernels import epilogue as epi
+from pallas_kernels import gemm_mgpu as g
+
+M, D = 16384, 2048
+_F32 = jnp.float32
+
+
+def first_pass(tile, dn):
+  """The row terms' partials over this sub-tile's columns: sum g dn, sum g dn (x - mu)."""
+  gcol = tile.load("g")[None, :]
+  xc = tile.load("x").astype(_F32) - tile.load("mu")[:, None]
+  gdn = gcol * dn
+  tile.store("sa", jnp.sum(gdn, axis=1))
+  tile.store("sc", jnp.sum(gdn * xc, axis=1))
+
+
+def second_pass(tile, dn):
+  """dxt, n and the column partials, from the row totals. Row terms are combined as
+  (epi_m,) vectors before they meet the tile."""
+  mu, r = tile.load("mu"), tile.load("r")
+  gcol, beta = tile.load("g")[None, :], tile.load("beta")[None, :]
+  ra = r * tile.load("sa") * (1.0 / D)  # r a
+  rc = r * r * tile.load("sc") * (1.0 / D)  # r c, with c = r sum g dn (x - mu) / D
+  xc = tile.load("x").astype(_F32) - mu[:, None]
+  xhat = xc * r[:, None]
+  dxt = (tile.load("dx").astype(_F32) + r[:, None] * (gcol * dn) - ra[:, None]
+         - xc * (r * rc)[:, None])
+  tile.store_column_sum("dbeta", dn)
+  tile.store_column_sum("dg", dn * xhat)
+  tile.store_column_sum("dsum", dxt)
+  tile.store("n", xhat * gcol + beta)
+  tile.store("dxt", dxt)
+
+
+OUTPUTS = (epi.EpilogueOutput("dxt", dtype=jnp.bfloat16),
+           epi.EpilogueOutput("n", dtype=jnp.bfloat16),
+           epi.EpilogueOutput("dbeta", epi.OutputKind.COL_PARTIAL, _F32),
+           epi.EpilogueOutput("dg", epi.OutputKind.COL_PARTIAL, _F32),
+           epi.EpilogueOutput("dsum", epi.OutputKind.COL_PARTIAL, _F32),
+           epi.EpilogueOutput("sa", epi.OutputKind.ROW_TOTAL, _F32),
+           epi.EpilogueOutput("sc", epi.OutputKind.ROW_TOTAL, _F32))
+
+
+def fused(dz, w, x, dx, mu, r, gam, beta, config):
+  """One GEMM: (dxt, n, dbeta, dg, dsum)."""
+  out = g.gemm(dz, w, trans_b=True, config=config, epilogue=second_pass,
+               row_totals_pass=first_pass, outputs=OUTPUTS,
+               inputs={"x": (epi.InputKind.TILE, x), "dx": (epi.InputKind.TILE, dx),
+                       "mu": (epi.InputKind.ROW, mu), "r": (epi.InputKind.ROW, r),
+                       "g": (epi.InputKind.COL, gam), "beta": (epi.InputKind.COL, beta)})
+  col = lambda nm: jnp.sum(out[nm], axis=0)
+  return out["dxt"], out["n"], col("dbeta"), col("dg"), col("dsum")
+
+
+def today(dz, w, x, h, dx, mu, r, gam, beta):
+  """The GEMM with LayerNormGrad, then the producer's pass (as the ops run them)."""
+  dh, n, dr, dmu, dbeta, dg1 = L.norm_matmul_grad(dz, w, h, mu, r, gam, beta, "mosaic")
+  dxt, dsum, dg2 = L.stats_cotangent(x, gam, mu, r, (dx, dh, dmu, dr), "mosaic")
+  return dxt, n, dbeta, dg1 + dg2, dsum
+
+
+def reference(dz, w, x, dx, mu, r, gam, beta):
+  """float64 numpy: (dxt, n, dbeta, dg, dsum)."""
+  f = lambda v: np.asarray(v, np.float64)
+  dn = f(dz) @ f(w).T
+  mu, r, gam, beta = f(mu)[:, None], f(r)[:, None], f(gam)[None], f(beta)[None]
+  xhat = (f(x) - mu) * r
+  a = np.mean(gam * dn, axis=1, keepdims=True)
+  c = np.mean(gam * dn * xhat, axis=1, keepdims=True)
+  dxt = f(dx) + r * (gam * dn - a - xhat * c)
+  return dxt, xhat * gam + beta, dn.sum(0), (dn * xhat).sum(0), dxt.sum(0)
+
+
+def inputs(key, k):
+  ks = jax.random.split(key, 6)
+  bf = lambda kk, shape, s=1.0: (s * jax.random.normal(kk, shape, _F32)).astype(jnp.bfloat16)
+  x = bf(ks[0], (M, D))
+  xf = x.astype(_F32)
+  mu = jnp.mean(xf, axis=1)
+  r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=1) - mu * mu + 1e-5)
+  gam = 1 + 0.1 * jax.random.normal(ks[1], (D,), _F32)
+  beta = 0.1 * jax.random.normal(ks[2], (D,), _F32)
+  h = (xf * gam).astype(jnp.bfloat16)
+  return dict(dz=bf(ks[3], (M, k), 0.05), w=bf(ks[4], (D, k), 0.02), x=x, h=h,
+              dx=bf(ks[5], (M, D)), mu=mu, r=r, gam=gam, beta=beta)
+
+
+def configs(quick):
+  base = dict(tile_m=128, tile_n=128, tile_k=64, stages=4, epi_tile_m=64, epi_tile_n=32,
+              schedule=g.Schedule.PINGPONG, grid_minor_dim=g.MatDim.N, grid_tile_width=16)
+  out = {"pp128 s4 e64x32 clN": g.GemmConfig(**base, cluster_dim=g.MatDim.N)}
+  if not quick:
+    out["pp128 s4 e64x32 clN colT"] = g.GemmConfig(**base, cluster_dim=g.MatDim.N,
+                                                   epi_column_sums_per_tile=True)
+    out["pp128 s4 e64x32"] = g.GemmConfig(**base, cluster_dim=None)
+    out["pp128 s4 e64x32 clN in1"] = g.GemmConfig(**base, cluster_dim=g.MatDim.N,
+                                                  epi_operand_slots=1)
+  return out
+
+
+def rel(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--k", type=int, nargs="+", default=[8192, 6144])
+  p.add_argument("--quick", action="store_true", help="one config")
+  p.add_argument("--iterations", type=int, default=20)
+  args = p.parse_args(argv)
+  if jax.devices()[0].platform != "gpu":
+    sys.exit("bench.layernorm_row_terms measures on the device: run it on the GPU host")
+  print(common.provenance(), flush=True)
+  names = ("dxt", "n", "dbeta", "dg", "dsum")
+  rows = []
+  for k in args.k:
+    ops = inputs(jax.random.key(k), k)
+    fused_ops = {nm: ops[nm] for nm in ("dz", "w", "x", "dx", "mu", "r", "gam", "beta")}
+    want = reference(**fused_ops)
+    base = jax.jit(today)
+    got = base(**ops)
+    errs = {nm: rel(v, w) for nm, v, w in zip(names, got, want)}
+    ms, per = common.time_kernels(lambda o: base(**o), ops, iterations=args.iterations)
+    rows.append(("today: GEMM + pass", k, ms, errs, per))
+    print(f"K={k} today {ms:.4f} ms {errs}", flush=True)
+    for cname, cfg in configs(args.quick).items():
+      fn = jax.jit(lambda o, c=cfg: fused(**o, config=c))
+      try:
+        got = fn(fused_ops)
+        errs = {nm: rel(v, w) for nm, v, w in zip(names, got, want)}
+        ms, per = common.time_kernels(fn, fused_ops, iterations=args.iterations)
+      except Exception as e:  # a config that does not fit: say so, go on
+        print(f"K={k} {cname}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
+        continue
+      rows.append((f"one GEMM, {cname}", k, ms, errs, per))
+      print(f"K={k} {cname} {ms:.4f} ms {errs}", flush=True)
+  print("\n| path | K | ms (all kernels) | dxt err | n err | dbeta err | dg err | dsum err |"
+        "\n|---|---|---|---|---|---|---|---|")
+  for name, k, ms, errs, _ in rows:
+    print(f"| {name} | {k} | {ms:.4f} | "
+          + " | ".join(f"{errs[nm]:.2e}" for nm in names) + " |")
+  print("\nPer kernel (ms):")
+  for name, k, _, _, per in rows:
+    print(f"- {name}, K={k}: " + ", ".join(f"{n} {t:.4f}" for n, t in per))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,148 @@
+"""Row totals (``pallas_kernels`` row_total outputs): a program that needs each row's sum
+over all N columns before it stores, in one GEMM. Its first pass stores each tile's
+partials, the CTAs holding a row block's tiles exchange them through global memory, and
+its second pass reads the totals. The exchange waits on global semaphores, which the
+Mosaic GPU interpreter does not have, so the values are checked on the GPU only; the
+refusals are checked everywhere."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import GemmConfig, MatDim, Schedule
+from helpers import assert_within_baseline, normal
+
+F32 = jnp.float32
+
+
+def first_pass(tile, acc):
+  x = tile.load("x").astype(F32)
+  tile.store("ss", jnp.sum(acc * acc, axis=1))
+  tile.store("sx", jnp.sum(acc * x, axis=1))
+
+
+def second_pass(tile, acc):
+  """acc / sqrt(1 + sum acc^2) + 1e-3 x sum acc x: both totals over the whole row."""
+  # row terms as (epi_m,) vectors before they meet the tile (a (epi_m, 1) value
+  # broadcast first leaves Mosaic GPU's layout inference without a solution)
+  scale, sx = jax.lax.rsqrt(tile.load("ss") + 1.0), 1e-3 * tile.load("sx")
+  x = tile.load("x").astype(F32)
+  tile.store("out", acc * scale[:, None] + x * sx[:, None])
+
+
+OUTPUTS = (pk.EpilogueOutput("out", dtype=jnp.bfloat16),
+           pk.EpilogueOutput("ss", pk.OutputKind.ROW_TOTAL, F32),
+           pk.EpilogueOutput("sx", pk.OutputKind.ROW_TOTAL, F32))
+
+PINGPONG = GemmConfig(tile_m=128, tile_n=128, tile_k=64, stages=4, epi_tile_m=64,
+                      epi_tile_n=32, schedule=Schedule.PINGPONG, cluster_dim=MatDim.N,
+                      grid_tile_width=16)
+CONFIGS = {
+    "pingpong_cluster_n": PINGPONG,
+    "pingpong": dataclasses.replace(PINGPONG, cluster_dim=None),
+    "pingpong_cluster_m": dataclasses.replace(PINGPONG, cluster_dim=MatDim.M),
+    "pingpong_64x64": dataclasses.replace(PINGPONG, tile_m=64, tile_n=64, cluster_dim=None),
+}
+
+
+def run(a, b, x, config, num_sms=None, interpret=None, **kw):
+  return pk.gemm(a, b, inputs={"x": (pk.InputKind.TILE, x)}, epilogue=second_pass,
+                 outputs=OUTPUTS, row_totals_pass=first_pass, config=config,
+                 num_sms=num_sms, interpret=interpret, **kw)
+
+
+def truth(a, b, x, tile_n):
+  """float64: the output, and each warpgroup tile's partials (tiles along N, M)."""
+  acc = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+  xf = np.asarray(x, np.float64)
+  m, n = acc.shape
+  parts = lambda v: v.reshape(m, n // tile_n, tile_n).sum(axis=2).T
+  ss, sx = parts(acc * acc), parts(acc * xf)
+  out = acc / np.sqrt(1 + ss.sum(0))[:, None] + 1e-3 * xf * sx.sum(0)[:, None]
+  return out, ss, sx
+
+
+def xla_baseline(a, b, x):
+  """The same math unfused in bfloat16, as XLA runs it: the tolerance rule's yardstick."""
+  acc = jnp.matmul(a, b)
+  ss = jnp.sum(acc * acc, axis=1, keepdims=True)
+  sx = jnp.sum(acc * x, axis=1, keepdims=True)
+  return acc * jax.lax.rsqrt(ss + 1) + jnp.bfloat16(1e-3) * x * sx
+
+
+# (M, N, K, SMs): the SM counts leave a row block's tiles on two waves (its first tiles
+# wait for a later mainloop), and 448 rows leave the last row block part past M.
+CASES = [(512, 1024, 256, 10), (384, 2048, 192, None), (1024, 1024, 512, 18),
+         (448, 1024, 128, 12)]
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("m,n,k,sms", CASES, ids=[f"{m}x{n}x{k}" for m, n, k, _ in CASES])
+def test_row_totals(key, kernel_impl, config, m, n, k, sms):
+  if kernel_impl != "mosaic":
+    pytest.skip("row totals wait on global semaphores, which the Mosaic GPU interpreter "
+                "does not have (and it runs one CTA at a time): checked on the GPU only")
+  cfg = CONFIGS[config]
+  if config == "pingpong_cluster_m" and m % 256:
+    cfg = dataclasses.replace(cfg, cluster_dim=None)
+  ka, kb, kx = jax.random.split(key, 3)
+  a, b = normal(ka, (m, k), jnp.bfloat16), normal(kb, (k, n), jnp.bfloat16)
+  x = normal(kx, (m, n), jnp.bfloat16)
+  want, ss, sx = truth(a, b, x, cfg.tile_n)
+  for _ in range(3):  # the exchange depends on timing: run it more than once
+    got = run(a, b, x, cfg, sms, clip_m=m % cfg.cluster_tile[0] != 0)
+    # every partial of every tile, written and right (the totals' inputs)
+    for nm, part in (("ss", ss), ("sx", sx)):
+      p = np.asarray(got[nm], np.float64)
+      assert p.shape == part.shape, (nm, p.shape, part.shape)
+      assert np.all(np.isfinite(p)), f"{nm}: unwritten partials"
+      np.testing.assert_allclose(p, part, rtol=1e-4, atol=1e-4 * np.abs(part).max())
+    assert_within_baseline(got["out"], want, xla_baseline(a, b, x), f"row totals {config}")
+
+
+def test_row_totals_refuse_what_they_cannot_run(key):
+  """Where the kernel cannot make row totals, a ValueError that says why and what to
+  change, before anything is compiled (so this runs on the CPU too)."""
+  a, b = normal(key, (256, 128), jnp.bfloat16), normal(key, (128, 512), jnp.bfloat16)
+  x = normal(key, (256, 512), jnp.bfloat16)
+  go = lambda config=PINGPONG, sms=132, **kw: run(a, b, x, config, sms, device_kind="x",
+                                                  **kw)
+  with pytest.raises(ValueError, match="cooperative schedule"):
+    go(dataclasses.replace(PINGPONG, schedule=Schedule.COOPERATIVE))
+  with pytest.raises(ValueError, match="grid_minor_dim=MatDim.N and grid_tile_width >= 2"):
+    go(dataclasses.replace(PINGPONG, grid_tile_width=1))
+  with pytest.raises(ValueError, match="grid_minor_dim=MatDim.N"):
+    go(dataclasses.replace(PINGPONG, grid_minor_dim=MatDim.M))
+  with pytest.raises(ValueError, match="only 1 clusters"):
+    go(sms=2)
+  with pytest.raises(ValueError, match="interpreter has no global semaphores"):
+    go(interpret=pk.interpret_params())
+  with pytest.raises(ValueError, match="need a row_totals_pass"):
+    pk.gemm(a, b, inputs={"x": (pk.InputKind.TILE, x)}, epilogue=second_pass,
+            outputs=OUTPUTS, config=PINGPONG, num_sms=132, device_kind="x")
+  with pytest.raises(ValueError, match="needs row_total outputs"):
+    pk.gemm(a, b, row_totals_pass=first_pass, config=PINGPONG, num_sms=132,
+            device_kind="x")
+  with pytest.raises(ValueError, match="also passed operands"):
+    pk.gemm(a, b, inputs={"x": (pk.InputKind.TILE, x), "ss": (pk.InputKind.ROW, x[:, 0])},
+            epilogue=second_pass, outputs=OUTPUTS, row_totals_pass=first_pass,
+            config=PINGPONG, num_sms=132, device_kind="x")
+  with pytest.raises(ValueError, match="width does not apply"):
+    pk.EpilogueOutput("ss", pk.OutputKind.ROW_TOTAL, F32, width=2)
+  with pytest.raises(ValueError, match="partial reductions are fp32"):
+    pk.EpilogueOutput("ss", pk.OutputKind.ROW_TOTAL, jnp.bfloat16)
+
+
+def test_row_totals_lower_for_the_gpu():
+  """The two-pass program lowers for an H100 (Mosaic GPU's MLIR, on any machine):
+  catches tracing and layout errors of the exchange where no GPU runs it."""
+  a = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+  b = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
+  x = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
+  for cfg in CONFIGS.values():
+    fn = jax.jit(lambda a, b, x, c=cfg: run(a, b, x, c, 132, device_kind="x"))
+    exported = jax.export.export(fn, platforms=["cuda"])(a, b, x)
+    assert "mosaic_gpu" in exported.mlir_module()
