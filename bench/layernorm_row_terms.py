@@ -30,6 +30,8 @@ import numpy as np
 
 from bench import common
 from coda_jax import layernorm_ops as L
+from coda_jax import primitives as P
+from coda_jax.epilogue_gemm import gemm_epilogue
 from pallas_kernels import epilogue as epi
 from pallas_kernels import gemm_mgpu as g
 
@@ -91,6 +93,40 @@ def today(dz, w, x, h, dx, mu, r, gam, beta):
   return dxt, n, dbeta, dg1 + dg2, dsum
 
 
+class _NoWait:
+  """While active, the kernel's wait for the row block's partials is traced as nothing:
+  the totals are then wrong (whatever had arrived), so this is for timing what the wait
+  costs, never for values."""
+
+  def __enter__(self):
+    self._wait = g.plgpu.semaphore_wait
+    g.plgpu.semaphore_wait = lambda *args, **kwargs: None
+
+  def __exit__(self, *exc):
+    g.plgpu.semaphore_wait = self._wait
+
+
+def ablations(ops, fused_ops, config):
+  """name -> jitted call, each under ``config``: the one GEMM without its wait, today's
+  GEMM program alone (LayerNormGrad + Store dh), and the plain GEMM."""
+  def no_wait(o):
+    with _NoWait():
+      return fused(**o, config=config)
+
+  def layernorm_grad(o):
+    dt = o["dz"].dtype
+    return gemm_epilogue(
+        o["dz"], o["w"], [L.LayerNormGrad("h", "mu", "r", "g", "beta", dtype=dt),
+                          P.Store("dh", dt)],
+        {"h": o["h"], "mu": o["mu"], "r": o["r"], "g": o["gam"], "beta": o["beta"]},
+        trans_b=True, impl="mosaic", config=config)
+
+  return {"one GEMM without the wait (values wrong)": (jax.jit(no_wait), fused_ops),
+          "today's GEMM program alone (LayerNormGrad)": (jax.jit(layernorm_grad), ops),
+          "plain GEMM": (jax.jit(lambda o: g.gemm(o["dz"], o["w"], trans_b=True,
+                                                  config=config)), ops)}
+
+
 def reference(dz, w, x, dx, mu, r, gam, beta):
   """float64 numpy: (dxt, n, dbeta, dg, dsum)."""
   f = lambda v: np.asarray(v, np.float64)
@@ -140,6 +176,9 @@ def main(argv=None):
   p.add_argument("--k", type=int, nargs="+", default=[8192, 6144])
   p.add_argument("--quick", action="store_true", help="one config")
   p.add_argument("--iterations", type=int, default=20)
+  p.add_argument("--ablate", action="store_true",
+                 help="also time, under the first config: the one GEMM without its wait, "
+                      "today's GEMM program alone, the plain GEMM")
   args = p.parse_args(argv)
   if jax.devices()[0].platform != "gpu":
     sys.exit("bench.layernorm_row_terms measures on the device: run it on the GPU host")
@@ -167,11 +206,21 @@ def main(argv=None):
         continue
       rows.append((f"one GEMM, {cname}", k, ms, errs, per))
       print(f"K={k} {cname} {ms:.4f} ms {errs}", flush=True)
+    if args.ablate:
+      cname, cfg = next(iter(configs(True).items()))
+      for name, (fn, operands) in ablations(ops, fused_ops, cfg).items():
+        try:
+          ms, per = common.time_kernels(fn, operands, iterations=args.iterations)
+        except Exception as e:  # say so, go on
+          print(f"K={k} {name}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
+          continue
+        rows.append((f"{name}, {cname}", k, ms, None, per))
+        print(f"K={k} {name}, {cname}: {ms:.4f} ms", flush=True)
   print("\n| path | K | ms (all kernels) | dxt err | n err | dbeta err | dg err | dsum err |"
         "\n|---|---|---|---|---|---|---|---|")
   for name, k, ms, errs, _ in rows:
     print(f"| {name} | {k} | {ms:.4f} | "
-          + " | ".join(f"{errs[nm]:.2e}" for nm in names) + " |")
+          + " | ".join("-" if errs is None else f"{errs[nm]:.2e}" for nm in names) + " |")
   print("\nPer kernel (ms):")
   for name, k, _, _, per in rows:
     print(f"- {name}, K={k}: " + ", ".join(f"{n} {t:.4f}" for n, t in per))

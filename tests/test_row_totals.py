@@ -88,6 +88,12 @@ def test_row_totals(key, kernel_impl, config, m, n, k, sms):
   cfg = CONFIGS[config]
   if config == "pingpong_cluster_m" and m % 256:
     cfg = dataclasses.replace(cfg, cluster_dim=None)
+  cluster = 1 if cfg.cluster_dim is None else 2
+  along_n = n // cfg.cluster_tile[1]
+  if sms is not None and sms // cluster < along_n:
+    # a row block's tiles must be on distinct CTAs (row_totals_conflict); one more
+    # cluster than that still leaves row blocks straddling two waves
+    sms = (along_n + 1) * cluster
   ka, kb, kx = jax.random.split(key, 3)
   a, b = normal(ka, (m, k), jnp.bfloat16), normal(kb, (k, n), jnp.bfloat16)
   x = normal(kx, (m, n), jnp.bfloat16)
