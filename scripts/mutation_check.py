@@ -270,28 +270,17 @@ MUTATIONS = [
         why="column partials share one scratch buffer: the two epilogues must not overlap"),
     Mutation(
         "operand_slot_ignores_slot_count", "pallas_kernels/gemm_mgpu.py",
-        "      slot, in_slot = s % self.out_slots, s % self.in_slots",
-        "      slot, in_slot = s % self.out_slots, s % 2",
+        "      slot, in_slot = s % self.out_slots, q % self.in_slots",
+        "      slot, in_slot = s % self.out_slots, q % 2",
         ("tests/test_primitives.py", "-k", "tile_operand_slots"),
         why="with 3 or 8 slots the epilogue would read another sub-tile's residual"),
     Mutation(
         "tile_operand_refetched_before_read", "pallas_kernels/gemm_mgpu.py",
-        "      tile = self._tile(slot, in_slot, i, j, r0, c0, read)\n"
-        "      self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])\n"
-        "      missing = {o.name for o in self.outputs} - tile.stored\n"
-        "      if missing:\n"
-        "        raise ValueError(f\"epilogue did not store outputs {sorted(missing)}\")\n"
-        "      plgpu.commit_smem()  # also: every warp is done reading this slot's operands\n"
-        "      if refill and read is None:\n"
-        "        refill()\n",
+        "      tile = self._tile(slot, in_slot, i, j, r0, c0, read, first_pass=first_pass)\n",
         "      if refill and read is None:  # (planted)\n"
         "        refill()\n"
-        "      tile = self._tile(slot, in_slot, i, j, r0, c0, read)\n"
-        "      self.fn(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])\n"
-        "      missing = {o.name for o in self.outputs} - tile.stored\n"
-        "      if missing:\n"
-        "        raise ValueError(f\"epilogue did not store outputs {sorted(missing)}\")\n"
-        "      plgpu.commit_smem()  # also: every warp is done reading this slot's operands\n",
+        "        refill = None\n"
+        "      tile = self._tile(slot, in_slot, i, j, r0, c0, read, first_pass=first_pass)\n",
         ("tests/test_primitives.py", "-k", "tile_operand_slots"),
         why="a slot is refilled only once every warp has read it (with one slot, each "
             "sub-tile's load waits for the previous sub-tile's read)"),
@@ -1102,6 +1091,28 @@ MUTATIONS = [
         ("tests/test_sharding.py", "-k", "b_column_sums"),
         "with M split every shard's sums of B are whole, and adding them multiplies the "
         "bias gradient by the shard count"),
+    # ---- row totals: row sums over all N, exchanged across the grid mid-epilogue ---------
+    Mutation(
+        "row_totals_do_not_wait", "pallas_kernels/gemm_mgpu.py",
+        "    plgpu.semaphore_wait(semaphore, self.total_tiles, decrement=False, "
+        "memory_scope=\"gpu\")\n",
+        "",
+        ("tests/test_row_totals.py", "-k", "test_row_totals["),
+        "a tile reads its row block's partials without waiting for the other tiles to "
+        "publish them (GPU only: the interpreter cannot run the exchange)", gpu_only=True),
+    Mutation(
+        "row_totals_sum_one_tile", "pallas_kernels/gemm_mgpu.py",
+        "                   for c in range(self.total_tiles)]\n",
+        "                   for c in range(1)]\n",
+        ("tests/test_row_totals.py", "-k", "test_row_totals["),
+        "the totals are the first tile's partials alone, not the row's (GPU only)",
+        gpu_only=True),
+    Mutation(
+        "row_totals_allow_cooperative", "pallas_kernels/gemm_mgpu.py",
+        "  if cfg.schedule != Schedule.PINGPONG:\n    return (\"the cooperative",
+        "  if False:\n    return (\"the cooperative",
+        ("tests/test_row_totals.py", "-k", "refuse"),
+        "a cooperative config, whose two warpgroups would wait for each other, gets through"),
 ]
 
 

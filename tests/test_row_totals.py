@@ -94,6 +94,8 @@ def test_row_totals(key, kernel_impl, config, m, n, k, sms):
     # a row block's tiles must be on distinct CTAs (row_totals_conflict); one more
     # cluster than that still leaves row blocks straddling two waves
     sms = (along_n + 1) * cluster
+  # and the grid must walk the row blocks one whole row at a time
+  cfg = dataclasses.replace(cfg, grid_tile_width=max(cfg.grid_tile_width, along_n))
   ka, kb, kx = jax.random.split(key, 3)
   a, b = normal(ka, (m, k), jnp.bfloat16), normal(kb, (k, n), jnp.bfloat16)
   x = normal(kx, (m, n), jnp.bfloat16)
