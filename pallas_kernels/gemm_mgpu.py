@@ -606,7 +606,7 @@ class _Epilogue:
     # tile's columns by (name, row of sub-tiles); the tiles across N per row block; the
     # semaphore per row block; the totals read back, by (name, row of sub-tiles).
     self.totals = [o for o in outputs if o.kind == epi.OutputKind.ROW_TOTAL]
-    self.first_pass, self.semaphores = row_totals_pass, semaphores
+    self.totals_pass, self.semaphores = row_totals_pass, semaphores
     self.total_tiles = columns // cfg.tile_n
     self.partials: dict[tuple[str, int], jax.Array] = {}
     self.read_totals: dict[tuple[str, int], jax.Array] = {}
@@ -920,7 +920,7 @@ class _Epilogue:
           plgpu.commit_smem()  # ends with a warpgroup barrier: every warp has read
           refill()
       tile = self._tile(slot, in_slot, i, j, r0, c0, read, first_pass=first_pass)
-      program = self.first_pass if first_pass else self.fn
+      program = self.totals_pass if first_pass else self.fn
       program(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
       declared = {o.name for o in (self.totals if first_pass else self.outputs)
                   if first_pass or o.kind != epi.OutputKind.ROW_TOTAL}
@@ -1497,7 +1497,9 @@ def gemm(a: jax.Array, b: jax.Array, *,
   staged = lambda in_place: staged_inputs(input_kinds, outputs, in_place,
                                           compiled=interpret is None)
   from pallas_kernels import autotune  # it imports this module
-  if interpret is None and (config is None or autotune.is_recording()):
+  # (a program with row totals is not recorded for the tuner, which would replay it
+  # without its first pass: it runs with the config it is given)
+  if interpret is None and (config is None or autotune.is_recording()) and not totals:
     key = autotune.problem_key(m, n, k, a.dtype, trans_a, trans_b, autotune.signature(
         program_id, input_kinds, input_dtypes, outputs, in_place, min_epi_tile_n),
         device_kind=device_kind)
