@@ -546,3 +546,50 @@ def test_train_job_refuses_shard_map_with_cudnn_attention(monkeypatch):
   with pytest.raises(SystemExit, match=r"partitioner='shard_map' with cuDNN attention.*"
                                        r"--partitioner jit or --attention xla"):
     job.main()
+
+
+def test_layernorm_row_terms_program_matches_its_reference():
+  """``bench.layernorm_row_terms``'s two passes, run on the CPU as the kernel runs them
+  (the first pass's partials summed over the row, then the second pass on the totals),
+  against the float64 reference the benchmark checks the GPU against: a wrong formula
+  in the program would otherwise only show as an error column on the device."""
+  import numpy as np
+  import jax.numpy as jnp
+  import pallas_kernels as pk
+  from bench import layernorm_row_terms as T
+
+  m, k = 64, 64
+  ops = T.inputs(jax.random.key(0), k)
+  ops = {nm: v[:m] if v.ndim and v.shape[0] == T.M else v for nm, v in ops.items()}
+  # rows far from unit variance and zero mean, so that r and mu are not ~1 and ~0 and a
+  # missing factor of either shows
+  x = (3 * ops["x"].astype(jnp.float32) + 0.5).astype(jnp.bfloat16)
+  xf = x.astype(jnp.float32)
+  mu = jnp.mean(xf, axis=1)
+  ops.update(x=x, mu=mu, r=jax.lax.rsqrt(jnp.mean(xf * xf, axis=1) - mu * mu + 1e-5))
+  dn = np.asarray(ops["dz"], np.float64) @ np.asarray(ops["w"], np.float64).T
+  acc = jnp.asarray(dn, jnp.float32)
+  kinds = {"x": pk.InputKind.TILE, "dx": pk.InputKind.TILE, "mu": pk.InputKind.ROW,
+           "r": pk.InputKind.ROW, "g": pk.InputKind.COL, "beta": pk.InputKind.COL}
+  arrays = {"x": ops["x"], "dx": ops["dx"], "mu": ops["mu"], "r": ops["r"],
+            "g": ops["gam"], "beta": ops["beta"]}
+  outputs = {o.name: o for o in T.OUTPUTS}
+  stored = {}
+
+  def tile(names, totals=None):
+    inputs = {nm: (kind, (lambda v=arrays[nm]: v)) for nm, kind in kinds.items()}
+    inputs.update({nm: (pk.InputKind.ROW, (lambda v=v: v)) for nm, v in (totals or {}).items()})
+    return pk.EpilogueTile(
+        row0=0, col0=0, shape=(m, T.D), inputs=inputs,
+        outputs={nm: (outputs[nm], lambda v, nm=nm: stored.__setitem__(nm, v))
+                 for nm in names})
+
+  T.first_pass(tile(["sa", "sc"]), acc)
+  totals = {nm: stored.pop(nm) for nm in ("sa", "sc")}
+  T.second_pass(tile(["dxt", "n", "dbeta", "dg", "dsum"], totals), acc)
+  want = T.reference(ops["dz"], ops["w"], ops["x"], ops["dx"], ops["mu"], ops["r"],
+                     ops["gam"], ops["beta"])
+  for nm, w in zip(("dxt", "n", "dbeta", "dg", "dsum"), want):
+    got = np.asarray(stored[nm], np.float64)
+    err = np.linalg.norm(got - w) / np.linalg.norm(w)
+    assert err < (1e-2 if nm in ("dxt", "n") else 1e-4), (nm, err)
