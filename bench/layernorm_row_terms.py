@@ -166,11 +166,6 @@ def configs(quick):
   return out
 
 
-def rel(got, want):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--k", type=int, nargs="+", default=[8192, 6144])
@@ -191,7 +186,7 @@ def main(argv=None):
     want = reference(**fused_ops)
     base = jax.jit(today)
     got = base(**ops)
-    errs = {nm: rel(v, w) for nm, v, w in zip(names, got, want)}
+    errs = {nm: common.rel_diff(v, w) for nm, v, w in zip(names, got, want)}
     ms, per = common.time_kernels(lambda o: base(**o), ops, iterations=args.iterations)
     rows.append(("today: GEMM + pass", k, ms, errs, per))
     print(f"K={k} today {ms:.4f} ms {errs}", flush=True)
@@ -199,7 +194,7 @@ def main(argv=None):
       fn = jax.jit(lambda o, c=cfg: fused(**o, config=c))
       try:
         got = fn(fused_ops)
-        errs = {nm: rel(v, w) for nm, v, w in zip(names, got, want)}
+        errs = {nm: common.rel_diff(v, w) for nm, v, w in zip(names, got, want)}
         ms, per = common.time_kernels(fn, fused_ops, iterations=args.iterations)
       except Exception as e:  # a config that does not fit: say so, go on
         print(f"K={k} {cname}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)

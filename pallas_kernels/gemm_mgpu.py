@@ -846,7 +846,7 @@ class _Epilogue:
     # the exchange with the row block's other tiles, then the program proper.
     self._walk(acc, row_base, col_base, first_pass=True)
     self._exchange(row_base, col_base)
-    self._walk(acc, row_base, col_base, second_pass=True)
+    self._walk(acc, row_base, col_base)
 
   def _exchange(self, row_base, col_base):
     """Publishes this tile's row-total partials and gathers its row block's: TMA-stores
@@ -878,14 +878,14 @@ class _Epilogue:
     plgpu.barrier_wait(bar)
     self.read_totals = {}
 
-  def _walk(self, acc, row_base, col_base, next_tile=None, *, first_pass=False,
-            second_pass=False):
+  def _walk(self, acc, row_base, col_base, next_tile=None, *, first_pass=False):
     """One pass of the epilogue over the tile's sub-tiles: the program proper, or with
     ``first_pass`` the row totals' (which stores only their partials). Tile operands
-    are staged through one sequence of sub-tiles that runs on through both passes."""
+    are staged through one sequence of sub-tiles that runs on through both passes, so
+    with row totals the program proper starts a tile's worth of sub-tiles into it."""
     em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
     count = len(self.sub_tiles)
-    offset = count if second_pass else 0  # where this pass starts in the sequence
+    offset = count if self.totals and not first_pass else 0
     sequence = 2 * count if self.totals else count
     self.running = {}
     for s, (i, j) in enumerate(self.sub_tiles):
@@ -922,9 +922,9 @@ class _Epilogue:
       tile = self._tile(slot, in_slot, i, j, r0, c0, read, first_pass=first_pass)
       program = self.totals_pass if first_pass else self.fn
       program(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
-      declared = {o.name for o in (self.totals if first_pass else self.outputs)
-                  if first_pass or o.kind != epi.OutputKind.ROW_TOTAL}
-      missing = declared - tile.stored
+      declared = self.totals if first_pass else [
+          o for o in self.outputs if o.kind != epi.OutputKind.ROW_TOTAL]
+      missing = {o.name for o in declared} - tile.stored
       if missing:
         raise ValueError(f"{'row_totals_pass' if first_pass else 'epilogue'} did not "
                          f"store outputs {sorted(missing)}")
