@@ -154,15 +154,19 @@ def inputs(key, k):
 
 
 def configs(quick):
-  base = dict(tile_m=128, tile_n=128, tile_k=64, stages=4, epi_tile_m=64, epi_tile_n=32,
-              schedule=g.Schedule.PINGPONG, grid_minor_dim=g.MatDim.N, grid_tile_width=16)
-  out = {"pp128 s4 e64x32 clN": g.GemmConfig(**base, cluster_dim=g.MatDim.N)}
+  """name -> ping-pong config; the first is the --quick one and the ablations'. Five
+  stages fit beside the two tile operands, their outputs and the gathered partials only
+  with one operand slot and one output slot each."""
+  base = dict(tile_m=128, tile_n=128, tile_k=64, epi_tile_m=64, epi_tile_n=32,
+              schedule=g.Schedule.PINGPONG, grid_minor_dim=g.MatDim.N, grid_tile_width=16,
+              cluster_dim=g.MatDim.N)
+  five = dict(base, stages=5, epi_operand_slots=1, epi_out_slots=1)
+  out = {"pp128 s5 e64x32 clN in1 out1": g.GemmConfig(**five)}
   if not quick:
-    out["pp128 s4 e64x32 clN colT"] = g.GemmConfig(**base, cluster_dim=g.MatDim.N,
-                                                   epi_column_sums_per_tile=True)
-    out["pp128 s4 e64x32"] = g.GemmConfig(**base, cluster_dim=None)
-    out["pp128 s4 e64x32 clN in1"] = g.GemmConfig(**base, cluster_dim=g.MatDim.N,
-                                                  epi_operand_slots=1)
+    out["pp128 s5 e64x32 clN in1 out1 colT"] = g.GemmConfig(
+        **five, epi_column_sums_per_tile=True)
+    out["pp128 s4 e64x32 clN"] = g.GemmConfig(**base, stages=4)
+    out["pp128 s4 e64x32 clN in1"] = g.GemmConfig(**base, stages=4, epi_operand_slots=1)
   return out
 
 

@@ -534,6 +534,43 @@ def row_totals_conflict(cfg: GemmConfig, n: int, num_clusters: int) -> str | Non
   return None
 
 
+def row_totals_pass_reads(row_totals_pass: Callable, input_kinds: dict, input_dtypes: dict,
+                          outputs, cfg: GemmConfig) -> tuple[str, ...]:
+  """The tile operands (names, in ``input_kinds``'s order) that a program's first pass
+  reads: the kernel stages only these for it (``_Epilogue._staged``), the second pass
+  all of them. Found by tracing the pass once on stand-in values (``jax.eval_shape``, no
+  device work); a pass that cannot be traced so (one that calls into the kernel itself)
+  gets every tile operand, which costs loads and never values."""
+  em, en = cfg.epi_tile_m, cfg.epi_tile_n
+  shapes = {epi.InputKind.ROW: (em,), epi.InputKind.COL: (en,),
+            epi.InputKind.TILE: (em, en), epi.InputKind.WIDE_TILE: (em, 2 * en)}
+  tiles = tuple(nm for nm, kd in input_kinds.items() if kd in _TILE_KINDS)
+  adds_to = {o.adds_to for o in outputs}
+  read = set()
+
+  def stand_in(nm, kind):
+    def load():
+      read.add(nm)
+      return jnp.zeros(shapes[kind], input_dtypes[nm])
+    return load
+
+  def first_pass(acc):
+    tile = epi.EpilogueTile(
+        row0=0, col0=0, shape=(em, en),
+        inputs={nm: (kd, stand_in(nm, kd)) for nm, kd in input_kinds.items()
+                if nm not in adds_to},
+        outputs={o.name: (o, lambda value: None) for o in outputs
+                 if o.kind == epi.OutputKind.ROW_TOTAL},
+        column_sum=_Epilogue._no_column_sums)
+    row_totals_pass(tile, acc)
+
+  try:
+    jax.eval_shape(first_pass, jax.ShapeDtypeStruct((em, en), jnp.float32))
+  except Exception:  # pylint: disable=broad-except  (stage all: slower, still right)
+    return tiles
+  return tuple(nm for nm in tiles if nm in read)
+
+
 def _stored_width(cfg: GemmConfig, o: epi.EpilogueOutput) -> int:
   """Accumulator columns one TMA store of ``o`` covers: tile outputs are stored in
   ``cfg.store_parts`` parts, partials whole."""
@@ -577,7 +614,8 @@ class _Epilogue:
   operands, the sub-tile walk that calls the closure, and the TMA stores."""
 
   def __init__(self, cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg,
-               column_sum_turns=False, row_totals_pass=None, semaphores=None, columns=0):
+               column_sum_turns=False, row_totals_pass=None, semaphores=None, columns=0,
+               first_pass_tiles=()):
     self.cfg, self.in_gmem, self.out_gmem = cfg, in_gmem, out_gmem
     self.kinds, self.outputs, self.fn, self.smem, self.wg = (
         input_kinds, outputs, epilogue, smem, wg)
@@ -607,6 +645,9 @@ class _Epilogue:
     # semaphore per row block; the totals read back, by (name, row of sub-tiles).
     self.totals = [o for o in outputs if o.kind == epi.OutputKind.ROW_TOTAL]
     self.totals_pass, self.semaphores = row_totals_pass, semaphores
+    # The tile operands the first pass reads (``row_totals_pass_reads``): its share of
+    # the staging sequence stages only these.
+    self.first_tiles = [nm for nm in self.tiles_in if nm in first_pass_tiles]
     self.total_tiles = columns // cfg.tile_n
     self.partials: dict[tuple[str, int], jax.Array] = {}
     self.read_totals: dict[tuple[str, int], jax.Array] = {}
@@ -628,19 +669,26 @@ class _Epilogue:
 
   @staticmethod
   def scratch(cfg, input_kinds, input_dtypes, outputs, operand_dtype=jnp.bfloat16,
-              columns=0) -> dict:
+              columns=0, first_pass_tiles=()) -> dict:
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     out = {}
     totals = [o for o in outputs if o.kind == epi.OutputKind.ROW_TOTAL]
     for o in totals:
-      # One buffer for both warpgroups (ping-pong epilogues take turns): this tile's
-      # partials, staged for their TMA store, and the row block's, loaded back.
-      out["t_" + o.name] = plgpu.SMEM((cfg.tile_m,), jnp.float32)
+      # This tile's partials, staged for their TMA store: one buffer per warpgroup (the
+      # exchange's publish runs outside the ping-pong turn). The row block's, loaded
+      # back: one buffer for both (they are gathered and read inside the turn).
+      out["t_" + o.name] = plgpu.SMEM((_COMPUTE_WARPGROUPS, cfg.tile_m), jnp.float32)
       out["x_" + o.name] = plgpu.SMEM((max(columns // cfg.tile_n, 1), cfg.tile_m),
                                       jnp.float32)
     if totals:
       out["x_bar"] = plgpu.Barrier(num_arrivals=len(totals),
                                    num_barriers=_COMPUTE_WARPGROUPS)
+    if totals and first_pass_tiles:
+      # The first pass's staging (``_staged``): a TMA barrier counts one arrival per
+      # copy, and that pass copies fewer operands than the second.
+      out["first_bar"] = plgpu.Barrier(
+          num_arrivals=len(first_pass_tiles),
+          num_barriers=_COMPUTE_WARPGROUPS * cfg.epi_operand_slots)
     for o in outputs:
       if o.kind == epi.OutputKind.ROW_TOTAL:
         continue
@@ -690,16 +738,25 @@ class _Epilogue:
     em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
     return pl.multiple_of(row_base + i * em, em), pl.multiple_of(col_base + j * en, en)
 
+  def _staged(self, s):
+    """The tile operands staged at position ``s`` of the staging sequence, and their
+    barriers' name: with row totals, the first pass's positions (a tile's worth)
+    stage only what that pass reads, under barriers of their own; the rest, all."""
+    if self.totals and s < len(self.sub_tiles):
+      return self.first_tiles, "first_bar"
+    return self.tiles_in, "tile_bar"
+
   def _fetch_tiles(self, s, row_base, col_base):
     r0, c0 = self._origin(s, row_base, col_base)
     em, en = self.cfg.epi_tile_m, self.cfg.epi_tile_n
-    for nm in self.tiles_in:
+    names, bar = self._staged(s)
+    for nm in names:
       w = en * _TILE_KINDS[self.kinds[nm]]
       cols = pl.ds(pl.multiple_of(c0 * _TILE_KINDS[self.kinds[nm]], w), w)
       plgpu.copy_gmem_to_smem(self.in_gmem[nm].at[pl.ds(r0, em), cols],
                               self.smem["i_" + nm].at[self.wg, s % self.in_slots],
-                              self.smem["tile_bar"].at[self.wg * self.in_slots
-                                                       + s % self.in_slots])
+                              self.smem[bar].at[self.wg * self.in_slots
+                                                + s % self.in_slots])
 
   def prefetch(self, row_base, col_base):
     """Issues the operand loads for the tile at (row_base, col_base); call before the
@@ -817,46 +874,47 @@ class _Epilogue:
     if self.vecs_in:
       plgpu.barrier_wait(self.smem["vec_bar"].at[self.wg * self.vec_slots + self.vec_slot])
     if "turn" not in self.smem or self.sum_turns:
-      self._subtiles(acc, row_base, col_base, next_tile)
+      self._walk(acc, row_base, col_base, next_tile)
       return
     # Column (cross-warp) reductions use compiler-placed SMEM scratch at one static
     # offset, the same for both warpgroups: their epilogues take turns.
     turn = self.smem["turn"]
     if first_tile is None:  # cooperative: warpgroup 0 first, then 1, on every tile
       pl.when(self.wg == 1)(lambda: plgpu.barrier_wait(turn.at[0]))
-      self._subtiles(acc, row_base, col_base, next_tile)
+      self._walk(acc, row_base, col_base, next_tile)
       pl.when(self.wg == 0)(lambda: plgpu.barrier_arrive(turn.at[0]))
       pl.when(self.wg == 1)(lambda: plgpu.barrier_arrive(turn.at[1]))
       pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(turn.at[1]))
       return
     # Ping-pong: tiles alternate between the warpgroups, and so do their epilogues. Each
     # waits for the other's previous epilogue (the tile before its own) to finish.
+    # With row totals the epilogue takes two passes over the sub-tiles, their tile
+    # operands staged in one sequence (the first pass's last sub-tiles load the
+    # second's first). The first pass (the totals' partials) and the publish and wait
+    # of the exchange run before the turn: they touch nothing the warpgroups share
+    # (each has its own partials buffer; sums along rows stay inside a warp), so one
+    # warpgroup's wait for its row block overlaps the other's epilogue. Gathering the
+    # block's partials into the shared buffer and the program proper take the turn.
+    if self.totals:
+      self._walk(acc, row_base, col_base, first_pass=True)
+      self._publish_and_wait(row_base, col_base)
+
     @pl.when(jnp.logical_not(first_tile))
     def _wait_for_previous():
       plgpu.barrier_wait(turn.at[1 - self.wg])
-    self._subtiles(acc, row_base, col_base)
+    if self.totals:
+      self._gather(row_base)
+    self._walk(acc, row_base, col_base)
     plgpu.barrier_arrive(turn.at[self.wg])
 
-  def _subtiles(self, acc, row_base, col_base, next_tile=None):
-    if not self.totals:
-      self._walk(acc, row_base, col_base, next_tile)
-      return
-    # Two passes over the sub-tiles, their tile operands staged in one sequence (the
-    # first pass's last sub-tiles load the second's first): the row totals' partials,
-    # the exchange with the row block's other tiles, then the program proper.
-    self._walk(acc, row_base, col_base, first_pass=True)
-    self._exchange(row_base, col_base)
-    self._walk(acc, row_base, col_base)
-
-  def _exchange(self, row_base, col_base):
-    """Publishes this tile's row-total partials and gathers its row block's: TMA-stores
-    them to the output's row for this tile's columns, waits for the stores to complete,
-    signals the row block's semaphore (a release at GPU scope), waits until every tile
-    of the row block has signalled, and loads the block's partials back. They are summed
-    in a fixed order when read (``_tile``), so the totals do not depend on timing."""
+  def _publish_and_wait(self, row_base, col_base):
+    """The first half of the row totals' exchange: TMA-stores this tile's partials to
+    the output's row for this tile's columns, waits for the stores to complete, signals
+    the row block's semaphore (a release at GPU scope) and waits until every tile of
+    the row block has signalled."""
     em, tm = self.cfg.epi_tile_m, self.cfg.tile_m
     for o in self.totals:
-      buf = self.smem["t_" + o.name]
+      buf = self.smem["t_" + o.name].at[self.wg]
       for i in range(tm // em):
         buf[pl.ds(i * em, em)] = self.partials.pop((o.name, i))
     assert not self.partials, f"row-total partials left over: {sorted(self.partials)}"
@@ -864,13 +922,20 @@ class _Epilogue:
     column_tile = col_base // self.cfg.tile_n
     rows = pl.ds(pl.multiple_of(row_base, tm), tm)
     for o in self.totals:
-      plgpu.copy_smem_to_gmem(self.smem["t_" + o.name],
+      plgpu.copy_smem_to_gmem(self.smem["t_" + o.name].at[self.wg],
                               self.out_gmem[o.name].at[column_tile, rows], commit_group=False)
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
     semaphore = self.semaphores.at[row_base // tm]
     plgpu.semaphore_signal(semaphore, 1, memory_scope="gpu")
     plgpu.semaphore_wait(semaphore, self.total_tiles, decrement=False, memory_scope="gpu")
+
+  def _gather(self, row_base):
+    """The second half, inside the turn: loads the row block's partials into the
+    buffer the warpgroups share. They are summed in a fixed order when read
+    (``_tile``), so the totals do not depend on timing."""
+    tm = self.cfg.tile_m
+    rows = pl.ds(pl.multiple_of(row_base, tm), tm)
     bar = self.smem["x_bar"].at[self.wg]
     for o in self.totals:
       plgpu.copy_gmem_to_smem(self.out_gmem[o.name].at[:, rows], self.smem["x_" + o.name],
@@ -892,8 +957,9 @@ class _Epilogue:
       q = offset + s
       slot, in_slot = s % self.out_slots, q % self.in_slots
       r0, c0 = self._origin(s, row_base, col_base)
-      if self.tiles_in:
-        plgpu.barrier_wait(self.smem["tile_bar"].at[self.wg * self.in_slots + in_slot])
+      staged, bar = self._staged(q)
+      if staged:
+        plgpu.barrier_wait(self.smem[bar].at[self.wg * self.in_slots + in_slot])
       if self.whole and not first_pass:
         # The stores issued out_slots sub-tiles ago used this slot, and each sub-tile
         # commits at least one store group, so at most out_slots - 1 groups may still
@@ -912,10 +978,10 @@ class _Epilogue:
         refill = lambda: pl.when(has_next)(
             lambda: self._fetch_tiles(s + self.in_slots - count, next_row, next_col))
       read = None
-      if self.cfg.epi_operand_refetch_early and self.tiles_in:
+      if self.cfg.epi_operand_refetch_early and staged:
         # Read the sub-tile's operands into registers now, so their slot can refill
         # while the program runs.
-        read = {nm: self.smem["i_" + nm].at[self.wg, in_slot][...] for nm in self.tiles_in}
+        read = {nm: self.smem["i_" + nm].at[self.wg, in_slot][...] for nm in staged}
         if refill:
           plgpu.commit_smem()  # ends with a warpgroup barrier: every warp has read
           refill()
@@ -1018,7 +1084,8 @@ class _Epilogue:
 
     # a tile whose sum over rows is the partial: summed once the rows are added
     sum_writer = lambda o: writer(o, lambda value: column_sum(value).astype(o.dtype))
-    inputs = {nm: (kind, reader(nm)) for nm, kind in self.readable.items()}
+    inputs = {nm: (kind, reader(nm)) for nm, kind in self.readable.items()
+              if not first_pass or kind not in _TILE_KINDS or nm in self.first_tiles}
 
     if first_pass:
       def add_partial(o):
@@ -1250,7 +1317,7 @@ def _tile_origin(lin, cfg: GemmConfig, m_iters, n_iters):
 
 def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, trans_b,
                      input_names, input_kinds, outputs, epilogue, in_place, num_clusters,
-                     column_sum_turns, row_totals_pass=None):
+                     column_sum_turns, row_totals_pass=None, row_totals_reads=()):
   del column_sum_turns  # ping-pong epilogues alternate whole (``_Epilogue.run``)
   """Ping-pong: warpgroups 0 and 1 take the CTA's tiles in turn, each a whole
   (tile_m, tile_n) tile; warpgroup 2 streams every tile's A and B stages, in tile order,
@@ -1279,7 +1346,7 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
     wg = lax.axis_index("wg")
     cluster_id = lax.axis_index("sm")
     # Row totals: one semaphore per row block of warpgroup tiles, in global memory,
-    # zeroed before each launch (``_Epilogue._exchange``).
+    # zeroed before each launch (``_Epilogue._publish_and_wait``).
     semaphores = None
     if any(o.kind == epi.OutputKind.ROW_TOTAL for o in outputs):
       semaphores = pl.get_global(plgpu.SemaphoreType.REGULAR(
@@ -1324,7 +1391,8 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
     def _compute():
       plgpu.set_max_registers(232, action="increase")
       ep = _Epilogue(cfg, in_gmem, out_gmem, input_kinds, outputs, epilogue, smem, wg,
-                     row_totals_pass=row_totals_pass, semaphores=semaphores, columns=n)
+                     row_totals_pass=row_totals_pass, semaphores=semaphores, columns=n,
+                     first_pass_tiles=row_totals_reads)
       ep.fill_ones()
 
       def tile_body(i, _):
@@ -1375,7 +1443,8 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
       consumed=consumed,
       collective_axes="wg",
       **_Epilogue.scratch(cfg, input_kinds, {nm: r.dtype for nm, r in in_gmem.items()},
-                          outputs, operand_dtype=dtype, columns=n),
+                          outputs, operand_dtype=dtype, columns=n,
+                          first_pass_tiles=row_totals_reads),
   )
 
 
@@ -1564,7 +1633,10 @@ def gemm(a: jax.Array, b: jax.Array, *,
         num_clusters=grid, cfg=config, m=m, n=n, k=k, trans_a=trans_a, trans_b=trans_b)
   body = functools.partial(body, column_sum_turns=column_sum_turns)
   if totals:
-    body = functools.partial(body, row_totals_pass=row_totals_pass)
+    body = functools.partial(
+        body, row_totals_pass=row_totals_pass,
+        row_totals_reads=row_totals_pass_reads(row_totals_pass, staged(in_place),
+                                               input_dtypes, outputs, config))
   kernel_name = (f"coda_gemm_{config.schedule.name.lower()}" if mainloop
                  else "coda_gemm_epilogue_only")
 
