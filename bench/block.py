@@ -376,11 +376,13 @@ LLAMA_NOTE = ("XLA's block: separate gate/up matmuls, one fused qkv matmul. LM h
 
 def op_cell(row) -> str:
   """The op as a table cell; a post-block row names its head's gradient, a GPT-2 row
-  its MLP's saved residuals and where its next LN_1 statistics come from, where the run
-  compared them."""
+  its MLP's saved residuals, where its next LN_1 statistics come from and how its
+  out-projection and MLP run, where the run compared them."""
   return (row["op"] + (f" ({row['head_grad']} head)" if "head_grad" in row else "")
           + (f" (MLP keeps {row['mlp_residuals']})" if "mlp_residuals" in row else "")
-          + (f" (LN_1 stats from {row['ln1_stats']})" if "ln1_stats" in row else ""))
+          + (f" (LN_1 stats from {row['ln1_stats']})" if "ln1_stats" in row else "")
+          + (f" (half block as {row['half_block'].replace('_', ' ')})"
+             if "half_block" in row else ""))
 
 
 def speedup_cell(row) -> str:

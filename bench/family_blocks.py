@@ -9,10 +9,12 @@ times Llama's: the attention output y0 and residual x0 in, the next layer's QKV 
 * GPT-2 (LayerNorm, biases, GELU MLP; ``coda_jax.layernorm_ops``, composed as
   ``flax_layers.gpt2`` composes them):
   x1 = x0 + y0 @ Wo + bo; x2 = x1 + gelu(LN_2(x1) @ W1 + b1) @ W2 + b2;
-  qkv = LN_1'(x2) @ Wqkv + bqkv. Ours: ``residual_layernorm`` (bias, residual and LN_2's
-  statistics in the out-projection's epilogue), ``layernorm_gelu_mlp`` whose output GEMM
-  emits LN_1's statistics (``next_norm``, as the model runs it), then
-  ``layernorm_matmul``.
+  qkv = LN_1'(x2) @ Wqkv + bqkv. Ours: ``residual_layernorm_gelu_mlp`` (bias, residual
+  and LN_2's statistics in the out-projection's epilogue; the MLP, whose output GEMM
+  emits LN_1's statistics, ``next_norm``; LN_2's input gradient in one GEMM), as the model
+  runs it, then ``layernorm_matmul``. ``--half-block two_ops`` runs
+  ``residual_layernorm`` and ``layernorm_gelu_mlp`` as two ops instead (GEMM + pass for
+  LN_2's input gradient).
 * Qwen3 (RMSNorm, SwiGLU, per-head q/k RMSNorm, RoPE): ``blocks.shifted_block`` with
   ``BlockConfig.qk_norm``.
 
@@ -99,15 +101,25 @@ def gpt2_inputs(s: Shape, key):
 # output GEMM (``layernorm_gelu_mlp(next_norm=)``, as flax_layers.gpt2 runs it), or an XLA
 # pass over the MLP's output (as before the nineteenth session).
 LN1_STATS = ("gemm", "xla")
+# How the out-projection and the MLP run (``--half-block``): as one op
+# (``residual_layernorm_gelu_mlp``, as flax_layers.gpt2 runs them), or as two.
+HALF_BLOCK = ("one_op", "two_ops")
 
 
-def gpt2_ours(s: Shape, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS, ln1_stats="gemm"):
+def gpt2_ours(s: Shape, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS, ln1_stats="gemm",
+              half_block="one_op"):
   def block(x0, y0, p):
-    x1, h1, mu1, r1 = L.residual_layernorm(y0, p["wo"], x0, p["g_mlp"], bias=p["bo"],
-                                           eps=s.eps, impl=impl)
-    mlp = functools.partial(L.layernorm_gelu_mlp, x1, h1, mu1, r1, p["g_mlp"], p["beta_mlp"],
-                            p["w1"], p["b1"], p["w2"], p["b2"], impl=impl,
-                            residuals=mlp_residuals)
+    if half_block == "one_op":
+      mlp = functools.partial(L.residual_layernorm_gelu_mlp, y0, p["wo"], x0, p["g_mlp"],
+                              p["beta_mlp"], p["w1"], p["b1"], p["w2"], p["b2"],
+                              proj_bias=p["bo"], eps=s.eps, impl=impl,
+                              residuals=mlp_residuals)
+    else:
+      x1, h1, mu1, r1 = L.residual_layernorm(y0, p["wo"], x0, p["g_mlp"], bias=p["bo"],
+                                             eps=s.eps, impl=impl)
+      mlp = functools.partial(L.layernorm_gelu_mlp, x1, h1, mu1, r1, p["g_mlp"],
+                              p["beta_mlp"], p["w1"], p["b1"], p["w2"], p["b2"], impl=impl,
+                              residuals=mlp_residuals)
     if ln1_stats == "gemm":
       x2, h2, mu2, r2 = mlp(next_norm=p["g_attn"], next_eps=s.eps)
     else:
@@ -189,13 +201,14 @@ def inputs(s: Shape, key):
   return dict(x, params=std, mine=mine)
 
 
-def cases(s: Shape, x, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS, ln1_stats="gemm"):
+def cases(s: Shape, x, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS, ln1_stats="gemm",
+          half_block="one_op"):
   """[(op, backward, ours, ours_args, xla, xla_args, to_std)] for the forward and the
   forward+backward of shape ``s``'s block on ``inputs(s, ...)``: what ``run_shape`` times
   and what tune_gemm traces. ``mlp_residuals``: GPT-2's ``layernorm_gelu_mlp``'s;
-  ``ln1_stats``: one of ``LN1_STATS``."""
+  ``ln1_stats``: one of ``LN1_STATS``; ``half_block``: one of ``HALF_BLOCK``."""
   if s.family == "gpt2":
-    ours, xla = gpt2_ours(s, impl, mlp_residuals, ln1_stats), gpt2_xla(s)
+    ours, xla = gpt2_ours(s, impl, mlp_residuals, ln1_stats, half_block), gpt2_xla(s)
     ours_args = xla_args = (x["x0"], x["y0"], x["params"])
     fwd_bwd = lambda block: lambda x0, y0, p, cts: jax.vjp(block, x0, y0, p)[1](cts)
     to_std = lambda t: t
@@ -212,30 +225,34 @@ def cases(s: Shape, x, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS, ln1_stats="g
 
 
 def run_shape(name, s: Shape, impl, measure, prov, key, rounds=1,
-              mlp_residuals=(L.DEFAULT_MLP_RESIDUALS,), ln1_stats=(LN1_STATS[0],)):
+              mlp_residuals=(L.DEFAULT_MLP_RESIDUALS,), ln1_stats=(LN1_STATS[0],),
+              half_block=(HALF_BLOCK[0],)):
   """The rows of shape ``s``: its block's forward and forward+backward, for GPT-2 a pair
-  per combination of ``mlp_residuals`` and ``ln1_stats`` (each row then names what
-  varies)."""
+  per combination of ``mlp_residuals``, ``ln1_stats`` and ``half_block`` (each row then
+  names what varies)."""
   x, gemm_key = inputs(s, key), jax.random.fold_in(key, 1)
-  if s.family != "gpt2":  # Qwen3: neither applies
-    mlp_residuals, ln1_stats = mlp_residuals[:1], ln1_stats[:1]
-  variants = [(keep, src) for keep in mlp_residuals for src in ln1_stats]
+  if s.family != "gpt2":  # Qwen3: none applies
+    mlp_residuals, ln1_stats, half_block = mlp_residuals[:1], ln1_stats[:1], half_block[:1]
+  variants = [(keep, src, half) for keep in mlp_residuals for src in ln1_stats
+              for half in half_block]
 
-  def labels(keep, src):
+  def labels(keep, src, half):
     named = {}
     if len(mlp_residuals) > 1:
       named["mlp_residuals"] = keep
     if len(ln1_stats) > 1:
       named["ln1_stats"] = src
+    if len(half_block) > 1:
+      named["half_block"] = half
     return named or None
 
   return [B.compare_row(op, name, s._asdict(), measure, prov, impl, ours, ours_args, xla,
                         xla_args, to_std=to_std,
                         gemm_fns=B.gemms_of(gemm_mkn(s), backward, gemm_key), memory=backward,
-                        rounds=rounds, labels=labels(keep, src))
-          for keep, src in variants
-          for op, backward, ours, ours_args, xla, xla_args, to_std in cases(s, x, impl, keep,
-                                                                             src)]
+                        rounds=rounds, labels=labels(keep, src, half))
+          for keep, src, half in variants
+          for op, backward, ours, ours_args, xla, xla_args, to_std in cases(
+              s, x, impl, keep, src, half)]
 
 
 def main():
@@ -258,6 +275,10 @@ def main():
                  help="where GPT-2's next LN_1 statistics come from, comma-separated of "
                  f"{list(LN1_STATS)} (the MLP's output GEMM, or an XLA pass): a pair of "
                  "GPT-2 rows for each")
+  p.add_argument("--half-block", default=HALF_BLOCK[0],
+                 help="how GPT-2's out-projection and MLP run, comma-separated of "
+                 f"{list(HALF_BLOCK)} (one op, whose backward forms LN_2's input gradient "
+                 "in one GEMM, or two): a pair of GPT-2 rows for each")
   p.add_argument("--sustained-s", type=float, default=None,
                  help="GPU: time each round by wall clock over this many seconds of "
                  "back-to-back calls (the power-capped steady state), with the GPU's "
@@ -271,6 +292,9 @@ def main():
   ln1_stats = tuple(args.ln1_stats.split(","))
   if any(v not in LN1_STATS for v in ln1_stats):
     p.error(f"--ln1-stats {args.ln1_stats!r}: one or more of {list(LN1_STATS)}")
+  half_block = tuple(args.half_block.split(","))
+  if any(v not in HALF_BLOCK for v in half_block):
+    p.error(f"--half-block {args.half_block!r}: one or more of {list(HALF_BLOCK)}")
   on_gpu = jax.devices()[0].platform == "gpu"
   measure = B.timer(on_gpu, args.iterations or (30 if on_gpu else 1), args.sustained_s)
   names, impl = (args.shapes.split(","), "mosaic") if on_gpu else (
@@ -286,7 +310,7 @@ def main():
     if name not in SHAPES:
       p.error(f"unknown shape {name!r}: one of {list(SHAPES)}")
     rows += run_shape(name, SHAPES[name], impl, measure, prov, jax.random.key(i),
-                      args.rounds, mlp_residuals, ln1_stats)
+                      args.rounds, mlp_residuals, ln1_stats, half_block)
   md = B.markdown(rows, prov, on_gpu, title="GPT-2 and Qwen3 shifted blocks: ours vs "
                   "jax.jit of the standard block",
                   note="Shifted block: attention output and residual in, the next layer's "

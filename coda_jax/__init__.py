@@ -24,10 +24,11 @@ __all__ = [
 # Each imports the library's own modules (above) first.
 from coda_jax.layernorm_ops import (AddOuter, Gelu, GeluGrad,  # noqa: E402
                                     LayerNormConfig, LayerNormGrad, layernorm_gelu_mlp,
-                                    layernorm_matmul, residual_layernorm)
+                                    layernorm_matmul, residual_layernorm,
+                                    residual_layernorm_gelu_mlp)
 from coda_jax.qk_norm import (HeadRmsNorm, HeadRmsNormGrad,  # noqa: E402
                               rmsnorm_qkv_qknorm_rope)
 
 __all__ += ["AddOuter", "Gelu", "GeluGrad", "HeadRmsNorm", "HeadRmsNormGrad", "LayerNormConfig",
             "LayerNormGrad", "layernorm_gelu_mlp", "layernorm_matmul", "residual_layernorm",
-            "rmsnorm_qkv_qknorm_rope"]
+            "residual_layernorm_gelu_mlp", "rmsnorm_qkv_qknorm_rope"]

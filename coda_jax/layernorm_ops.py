@@ -34,12 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels as pk
 from coda_jax import block_gemms as S
+from coda_jax import dispatch
 from coda_jax.fused_ops import check_act, check_residual, check_rows, check_weight, flat_rows
 from coda_jax.epilogue_gemm import epilogue_pass, gemm_epilogue
 from coda_jax.primitives import (ACTIVATIONS, AddBias, AddTile, ColSum, MulTile, Primitive,
                                  RowSum, ScaleCol, ScaleRow, Store)
-from coda_jax.sharding import reduce_like
+from coda_jax.sharding import reduce_like, varying_axes
 from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 
 _F32 = jnp.float32
@@ -376,6 +378,141 @@ def norm_matmul_grad(dz, w, h, mu, r, g, beta, impl):
   return out["dh"], out["n"], out["dr"], out["dmu"], out["dbeta"], out["dg"]
 
 
+# ---- LayerNorm's whole input gradient in one GEMM (row totals) ----------------------------
+# The consumer's dn = dz @ w^T and the producer's row terms, finished inside one epilogue:
+# the first pass sums g dn and g dn (x - mu) over each tile's columns, the row block's
+# tiles exchange them (``pallas_kernels`` row_total outputs), and the second pass writes
+#     dxt = dx + r (g dn - a - xhat c),  a = sum g dn / D,  c = r sum g dn (x - mu) / D
+# with n = xhat g + beta and the column partials of dbeta, dg and dxt (a bias's gradient)
+# (``docs/layernorm_math.md`` section 6). ``Primitive``/``Env`` have no row totals yet, so
+# this one program is written against ``pallas_kernels.gemm`` and checks here what
+# ``dispatch`` would; where it cannot run, the ops take the two-kernel path
+# (``norm_matmul_grad``, then ``stats_cotangent``): the same math.
+ROW_TERMS_OUTPUTS = (EpilogueOutput("dxt", dtype=jnp.bfloat16),
+                     EpilogueOutput("n", dtype=jnp.bfloat16),
+                     EpilogueOutput("dbeta", OutputKind.COL_PARTIAL, _F32),
+                     EpilogueOutput("dg", OutputKind.COL_PARTIAL, _F32),
+                     EpilogueOutput("dsum", OutputKind.COL_PARTIAL, _F32),
+                     EpilogueOutput("sa", OutputKind.ROW_TOTAL, _F32),
+                     EpilogueOutput("sc", OutputKind.ROW_TOTAL, _F32))
+
+
+def row_terms_first_pass(tile, dn):
+  """The row terms' partials over this sub-tile's columns: sum g dn, sum g dn (x - mu).
+  Reads x, not dx, so the kernel stages only x for it."""
+  gdn = tile.load("g")[None, :] * dn
+  xc = tile.load("x").astype(_F32) - tile.load("mu")[:, None]
+  tile.store("sa", jnp.sum(gdn, axis=1))
+  tile.store("sc", jnp.sum(gdn * xc, axis=1))
+
+
+def row_terms_second_pass(d: int):
+  """The program proper for rows of length ``d``: dxt, n and the column partials, from
+  the row totals "sa" and "sc" (combined as (epi_m,) vectors before they meet the tile:
+  Mosaic GPU's layout inference needs that)."""
+  inv_d = 1.0 / d
+
+  def second_pass(tile, dn):
+    mu, r = tile.load("mu"), tile.load("r")
+    gcol, beta = tile.load("g")[None, :], tile.load("beta")[None, :]
+    ra = r * tile.load("sa") * inv_d  # r a
+    rc = r * r * tile.load("sc") * inv_d  # r c, with c = r sum g dn (x - mu) / D
+    xc = tile.load("x").astype(_F32) - mu[:, None]
+    xhat = xc * r[:, None]
+    dxt = (tile.load("dx").astype(_F32) + r[:, None] * (gcol * dn) - ra[:, None]
+           - xc * (r * rc)[:, None])
+    tile.store_column_sum("dbeta", dn)
+    tile.store_column_sum("dg", dn * xhat)
+    tile.store_column_sum("dsum", dxt)
+    tile.store("n", xhat * gcol + beta)
+    tile.store("dxt", dxt)
+  return second_pass
+
+
+def row_terms_config(d: int, dtype=jnp.bfloat16, stages: int = 5) -> pk.GemmConfig | None:
+  """The config of ``layernorm_input_grad``'s GEMM.
+
+  Ping-pong 128x128 tiles clustered along N, the grid walking whole rows
+  (``pk.gemm_mgpu.row_totals_conflict``), one operand slot, one output slot and column
+  sums per tile: so five pipeline stages fit beside the gathered partials at GPT-2's
+  D = 2048 (``bench/NOTES.md``, thirtieth session).
+
+  Args:
+    d: the rows' length (the GEMM's N). dtype: the activations' dtype.
+    stages: the most pipeline stages to try.
+
+  Returns:
+    The config with the most stages, at most ``stages``, whose shared memory fits; None
+    if not even three do.
+  """
+  outputs = tuple(dataclasses.replace(o, dtype=dtype) if o.kind == OutputKind.TILE else o
+                  for o in ROW_TERMS_OUTPUTS)
+  kinds = {"x": InputKind.TILE, "dx": InputKind.TILE, "mu": InputKind.ROW,
+           "r": InputKind.ROW, "g": InputKind.COL, "beta": InputKind.COL}
+  dtypes = {"x": dtype, "dx": dtype, "mu": _F32, "r": _F32, "g": _F32, "beta": _F32}
+  for s in range(stages, 2, -1):
+    cfg = pk.GemmConfig(tile_m=128, tile_n=128, tile_k=64, stages=s, epi_tile_m=64,
+                        epi_tile_n=32, schedule=pk.Schedule.PINGPONG,
+                        grid_minor_dim=pk.MatDim.N, grid_tile_width=max(16, d // 256),
+                        cluster_dim=pk.MatDim.N, epi_operand_slots=1, epi_out_slots=1,
+                        epi_column_sums_per_tile=True)
+    if pk.gemm_mgpu.smem_bytes(cfg, dtype, kinds, dtypes, outputs,
+                               columns=d) <= pk.gemm_mgpu.SMEM_LIMIT_BYTES:
+      return cfg
+  return None
+
+
+def layernorm_input_grad(dz, w, x, dx, mu, r, g, beta, impl, *, config=None):
+  """A LayerNorm's whole backward from its consumer's cotangent, in one GEMM.
+
+  Args:
+    dz: (M, K) the consumer GEMM's output cotangent; w: (D, K) its weight (dn = dz w^T).
+    x: (M, D) the normalised rows; dx: (M, D) x's cotangent from elsewhere (a residual
+      add), both in dz's dtype. mu, r: (M,) fp32 statistics of x. g, beta: (D,).
+    impl: as ``coda_jax.gemm_epilogue``; the one GEMM needs "mosaic" first.
+    config: the kernel config; default ``row_terms_config``.
+
+  Returns:
+    (dxt, n, dbeta, dg, dsum): x's whole cotangent dx + LN's input gradient and the
+    normalised rows n = LN(x) (M, D) in dz's dtype; the column partials of dbeta, dg and
+    dxt (fp32, summed over their rows of tiles here). None where the one GEMM cannot run
+    (the reason is logged once): callers take ``norm_matmul_grad`` + ``stats_cotangent``.
+  """
+  why = None
+  m, d = x.shape
+  if dispatch.resolve(impl)[0] != "mosaic" or not dispatch.kernels_available():
+    why = f"impl={impl!r} does not run the compiled kernel first on this host"
+  elif jax.device_count() > 1 or any(varying_axes(v) for v in (dz, w, x, dx)):
+    why = "several devices: the row totals' exchange is not split per shard yet"
+  elif dz.dtype not in (jnp.bfloat16, jnp.float16) or {x.dtype, dx.dtype, w.dtype} != {
+      dz.dtype}:
+    why = f"dtypes {dz.dtype}, {w.dtype}, {x.dtype}, {dx.dtype}: 16-bit and equal only"
+  elif (config := config or row_terms_config(d, dz.dtype)) is None:
+    why = f"D={d}: no pipeline of three stages fits beside the gathered partials"
+  if why is None:
+    outputs = tuple(dataclasses.replace(o, dtype=dz.dtype) if o.kind == OutputKind.TILE
+                    else o for o in ROW_TERMS_OUTPUTS)
+    try:
+      out = pk.gemm(dz, w, trans_b=True, config=config, outputs=outputs,
+                    epilogue=row_terms_second_pass(d),
+                    row_totals_pass=row_terms_first_pass,
+                    inputs={"x": (InputKind.TILE, x), "dx": (InputKind.TILE, dx),
+                            "mu": (InputKind.ROW, mu.astype(_F32)),
+                            "r": (InputKind.ROW, r.astype(_F32)),
+                            "g": (InputKind.COL, g.astype(_F32)),
+                            "beta": (InputKind.COL, beta.astype(_F32))},
+                    num_sms=dispatch.target_device().core_count,
+                    clip_m=m % config.cluster_tile[0] != 0)
+    except ValueError as e:  # a shape or grid the kernel refuses, with its reason
+      why = str(e)
+  if why is not None:
+    dispatch.announce(f"LayerNorm's input gradient in one GEMM does not run ({why}); "
+                      "it takes the GEMM + pass path")
+    return None
+  col = lambda nm: jnp.sum(out[nm], axis=0)
+  return out["dxt"], out["n"], col("dbeta"), col("dg"), col("dsum")
+
+
 # ---- residual (+ bias) + LayerNorm statistics ---------------------------------------------
 def residual_layernorm(y, w, residual, g, *, bias=None, eps: float = 1e-5,
                        impl: str = "auto"):
@@ -623,9 +760,12 @@ def _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, g_next, impl, residuals,
   return out, saved
 
 
-def _gelu_mlp_bwd(impl, residuals, cfg, saved, cts):
+def _mlp_backward_to_dz(impl, residuals, saved, cts):
+  """The MLP's backward down to its first GEMM's output cotangent. Returns dout (the
+  cotangent of the MLP's input x through its residual add), dz, db1, a (dW2's A operand),
+  db2 (from the next norm's pass, or None: dW2's mainloop then sums it) and dg_next."""
   h, mu, r, g, beta, w1, b1, w2, b2, hidden, stats = saved
-  dg_next = None
+  db2 = dg_next = None
   if stats is None:
     dout = cts  # no GEMM produces dout: dW2's mainloop sums db2 (below)
   else:  # out also fed the next norm: the producer part of section 2, then as above
@@ -644,14 +784,28 @@ def _gelu_mlp_bwd(impl, residuals, cfg, saved, cts):
   b1_out = gemm_epilogue(dout, w2.astype(dt), [slope, ColSum("db1"), Store("dz", dt)], ops,
                          trans_b=True, impl=impl)
   a = a if residuals == "slope" else b1_out["a"]
-  dz, db1 = b1_out["dz"], b1_out["db1"]
-  # B2: dn = dz @ w1^T -> dh and the LayerNorm terms. B3, B4: weight gradients.
-  dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, w1.astype(dt), h, mu, r, g, beta, impl)
+  return dout, b1_out["dz"], b1_out["db1"], a, db2, dg_next
+
+
+def _mlp_weight_grads(impl, saved, n, dz, a, dout, db2):
+  """B3, B4: dW1 from the normalised rows n, dW2 (and db2 from its mainloop when the
+  next norm's pass did not sum it)."""
+  w1, w2 = saved[5], saved[7]
   dw1 = S.weight_grad(n, dz, impl, S.grad_dtype(w1))
-  if stats is None:
+  if db2 is None:
     dw2, db2 = S.weight_grad(a, dout, impl, S.grad_dtype(w2), bias_grad=True)
   else:
     dw2 = S.weight_grad(a, dout, impl, S.grad_dtype(w2))
+  return dw1, dw2, db2
+
+
+def _gelu_mlp_bwd(impl, residuals, cfg, saved, cts):
+  h, mu, r, g, beta, w1, b1, w2, b2, hidden, stats = saved
+  dout, dz, db1, a, db2, dg_next = _mlp_backward_to_dz(impl, residuals, saved, cts)
+  # B2: dn = dz @ w1^T -> dh and the LayerNorm terms, for the producer's pass.
+  dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, w1.astype(dz.dtype), h, mu, r, g, beta,
+                                               impl)
+  dw1, dw2, db2 = _mlp_weight_grads(impl, saved, n, dz, a, dout, db2)
   cast = lambda grad, p: reduce_like(grad, p).astype(p.dtype)
   return (dout, dh, dmu, dr, cast(dg, g), cast(dbeta, beta), cast(dw1, w1), cast(db1, b1),
           cast(dw2, w2), cast(db2, b2), dg_next)
@@ -660,9 +814,109 @@ def _gelu_mlp_bwd(impl, residuals, cfg, saved, cts):
 _gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
 
 
+# ---- residual_layernorm and the GELU MLP as one op -----------------------------------------
+def residual_layernorm_gelu_mlp(y, w_proj, residual, g, beta, w1, b1, w2, b2, *,
+                                proj_bias=None, eps: float = 1e-5, impl: str = "auto",
+                                residuals: str = DEFAULT_MLP_RESIDUALS, next_norm=None,
+                                next_eps: float = 1e-5):
+  """``residual_layernorm`` feeding ``layernorm_gelu_mlp``, as one op (GPT-2's second
+  half-block):
+
+      x1 = y @ w_proj + proj_bias + residual
+      out = x1 + gelu(LN(x1) @ w1 + b1) @ w2 + b2
+
+  The forward runs the same three GEMMs as the two ops. The backward differs: one op
+  holds both x1 and the MLP's cotangents, so LayerNorm's whole input gradient comes
+  from one GEMM whose epilogue finishes the row terms across the row
+  (``layernorm_input_grad``, row totals), where the two ops take that GEMM and then a
+  pass over (M, D). Where the one GEMM cannot run (no Hopper GPU, several devices, a D
+  whose partials do not fit), the backward takes the two-op path; the values agree.
+
+  Args:
+    y: (..., K) activations (attention's output), bfloat16 or float16.
+    w_proj: (K, D); residual: (..., D) in y's dtype; proj_bias: optional (D,).
+    g, beta: (D,) the LayerNorm's weight and bias; eps: its epsilon.
+    w1: (D, F), b1: (F,), w2: (F, D), b2: (D,): the MLP.
+    impl, residuals, next_norm, next_eps: as ``layernorm_gelu_mlp``.
+
+  Returns:
+    out (..., D) in y's dtype; with ``next_norm``, (out, h', mu', r') as
+    ``layernorm_gelu_mlp`` returns them.
+  """
+  if residuals not in MLP_RESIDUALS:
+    raise ValueError(f"residuals={residuals!r}: one of {MLP_RESIDUALS} (\"slope\" keeps "
+                     "gelu(z) and gelu'(z), \"recompute\" keeps z alone)")
+  check_act("y", y)
+  check_weight("w_proj", w_proj, (y.shape[-1], w_proj.shape[-1]))
+  d = w_proj.shape[-1]
+  check_act("residual", residual, d)
+  check_residual(residual, y)
+  for name, v, width in (("g", g, d), ("beta", beta, d), ("b1", b1, w1.shape[-1]),
+                         ("b2", b2, d)):
+    check_vector(name, v, width)
+  if proj_bias is not None:
+    check_vector("proj_bias", proj_bias, d)
+  check_weight("w1", w1, (d, w1.shape[-1]))
+  check_weight("w2", w2, (w1.shape[-1], d))
+  next_cfg = None
+  if next_norm is not None:
+    check_vector("next_norm", next_norm, d)
+    next_cfg = LayerNormConfig(next_eps)
+  lead = y.shape[:-1]
+  out = _res_ln_mlp(flat_rows(y), w_proj, flat_rows(residual), g, beta, w1, b1, w2, b2,
+                    proj_bias, next_norm, LayerNormConfig(eps), next_cfg, impl, residuals)
+  if next_norm is None:
+    return out.reshape(*lead, d)
+  xo, ho, muo, ro = out
+  return (xo.reshape(*lead, d), ho.reshape(*lead, d), muo.reshape(lead), ro.reshape(lead))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13, 14))
+def _res_ln_mlp(y, w_proj, residual, g, beta, w1, b1, w2, b2, proj_bias, g_next, cfg,
+                next_cfg, impl, residuals):
+  return _res_ln_mlp_fwd(y, w_proj, residual, g, beta, w1, b1, w2, b2, proj_bias, g_next,
+                         cfg, next_cfg, impl, residuals)[0]
+
+
+def _res_ln_mlp_fwd(y, w_proj, residual, g, beta, w1, b1, w2, b2, proj_bias, g_next, cfg,
+                    next_cfg, impl, residuals):
+  (x1, h1, mu, r), producer = _residual_ln_fwd(y, w_proj, residual, g, proj_bias, cfg, impl)
+  out, mlp = _gelu_mlp_fwd(x1, h1, mu, r, g, beta, w1, b1, w2, b2, g_next, impl, residuals,
+                           next_cfg)
+  return out, (producer, mlp)
+
+
+def _res_ln_mlp_bwd(cfg, next_cfg, impl, residuals, saved, cts):
+  (y, w_proj, x1, _, mu, r, proj_bias), mlp = saved
+  h1, _, _, g, beta, w1, b1, w2, b2, _, _ = mlp
+  dout, dz, db1, a, db2, dg_next = _mlp_backward_to_dz(impl, residuals, mlp, cts)
+  w1d = w1.astype(dz.dtype)
+  # LayerNorm's whole input gradient: dout is x1's cotangent through the MLP's residual
+  # add, so one GEMM finishes it; else the consumer's GEMM and the producer's pass.
+  one = layernorm_input_grad(dz, w1d, x1, dout.astype(x1.dtype), mu, r, g, beta, impl)
+  if one is None:
+    dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, w1d, h1, mu, r, g, beta, impl)
+    dxt, dsum, dg_producer = stats_cotangent(x1, g, mu, r, (dout, dh, dmu, dr), impl)
+    dg = dg + dg_producer
+  else:
+    dxt, n, dbeta, dg, dsum = one
+  dw1, dw2, db2 = _mlp_weight_grads(impl, mlp, n, dz, a, dout, db2)
+  # the producer GEMM's gradients: dy, dW_proj, and its bias's from dxt's column sums
+  dy = S.input_grad(dxt, w_proj.astype(y.dtype), impl)
+  dw_proj = S.weight_grad(y, dxt, impl, S.grad_dtype(w_proj))
+  cast = lambda grad, p: reduce_like(grad, p).astype(p.dtype)
+  dproj_bias = None if proj_bias is None else cast(dsum, proj_bias)
+  return (dy, cast(dw_proj, w_proj), dxt, cast(dg, g), cast(dbeta, beta), cast(dw1, w1),
+          cast(db1, b1), cast(dw2, w2), cast(db2, b2), dproj_bias, dg_next)
+
+
+_res_ln_mlp.defvjp(_res_ln_mlp_fwd, _res_ln_mlp_bwd)
+
+
 __all__ = ["AddBias", "AddOuter", "Gelu", "GeluGrad", "LayerNormConfig", "LayerNormGrad",
            "LayerNormInputGrad", "SLOPE_CODE_LO", "SLOPE_CODE_STEP", "slope_code",
            "slope_dtype_for", "slope_multiplier",
            "DEFAULT_MLP_RESIDUALS", "MLP_RESIDUALS", "layernorm_gelu_mlp", "layernorm_matmul",
-           "norm_columns", "residual_layernorm", "residual_stats", "stats_cotangent",
-           "stats_from_sums"]
+           "layernorm_input_grad", "norm_columns", "residual_layernorm",
+           "residual_layernorm_gelu_mlp", "residual_stats", "row_terms_config",
+           "stats_cotangent", "stats_from_sums"]

@@ -17,10 +17,11 @@ Hugging Face's ``Conv1D`` stores them, so checkpoints convert without transposes
   (``layernorm_matmul``, with its bias);
 * attention: ``flax_layers.layers.causal_attention`` (``jax.nn.dot_product_attention``;
   cuDNN on a GPU);
-* c_proj: ``residual_layernorm``: bias + residual add and LN_2's row statistics ride in
-  its epilogue;
-* the MLP: ``layernorm_gelu_mlp`` (LN_2 application + c_fc bias + GELU in one epilogue,
-  mlp_proj bias + residual + the next LayerNorm's statistics in the next).
+* c_proj and the MLP: ``residual_layernorm_gelu_mlp``, one op: c_proj's bias + residual
+  add and LN_2's row statistics ride in its epilogue, then LN_2 application + c_fc bias +
+  GELU in one epilogue, mlp_proj bias + residual + the next LayerNorm's statistics in the
+  next. One op, so that its backward forms LN_2's whole input gradient in one GEMM (row
+  totals: ``layernorm_ops.layernorm_input_grad``).
 
 The layers run under ``jax.lax.scan`` with (x, h, mu, r) as the carry; block i's MLP gets
 block i+1's LN_1 weight (LN_f's after the last block) as ``next_norm``.
@@ -284,12 +285,11 @@ def _fused_block(p, x, ln_1, c: GPT2Config, next_norm=None):
   h, mu, r = ln_1
   qkv = L.layernorm_matmul(h, mu, r, p["norm_attn"], p["norm_attn_bias"], p["c_attn"],
                            bias=p["c_attn_bias"], impl=c.impl)
-  x1, h1, mu1, r1 = L.residual_layernorm(_attention(c)(qkv), p["c_proj"], x, p["norm_mlp"],
-                                         bias=p["c_proj_bias"], eps=c.eps, impl=c.impl)
-  return L.layernorm_gelu_mlp(x1, h1, mu1, r1, p["norm_mlp"], p["norm_mlp_bias"],
-                              p["c_fc"], p["c_fc_bias"], p["mlp_proj"], p["mlp_proj_bias"],
-                              impl=c.impl, residuals=c.mlp_residuals, next_norm=next_norm,
-                              next_eps=c.eps)
+  return L.residual_layernorm_gelu_mlp(
+      _attention(c)(qkv), p["c_proj"], x, p["norm_mlp"], p["norm_mlp_bias"], p["c_fc"],
+      p["c_fc_bias"], p["mlp_proj"], p["mlp_proj_bias"], proj_bias=p["c_proj_bias"],
+      eps=c.eps, impl=c.impl, residuals=c.mlp_residuals, next_norm=next_norm,
+      next_eps=c.eps)
 
 
 def block_forward(p, x, c: GPT2Config, fused: bool):

@@ -64,6 +64,23 @@ def test_gpt2_rows_one_pair_per_ln1_stats():
     assert r["rel_diff_vs_baseline"] < 0.05, (r["op"], r["rel_diff_vs_baseline"])
 
 
+def test_gpt2_rows_one_pair_per_half_block():
+  """``bench.family_blocks --half-block one_op,two_ops``: GPT-2's rows once with the
+  out-projection and the MLP as one op and once as two, naming which, both within the
+  tolerance rule of the same baseline and computing the same block."""
+  rows = fb.run_shape("gpt2_tiny", fb.SHAPES["gpt2_tiny"], "xla", B.timer(False, 1),
+                      common.provenance(), jax.random.key(0),
+                      half_block=("one_op", "two_ops"))
+  assert [(r["op"], r["half_block"]) for r in rows] == [
+      ("gpt2_block_fwd", "one_op"), ("gpt2_block_fwd_bwd", "one_op"),
+      ("gpt2_block_fwd", "two_ops"), ("gpt2_block_fwd_bwd", "two_ops")]
+  assert "(half block as two ops)" in B.op_cell(rows[-1])
+  for r in rows:
+    assert "error" not in r, r["error"]
+    assert 0 < r["ours_err_vs_fp32"] <= 2 * r["baseline_err_vs_fp32"], r["op"]
+    assert r["rel_diff_vs_baseline"] < 0.05, (r["op"], r["rel_diff_vs_baseline"])
+
+
 def test_post_block_rows_one_per_head():
   """``bench.block`` times the post-block once per requested way of forming the LM
   head's gradient, each row naming its head, both within the tolerance rule of the

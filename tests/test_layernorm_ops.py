@@ -120,6 +120,23 @@ def _mlp_next_norm_ref(p):
 
 
 _MLP_ARGS = ("x", "h", "mu", "r", "g", "beta", "w1", "b1", "w2", "b2")
+_HALF_ARGS = ("y", "w", "res", "g", "beta", "w1", "b1", "w2", "b2")
+
+
+def _half_block(p, impl, **kw):
+  """residual_layernorm_gelu_mlp: c_proj + residual, LN_2, the MLP, as one op."""
+  return L.residual_layernorm_gelu_mlp(*(p[k] for k in _HALF_ARGS), proj_bias=p["b"],
+                                       eps=EPS, impl=impl, **kw)
+
+
+def _half_block_ref(p):
+  x = R.residual_layernorm(p["y"], p["w"], p["res"], p["g"], p["b"])[0]
+  return R.gpt2_mlp(x, p["g"], p["beta"], p["w1"], p["b1"], p["w2"], p["b2"])
+
+
+def _half_block_next_norm_ref(p):
+  out = _half_block_ref(p)
+  return (out, *R.layernorm_split(out, p["g_next"], EPS))
 
 # op name -> (fused(p, impl), reference(p), differentiable input names[, cotangents])
 OPS = {
@@ -163,6 +180,12 @@ OPS = {
         lambda p, impl: L.layernorm_gelu_mlp(*(p[k] for k in _MLP_ARGS), impl=impl,
                                              next_norm=p["g_next"], next_eps=EPS),
         _mlp_next_norm_ref, (*_MLP_ARGS, "g_next"), _producer_cts),
+    # c_proj + residual + LN_2 + the MLP as one op: its backward forms LN_2's whole input
+    # gradient in one GEMM where the compiled kernel runs (row totals), else in two
+    "residual_layernorm_gelu_mlp": (_half_block, _half_block_ref, (*_HALF_ARGS, "b")),
+    "residual_layernorm_gelu_mlp_next_norm": (
+        lambda p, impl: _half_block(p, impl, next_norm=p["g_next"], next_eps=EPS),
+        _half_block_next_norm_ref, (*_HALF_ARGS, "b", "g_next"), _producer_cts),
     # jax.grad through a composition is the whole LayerNorm backward, checked against the
     # plain LayerNorm of the reference (statistics of x, not (h, mu, r)).
     "composed_ln_matmul": (*_composed_qkv, ("y", "w", "res", "g", "b", "beta", "wq", "bq"),
@@ -277,11 +300,46 @@ def test_odd_shapes_fp16(name, m, key):
 
 @pytest.mark.parametrize("name", ["residual_layernorm", "layernorm_matmul",
                                   "layernorm_gelu_mlp", "layernorm_gelu_mlp_recompute",
-                                  "layernorm_gelu_mlp_next_norm"])
+                                  "layernorm_gelu_mlp_next_norm",
+                                  "residual_layernorm_gelu_mlp"])
 def test_op_and_grads_kernel(name, key, kernel_impl):
   """The real kernel (Mosaic GPU interpreter on CPU; compiled on sm90), one small case
-  per op: M = 128, widths 64-256 (every call of the forward and backward programs)."""
+  per op: M = 128, widths 64-256 (every call of the forward and backward programs).
+  D = 64 is narrower than the one-GEMM input gradient's cluster tile, so the half block
+  takes its two-kernel path here (``test_half_block_input_grad_in_one_gemm``)."""
   check_op(name, _inputs(key, 128, 128, 64, 192, 256), kernel_impl, key)
+
+
+def _mosaic_kernels(fn, *args) -> int:
+  """How many Mosaic GPU kernel calls ``jax.jit(fn)`` lowers to."""
+  return jax.jit(fn).lower(*args).as_text().count("@mosaic_gpu")
+
+
+@pytest.mark.parametrize("m", [256, 200])
+@pytest.mark.parametrize("name", ["residual_layernorm_gelu_mlp",
+                                  "residual_layernorm_gelu_mlp_next_norm"])
+def test_half_block_input_grad_in_one_gemm(name, m, key, kernel_impl):
+  """On the GPU, with D a multiple of the 256-column cluster tile, the half block's
+  backward forms LN_2's whole input gradient in one GEMM (row totals): one kernel fewer
+  than the two ops it joins, and every output and gradient under the tolerance rule.
+  200 rows leave part of the last row block past M (the kernel clips it)."""
+  if kernel_impl != "mosaic":
+    pytest.skip("the one-GEMM input gradient waits on global semaphores, which the "
+                "Mosaic GPU interpreter does not have: checked on the GPU only "
+                "(the two-kernel path it falls back to is test_op_and_grads_kernel's)")
+  p = _inputs(key, m, 128, 512, 192, 256)
+  diff = {k: p[k] for k in (*_HALF_ARGS, "b")}
+  rest = {k: v for k, v in p.items() if k not in diff}
+  loss = lambda op: lambda d, r: jnp.sum(op({**r, **d}, "mosaic").astype(jnp.float32))
+
+  def two_ops(q, impl):
+    x, h, mu, r = L.residual_layernorm(q["y"], q["w"], q["res"], q["g"], bias=q["b"],
+                                       eps=EPS, impl=impl)
+    return L.layernorm_gelu_mlp(x, h, mu, r, *(q[k] for k in _MLP_ARGS[4:]), impl=impl)
+  merged = _mosaic_kernels(jax.grad(loss(_half_block)), diff, rest)
+  split = _mosaic_kernels(jax.grad(loss(two_ops)), diff, rest)
+  assert merged == split - 1, (merged, split)
+  check_op(name, p, "mosaic", key)
 
 
 def test_stats_with_mean_offset():
