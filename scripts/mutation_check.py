@@ -299,14 +299,14 @@ MUTATIONS = [
             "in flight"),
     Mutation(
         "early_refetch_before_read", "pallas_kernels/gemm_mgpu.py",
-        "        read = {nm: self.smem[\"i_\" + nm].at[self.wg, in_slot][...] for nm in self.tiles_in}\n"
+        "        read = {nm: self.smem[\"i_\" + nm].at[self.wg, in_slot][...] for nm in staged}\n"
         "        if refill:\n"
         "          plgpu.commit_smem()  # ends with a warpgroup barrier: every warp has read\n"
         "          refill()\n",
         "        if refill:  # (planted)\n"
         "          plgpu.commit_smem()\n"
         "          refill()\n"
-        "        read = {nm: self.smem[\"i_\" + nm].at[self.wg, in_slot][...] for nm in self.tiles_in}\n",
+        "        read = {nm: self.smem[\"i_\" + nm].at[self.wg, in_slot][...] for nm in staged}\n",
         ("tests/test_primitives.py", "-k", "tile_operand_slots"),
         why="an early refill may start only once the sub-tile's operands are in registers"),
     Mutation(
@@ -691,8 +691,8 @@ MUTATIONS = [
         "default positions start at 1: wpe read one row off (both paths alike)"),
     Mutation(
         "gpt2_fused_c_proj_bias_dropped", "flax_layers/gpt2.py",
-        '                                         bias=p["c_proj_bias"], eps=c.eps, impl=c.impl)',
-        '                                         eps=c.eps, impl=c.impl)',
+        '      p["c_fc_bias"], p["mlp_proj"], p["mlp_proj_bias"], proj_bias=p["c_proj_bias"],',
+        '      p["c_fc_bias"], p["mlp_proj"], p["mlp_proj_bias"], proj_bias=None,',
         ("tests/test_gpt2.py", "-k", "loss_and_every_gradient"),
         "the fused block's c_proj bias is dropped (the reference path keeps it)"),
     # ---- issue 12/13: the 3-GEMM LM head (coda_jax/fused_ops.py) ---------------------------
@@ -1113,6 +1113,26 @@ MUTATIONS = [
         "  if False:\n    return (\"the cooperative",
         ("tests/test_row_totals.py", "-k", "refuse"),
         "a cooperative config, whose two warpgroups would wait for each other, gets through"),
+    Mutation(
+        "row_totals_first_pass_stages_nothing", "pallas_kernels/gemm_mgpu.py",
+        "        row_totals_reads=row_totals_pass_reads(row_totals_pass, staged(in_place),\n"
+        "                                               input_dtypes, outputs, config))\n",
+        "        row_totals_reads=())\n",
+        ("tests/test_row_totals.py", "-k", "lower"),
+        "the first pass stages none of the tile operands it reads"),
+    Mutation(
+        "row_terms_drop_dx", "coda_jax/layernorm_ops.py",
+        "    dxt = (tile.load(\"dx\").astype(_F32) + r[:, None] * (gcol * dn) - ra[:, None]\n",
+        "    dxt = (r[:, None] * (gcol * dn) - ra[:, None]\n",
+        ("tests/test_bench_harness.py", "-k", "row_terms"),
+        "the one-GEMM LayerNorm input gradient forgets x's cotangent from the residual "
+        "(its program, run on the CPU as the kernel runs it)"),
+    Mutation(
+        "half_block_fallback_drops_producer_dg", "coda_jax/layernorm_ops.py",
+        "    dg = dg + dg_producer\n",
+        "    dg = dg\n",
+        ("tests/test_layernorm_ops.py", "-k", "test_op_and_grads_xla and residual_layernorm_gelu"),
+        "the half block's two-kernel backward drops the producer's share of g's gradient"),
 ]
 
 
