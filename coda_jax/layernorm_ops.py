@@ -592,14 +592,20 @@ def _residual_ln_fwd(y, w, residual, g, bias, cfg, impl):
   return (x, h, mu, r), (y, w, x, g, mu, r, bias)
 
 
-def _residual_ln_bwd(cfg, impl, saved, cts):
-  y, w, x, g, mu, r, bias = saved
-  dxt, dsum, dg = stats_cotangent(x, g, mu, r, cts, impl)
+def _producer_grads(y, w, bias, dxt, dsum, impl):
+  """The producing GEMM's gradients from its output's cotangent dxt: dy, dW (in w's
+  dtype) and its bias's (from dxt's column sums dsum; None without a bias)."""
   dy = S.input_grad(dxt, w.astype(y.dtype), impl)
   dw = S.weight_grad(y, dxt, impl, S.grad_dtype(w))
   db = None if bias is None else reduce_like(dsum, bias).astype(bias.dtype)
-  return (dy, reduce_like(dw, w).astype(w.dtype), dxt, reduce_like(dg, g).astype(g.dtype),
-          db)
+  return dy, reduce_like(dw, w).astype(w.dtype), db
+
+
+def _residual_ln_bwd(cfg, impl, saved, cts):
+  y, w, x, g, mu, r, bias = saved
+  dxt, dsum, dg = stats_cotangent(x, g, mu, r, cts, impl)
+  dy, dw, db = _producer_grads(y, w, bias, dxt, dsum, impl)
+  return dy, dw, dxt, reduce_like(dg, g).astype(g.dtype), db
 
 
 _residual_ln.defvjp(_residual_ln_fwd, _residual_ln_bwd)
@@ -787,10 +793,9 @@ def _mlp_backward_to_dz(impl, residuals, saved, cts):
   return dout, b1_out["dz"], b1_out["db1"], a, db2, dg_next
 
 
-def _mlp_weight_grads(impl, saved, n, dz, a, dout, db2):
+def _mlp_weight_grads(impl, w1, w2, n, dz, a, dout, db2):
   """B3, B4: dW1 from the normalised rows n, dW2 (and db2 from its mainloop when the
   next norm's pass did not sum it)."""
-  w1, w2 = saved[5], saved[7]
   dw1 = S.weight_grad(n, dz, impl, S.grad_dtype(w1))
   if db2 is None:
     dw2, db2 = S.weight_grad(a, dout, impl, S.grad_dtype(w2), bias_grad=True)
@@ -805,7 +810,7 @@ def _gelu_mlp_bwd(impl, residuals, cfg, saved, cts):
   # B2: dn = dz @ w1^T -> dh and the LayerNorm terms, for the producer's pass.
   dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, w1.astype(dz.dtype), h, mu, r, g, beta,
                                                impl)
-  dw1, dw2, db2 = _mlp_weight_grads(impl, saved, n, dz, a, dout, db2)
+  dw1, dw2, db2 = _mlp_weight_grads(impl, w1, w2, n, dz, a, dout, db2)
   cast = lambda grad, p: reduce_like(grad, p).astype(p.dtype)
   return (dout, dh, dmu, dr, cast(dg, g), cast(dbeta, beta), cast(dw1, w1), cast(db1, b1),
           cast(dw2, w2), cast(db2, b2), dg_next)
@@ -900,14 +905,11 @@ def _res_ln_mlp_bwd(cfg, next_cfg, impl, residuals, saved, cts):
     dg = dg + dg_producer
   else:
     dxt, n, dbeta, dg, dsum = one
-  dw1, dw2, db2 = _mlp_weight_grads(impl, mlp, n, dz, a, dout, db2)
-  # the producer GEMM's gradients: dy, dW_proj, and its bias's from dxt's column sums
-  dy = S.input_grad(dxt, w_proj.astype(y.dtype), impl)
-  dw_proj = S.weight_grad(y, dxt, impl, S.grad_dtype(w_proj))
+  dw1, dw2, db2 = _mlp_weight_grads(impl, w1, w2, n, dz, a, dout, db2)
+  dy, dw_proj, dproj_bias = _producer_grads(y, w_proj, proj_bias, dxt, dsum, impl)
   cast = lambda grad, p: reduce_like(grad, p).astype(p.dtype)
-  dproj_bias = None if proj_bias is None else cast(dsum, proj_bias)
-  return (dy, cast(dw_proj, w_proj), dxt, cast(dg, g), cast(dbeta, beta), cast(dw1, w1),
-          cast(db1, b1), cast(dw2, w2), cast(db2, b2), dproj_bias, dg_next)
+  return (dy, dw_proj, dxt, cast(dg, g), cast(dbeta, beta), cast(dw1, w1), cast(db1, b1),
+          cast(dw2, w2), cast(db2, b2), dproj_bias, dg_next)
 
 
 _res_ln_mlp.defvjp(_res_ln_mlp_fwd, _res_ln_mlp_bwd)
