@@ -32,7 +32,6 @@ from bench import common
 from coda_jax import layernorm_ops as L
 from coda_jax import primitives as P
 from coda_jax.epilogue_gemm import gemm_epilogue
-from pallas_kernels import epilogue as epi
 from pallas_kernels import gemm_mgpu as g
 
 M, D = 16384, 2048
@@ -48,20 +47,12 @@ OUTPUTS = L.ROW_TERMS_OUTPUTS
 
 def fused(dz, w, x, dx, mu, r, gam, beta, config):
   """One GEMM: (dxt, n, dbeta, dg, dsum)."""
-  out = g.gemm(dz, w, trans_b=True, config=config, epilogue=second_pass,
-               row_totals_pass=first_pass, outputs=OUTPUTS,
-               inputs={"x": (epi.InputKind.TILE, x), "dx": (epi.InputKind.TILE, dx),
-                       "mu": (epi.InputKind.ROW, mu), "r": (epi.InputKind.ROW, r),
-                       "g": (epi.InputKind.COL, gam), "beta": (epi.InputKind.COL, beta)})
-  col = lambda nm: jnp.sum(out[nm], axis=0)
-  return out["dxt"], out["n"], col("dbeta"), col("dg"), col("dsum")
+  return L.row_terms_gemm(dz, w, x, dx, mu, r, gam, beta, config)
 
 
 def today(dz, w, x, h, dx, mu, r, gam, beta):
-  """The GEMM with LayerNormGrad, then the producer's pass (as the ops run them)."""
-  dh, n, dr, dmu, dbeta, dg1 = L.norm_matmul_grad(dz, w, h, mu, r, gam, beta, "mosaic")
-  dxt, dsum, dg2 = L.stats_cotangent(x, gam, mu, r, (dx, dh, dmu, dr), "mosaic")
-  return dxt, n, dbeta, dg1 + dg2, dsum
+  """The GEMM with LayerNormGrad, then the producer's pass (as the ops ran them)."""
+  return L.input_grad_gemm_and_pass(dz, w, h, x, dx, mu, r, gam, beta, "mosaic")
 
 
 class _NoWait:

@@ -397,6 +397,16 @@ ROW_TERMS_OUTPUTS = (EpilogueOutput("dxt", dtype=jnp.bfloat16),
                      EpilogueOutput("sc", OutputKind.ROW_TOTAL, _F32))
 
 
+_ROW_TERMS_KINDS = {"x": InputKind.TILE, "dx": InputKind.TILE, "mu": InputKind.ROW,
+                    "r": InputKind.ROW, "g": InputKind.COL, "beta": InputKind.COL}
+
+
+def _row_terms_outputs(dtype):
+  """``ROW_TERMS_OUTPUTS`` with the tile outputs (dxt, n) in the activations' dtype."""
+  return tuple(dataclasses.replace(o, dtype=dtype) if o.kind == OutputKind.TILE else o
+               for o in ROW_TERMS_OUTPUTS)
+
+
 def row_terms_first_pass(tile, dn):
   """The row terms' partials over this sub-tile's columns: sum g dn, sum g dn (x - mu).
   Reads x, not dx, so the kernel stages only x for it."""
@@ -445,41 +455,81 @@ def row_terms_config(d: int, dtype=jnp.bfloat16, stages: int = 5) -> pk.GemmConf
     The config with the most stages, at most ``stages``, whose shared memory fits; None
     if not even three do.
   """
-  outputs = tuple(dataclasses.replace(o, dtype=dtype) if o.kind == OutputKind.TILE else o
-                  for o in ROW_TERMS_OUTPUTS)
-  kinds = {"x": InputKind.TILE, "dx": InputKind.TILE, "mu": InputKind.ROW,
-           "r": InputKind.ROW, "g": InputKind.COL, "beta": InputKind.COL}
-  dtypes = {"x": dtype, "dx": dtype, "mu": _F32, "r": _F32, "g": _F32, "beta": _F32}
+  dtypes = {nm: dtype if kind == InputKind.TILE else _F32
+            for nm, kind in _ROW_TERMS_KINDS.items()}
   for s in range(stages, 2, -1):
     cfg = pk.GemmConfig(tile_m=128, tile_n=128, tile_k=64, stages=s, epi_tile_m=64,
                         epi_tile_n=32, schedule=pk.Schedule.PINGPONG,
                         grid_minor_dim=pk.MatDim.N, grid_tile_width=max(16, d // 256),
                         cluster_dim=pk.MatDim.N, epi_operand_slots=1, epi_out_slots=1,
                         epi_column_sums_per_tile=True)
-    if pk.gemm_mgpu.smem_bytes(cfg, dtype, kinds, dtypes, outputs,
+    if pk.gemm_mgpu.smem_bytes(cfg, dtype, _ROW_TERMS_KINDS, dtypes,
+                               _row_terms_outputs(dtype),
                                columns=d) <= pk.gemm_mgpu.SMEM_LIMIT_BYTES:
       return cfg
   return None
 
 
-def layernorm_input_grad(dz, w, x, dx, mu, r, g, beta, impl, *, config=None):
-  """A LayerNorm's whole backward from its consumer's cotangent, in one GEMM.
+def row_terms_gemm(dz, w, x, dx, mu, r, g, beta, config, num_sms=None):
+  """The one GEMM of ``layernorm_input_grad``, under ``config``.
+
+  Args:
+    dz, w, x, dx, mu, r, g, beta: as ``layernorm_input_grad``.
+    config: the kernel config (``row_terms_config``'s, or one to measure).
+    num_sms: the persistent grid's size; default the device's SM count.
+
+  Returns:
+    (dxt, n, dbeta, dg, dsum) as ``layernorm_input_grad``.
+
+  Raises:
+    ValueError: from ``pallas_kernels.gemm``, for a config, shape or grid it refuses.
+  """
+  operands = {"x": x, "dx": dx, "mu": mu.astype(_F32), "r": r.astype(_F32),
+              "g": g.astype(_F32), "beta": beta.astype(_F32)}
+  out = pk.gemm(dz, w, trans_b=True, config=config, outputs=_row_terms_outputs(dz.dtype),
+                epilogue=row_terms_second_pass(x.shape[1]),
+                row_totals_pass=row_terms_first_pass,
+                inputs={nm: (kind, operands[nm]) for nm, kind in _ROW_TERMS_KINDS.items()},
+                num_sms=num_sms, clip_m=x.shape[0] % config.cluster_tile[0] != 0)
+  col = lambda nm: jnp.sum(out[nm], axis=0)
+  return out["dxt"], out["n"], col("dbeta"), col("dg"), col("dsum")
+
+
+def input_grad_gemm_and_pass(dz, w, h, x, dx, mu, r, g, beta, impl):
+  """What ``layernorm_input_grad`` runs where the one GEMM cannot: the consumer's GEMM
+  with ``LayerNormGrad``, then the producer's pass (``stats_cotangent``); the same math.
+
+  Args:
+    dz, w, x, dx, mu, r, g, beta, impl: as ``layernorm_input_grad``.
+    h: (M, D) x * g as the producer stored it (``LayerNormGrad`` reads it).
+
+  Returns:
+    (dxt, n, dbeta, dg, dsum) as ``layernorm_input_grad``.
+  """
+  dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, w, h, mu, r, g, beta, impl)
+  dxt, dsum, dg_producer = stats_cotangent(x, g, mu, r, (dx, dh, dmu, dr), impl)
+  return dxt, n, dbeta, dg + dg_producer, dsum
+
+
+def layernorm_input_grad(dz, w, h, x, dx, mu, r, g, beta, impl):
+  """A LayerNorm's whole backward from its consumer's cotangent: in one GEMM
+  (``row_terms_gemm``) where it can run, else ``input_grad_gemm_and_pass``.
 
   Args:
     dz: (M, K) the consumer GEMM's output cotangent; w: (D, K) its weight (dn = dz w^T).
+    h: (M, D) x * g (read only by the two-kernel path).
     x: (M, D) the normalised rows; dx: (M, D) x's cotangent from elsewhere (a residual
       add), both in dz's dtype. mu, r: (M,) fp32 statistics of x. g, beta: (D,).
     impl: as ``coda_jax.gemm_epilogue``; the one GEMM needs "mosaic" first.
-    config: the kernel config; default ``row_terms_config``.
 
   Returns:
     (dxt, n, dbeta, dg, dsum): x's whole cotangent dx + LN's input gradient and the
-    normalised rows n = LN(x) (M, D) in dz's dtype; the column partials of dbeta, dg and
-    dxt (fp32, summed over their rows of tiles here). None where the one GEMM cannot run
-    (the reason is logged once): callers take ``norm_matmul_grad`` + ``stats_cotangent``.
+    normalised rows n = LN(x) (M, D) in dz's dtype; the column sums (fp32, (D,)) of
+    dbeta, dg and dxt (a bias's gradient). Where the one GEMM cannot run, the reason is
+    logged once.
   """
-  why = None
-  m, d = x.shape
+  why = config = None
+  d = x.shape[1]
   if dispatch.resolve(impl)[0] != "mosaic" or not dispatch.kernels_available():
     why = f"impl={impl!r} does not run the compiled kernel first on this host"
   elif jax.device_count() > 1 or any(varying_axes(v) for v in (dz, w, x, dx)):
@@ -487,30 +537,17 @@ def layernorm_input_grad(dz, w, x, dx, mu, r, g, beta, impl, *, config=None):
   elif dz.dtype not in (jnp.bfloat16, jnp.float16) or {x.dtype, dx.dtype, w.dtype} != {
       dz.dtype}:
     why = f"dtypes {dz.dtype}, {w.dtype}, {x.dtype}, {dx.dtype}: 16-bit and equal only"
-  elif (config := config or row_terms_config(d, dz.dtype)) is None:
+  elif (config := row_terms_config(d, dz.dtype)) is None:
     why = f"D={d}: no pipeline of three stages fits beside the gathered partials"
   if why is None:
-    outputs = tuple(dataclasses.replace(o, dtype=dz.dtype) if o.kind == OutputKind.TILE
-                    else o for o in ROW_TERMS_OUTPUTS)
     try:
-      out = pk.gemm(dz, w, trans_b=True, config=config, outputs=outputs,
-                    epilogue=row_terms_second_pass(d),
-                    row_totals_pass=row_terms_first_pass,
-                    inputs={"x": (InputKind.TILE, x), "dx": (InputKind.TILE, dx),
-                            "mu": (InputKind.ROW, mu.astype(_F32)),
-                            "r": (InputKind.ROW, r.astype(_F32)),
-                            "g": (InputKind.COL, g.astype(_F32)),
-                            "beta": (InputKind.COL, beta.astype(_F32))},
-                    num_sms=dispatch.target_device().core_count,
-                    clip_m=m % config.cluster_tile[0] != 0)
+      return row_terms_gemm(dz, w, x, dx, mu, r, g, beta, config,
+                            num_sms=dispatch.target_device().core_count)
     except ValueError as e:  # a shape or grid the kernel refuses, with its reason
       why = str(e)
-  if why is not None:
-    dispatch.announce(f"LayerNorm's input gradient in one GEMM does not run ({why}); "
-                      "it takes the GEMM + pass path")
-    return None
-  col = lambda nm: jnp.sum(out[nm], axis=0)
-  return out["dxt"], out["n"], col("dbeta"), col("dg"), col("dsum")
+  dispatch.announce(f"LayerNorm's input gradient in one GEMM does not run ({why}); "
+                    "it takes the GEMM + pass path")
+  return input_grad_gemm_and_pass(dz, w, h, x, dx, mu, r, g, beta, impl)
 
 
 # ---- residual (+ bias) + LayerNorm statistics ---------------------------------------------
@@ -895,16 +932,10 @@ def _res_ln_mlp_bwd(cfg, next_cfg, impl, residuals, saved, cts):
   (y, w_proj, x1, _, mu, r, proj_bias), mlp = saved
   h1, _, _, g, beta, w1, b1, w2, b2, _, _ = mlp
   dout, dz, db1, a, db2, dg_next = _mlp_backward_to_dz(impl, residuals, mlp, cts)
-  w1d = w1.astype(dz.dtype)
   # LayerNorm's whole input gradient: dout is x1's cotangent through the MLP's residual
-  # add, so one GEMM finishes it; else the consumer's GEMM and the producer's pass.
-  one = layernorm_input_grad(dz, w1d, x1, dout.astype(x1.dtype), mu, r, g, beta, impl)
-  if one is None:
-    dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, w1d, h1, mu, r, g, beta, impl)
-    dxt, dsum, dg_producer = stats_cotangent(x1, g, mu, r, (dout, dh, dmu, dr), impl)
-    dg = dg + dg_producer
-  else:
-    dxt, n, dbeta, dg, dsum = one
+  # add, so one GEMM can finish it
+  dxt, n, dbeta, dg, dsum = layernorm_input_grad(dz, w1.astype(dz.dtype), h1, x1,
+                                                 dout.astype(x1.dtype), mu, r, g, beta, impl)
   dw1, dw2, db2 = _mlp_weight_grads(impl, w1, w2, n, dz, a, dout, db2)
   dy, dw_proj, dproj_bias = _producer_grads(y, w_proj, proj_bias, dxt, dsum, impl)
   cast = lambda grad, p: reduce_like(grad, p).astype(p.dtype)
@@ -919,6 +950,7 @@ __all__ = ["AddBias", "AddOuter", "Gelu", "GeluGrad", "LayerNormConfig", "LayerN
            "LayerNormInputGrad", "SLOPE_CODE_LO", "SLOPE_CODE_STEP", "slope_code",
            "slope_dtype_for", "slope_multiplier",
            "DEFAULT_MLP_RESIDUALS", "MLP_RESIDUALS", "layernorm_gelu_mlp", "layernorm_matmul",
-           "layernorm_input_grad", "norm_columns", "residual_layernorm",
-           "residual_layernorm_gelu_mlp", "residual_stats", "row_terms_config",
+           "input_grad_gemm_and_pass", "layernorm_input_grad", "norm_columns",
+           "residual_layernorm", "residual_layernorm_gelu_mlp", "residual_stats",
+           "row_terms_config", "row_terms_gemm",
            "stats_cotangent", "stats_from_sums"]

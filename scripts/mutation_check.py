@@ -1129,8 +1129,8 @@ MUTATIONS = [
         "(its program, run on the CPU as the kernel runs it)"),
     Mutation(
         "half_block_fallback_drops_producer_dg", "coda_jax/layernorm_ops.py",
-        "    dg = dg + dg_producer\n",
-        "    dg = dg\n",
+        "  return dxt, n, dbeta, dg + dg_producer, dsum\n",
+        "  return dxt, n, dbeta, dg, dsum\n",
         ("tests/test_layernorm_ops.py", "-k", "test_op_and_grads_xla and residual_layernorm_gelu"),
         "the half block's two-kernel backward drops the producer's share of g's gradient"),
 ]

@@ -47,34 +47,22 @@ def test_gpt2_rows_one_pair_per_mlp_residuals():
   assert len(qwen) == 2 and all("mlp_residuals" not in r for r in qwen)
 
 
-def test_gpt2_rows_one_pair_per_ln1_stats():
-  """``bench.family_blocks --ln1-stats gemm,xla``: GPT-2's rows once with the next LN_1's
-  statistics from the MLP's output GEMM and once from an XLA pass, naming the source,
-  both within the tolerance rule of the same baseline and computing the same block."""
+@pytest.mark.parametrize("field,values,cell", [
+    ("ln1_stats", ("gemm", "xla"), "(LN_1 stats from xla)"),
+    ("half_block", ("one_op", "two_ops"), "(half block as two ops)")])
+def test_gpt2_rows_one_pair_per_variant(field, values, cell):
+  """``bench.family_blocks --ln1-stats gemm,xla`` (the next LN_1's statistics from the
+  MLP's output GEMM or an XLA pass) and ``--half-block one_op,two_ops`` (the
+  out-projection and the MLP as one op or two): GPT-2's rows once per variant, naming it
+  and no other, all within the tolerance rule of the same baseline and computing the
+  same block."""
   rows = fb.run_shape("gpt2_tiny", fb.SHAPES["gpt2_tiny"], "xla", B.timer(False, 1),
-                      common.provenance(), jax.random.key(0), ln1_stats=("gemm", "xla"))
-  assert [(r["op"], r["ln1_stats"]) for r in rows] == [
-      ("gpt2_block_fwd", "gemm"), ("gpt2_block_fwd_bwd", "gemm"),
-      ("gpt2_block_fwd", "xla"), ("gpt2_block_fwd_bwd", "xla")]
-  assert all("mlp_residuals" not in r for r in rows)
-  assert "(LN_1 stats from xla)" in B.op_cell(rows[-1])
-  for r in rows:
-    assert "error" not in r, r["error"]
-    assert 0 < r["ours_err_vs_fp32"] <= 2 * r["baseline_err_vs_fp32"], r["op"]
-    assert r["rel_diff_vs_baseline"] < 0.05, (r["op"], r["rel_diff_vs_baseline"])
-
-
-def test_gpt2_rows_one_pair_per_half_block():
-  """``bench.family_blocks --half-block one_op,two_ops``: GPT-2's rows once with the
-  out-projection and the MLP as one op and once as two, naming which, both within the
-  tolerance rule of the same baseline and computing the same block."""
-  rows = fb.run_shape("gpt2_tiny", fb.SHAPES["gpt2_tiny"], "xla", B.timer(False, 1),
-                      common.provenance(), jax.random.key(0),
-                      half_block=("one_op", "two_ops"))
-  assert [(r["op"], r["half_block"]) for r in rows] == [
-      ("gpt2_block_fwd", "one_op"), ("gpt2_block_fwd_bwd", "one_op"),
-      ("gpt2_block_fwd", "two_ops"), ("gpt2_block_fwd_bwd", "two_ops")]
-  assert "(half block as two ops)" in B.op_cell(rows[-1])
+                      common.provenance(), jax.random.key(0), **{field: values})
+  assert [(r["op"], r[field]) for r in rows] == [
+      (op, v) for v in values for op in ("gpt2_block_fwd", "gpt2_block_fwd_bwd")]
+  others = {"mlp_residuals", "ln1_stats", "half_block"} - {field}
+  assert all(not others & set(r) for r in rows)
+  assert cell in B.op_cell(rows[-1])
   for r in rows:
     assert "error" not in r, r["error"]
     assert 0 < r["ours_err_vs_fp32"] <= 2 * r["baseline_err_vs_fp32"], r["op"]
