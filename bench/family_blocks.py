@@ -9,12 +9,14 @@ times Llama's: the attention output y0 and residual x0 in, the next layer's QKV 
 * GPT-2 (LayerNorm, biases, GELU MLP; ``coda_jax.layernorm_ops``, composed as
   ``flax_layers.gpt2`` composes them):
   x1 = x0 + y0 @ Wo + bo; x2 = x1 + gelu(LN_2(x1) @ W1 + b1) @ W2 + b2;
-  qkv = LN_1'(x2) @ Wqkv + bqkv. Ours: ``residual_layernorm_gelu_mlp`` (bias, residual
-  and LN_2's statistics in the out-projection's epilogue; the MLP, whose output GEMM
-  emits LN_1's statistics, ``next_norm``; LN_2's input gradient in one GEMM), as the model
-  runs it, then ``layernorm_matmul``. ``--half-block two_ops`` runs
-  ``residual_layernorm`` and ``layernorm_gelu_mlp`` as two ops instead (GEMM + pass for
-  LN_2's input gradient).
+  qkv = LN_1'(x2) @ Wqkv + bqkv. Ours, as the model runs it: the whole of it as one op,
+  ``residual_layernorm_gelu_mlp(..., next_w=)`` (bias, residual and LN_2's statistics in
+  the out-projection's epilogue; the MLP, whose output GEMM emits LN_1's statistics;
+  LN_1 applied in the QKV GEMM's epilogue; both LayerNorms' input gradients each in one
+  GEMM). ``--half-block one_op`` stops that op at the MLP (``next_norm``) and runs
+  ``layernorm_matmul`` after it (GEMM + pass for LN_1's input gradient); ``two_ops`` also
+  splits the out-projection from the MLP (``residual_layernorm``, then
+  ``layernorm_gelu_mlp``: GEMM + pass for LN_2's too).
 * Qwen3 (RMSNorm, SwiGLU, per-head q/k RMSNorm, RoPE): ``blocks.shifted_block`` with
   ``BlockConfig.qk_norm``.
 
@@ -101,14 +103,25 @@ def gpt2_inputs(s: Shape, key):
 # output GEMM (``layernorm_gelu_mlp(next_norm=)``, as flax_layers.gpt2 runs it), or an XLA
 # pass over the MLP's output (as before the nineteenth session).
 LN1_STATS = ("gemm", "xla")
-# How the out-projection and the MLP run (``--half-block``): as one op
-# (``residual_layernorm_gelu_mlp``, as flax_layers.gpt2 runs them), or as two.
-HALF_BLOCK = ("one_op", "two_ops")
+# How the out-projection, the MLP and the next QKV run (``--half-block``): all as one op
+# (``residual_layernorm_gelu_mlp(next_w=)``, as flax_layers.gpt2 runs them); the first two
+# as one op, then ``layernorm_matmul``; or as three ops.
+HALF_BLOCK = ("shifted_op", "one_op", "two_ops")
 
 
 def gpt2_ours(s: Shape, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS, ln1_stats="gemm",
-              half_block="one_op"):
+              half_block=HALF_BLOCK[0]):
+  if half_block == "shifted_op" and ln1_stats != "gemm":
+    raise ValueError(f"half_block='shifted_op' makes LN_1's statistics inside its op: "
+                     f"ln1_stats={ln1_stats!r} needs half_block 'one_op' or 'two_ops'")
+
   def block(x0, y0, p):
+    if half_block == "shifted_op":
+      return L.residual_layernorm_gelu_mlp(
+          y0, p["wo"], x0, p["g_mlp"], p["beta_mlp"], p["w1"], p["b1"], p["w2"], p["b2"],
+          proj_bias=p["bo"], eps=s.eps, impl=impl, residuals=mlp_residuals,
+          next_norm=p["g_attn"], next_eps=s.eps, next_norm_bias=p["beta_attn"],
+          next_w=p["wqkv"], next_bias=p["bqkv"])
     if half_block == "one_op":
       mlp = functools.partial(L.residual_layernorm_gelu_mlp, y0, p["wo"], x0, p["g_mlp"],
                               p["beta_mlp"], p["w1"], p["b1"], p["w2"], p["b2"],
@@ -202,7 +215,7 @@ def inputs(s: Shape, key):
 
 
 def cases(s: Shape, x, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS, ln1_stats="gemm",
-          half_block="one_op"):
+          half_block=HALF_BLOCK[0]):
   """[(op, backward, ours, ours_args, xla, xla_args, to_std)] for the forward and the
   forward+backward of shape ``s``'s block on ``inputs(s, ...)``: what ``run_shape`` times
   and what tune_gemm traces. ``mlp_residuals``: GPT-2's ``layernorm_gelu_mlp``'s;
@@ -276,9 +289,10 @@ def main():
                  f"{list(LN1_STATS)} (the MLP's output GEMM, or an XLA pass): a pair of "
                  "GPT-2 rows for each")
   p.add_argument("--half-block", default=HALF_BLOCK[0],
-                 help="how GPT-2's out-projection and MLP run, comma-separated of "
-                 f"{list(HALF_BLOCK)} (one op, whose backward forms LN_2's input gradient "
-                 "in one GEMM, or two): a pair of GPT-2 rows for each")
+                 help="how GPT-2's out-projection, MLP and next QKV run, comma-separated "
+                 f"of {list(HALF_BLOCK)} (one op, whose backward forms both LayerNorms' "
+                 "input gradients each in one GEMM; the first two as one op; three ops): "
+                 "a pair of GPT-2 rows for each")
   p.add_argument("--sustained-s", type=float, default=None,
                  help="GPU: time each round by wall clock over this many seconds of "
                  "back-to-back calls (the power-capped steady state), with the GPU's "
@@ -295,6 +309,9 @@ def main():
   half_block = tuple(args.half_block.split(","))
   if any(v not in HALF_BLOCK for v in half_block):
     p.error(f"--half-block {args.half_block!r}: one or more of {list(HALF_BLOCK)}")
+  if "shifted_op" in half_block and "xla" in ln1_stats:
+    p.error("--ln1-stats xla needs --half-block one_op or two_ops: the shifted op makes "
+            "LN_1's statistics inside itself")
   on_gpu = jax.devices()[0].platform == "gpu"
   measure = B.timer(on_gpu, args.iterations or (30 if on_gpu else 1), args.sustained_s)
   names, impl = (args.shapes.split(","), "mosaic") if on_gpu else (

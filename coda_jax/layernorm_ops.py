@@ -517,7 +517,8 @@ def layernorm_input_grad(dz, w, h, x, dx, mu, r, g, beta, impl):
 
   Args:
     dz: (M, K) the consumer GEMM's output cotangent; w: (D, K) its weight (dn = dz w^T).
-    h: (M, D) x * g (read only by the two-kernel path).
+    h: (M, D) x * g as the producer stored it, read only by the two-kernel path; None
+      recomputes it there from x (one rounding more, within the tolerance rule).
     x: (M, D) the normalised rows; dx: (M, D) x's cotangent from elsewhere (a residual
       add), both in dz's dtype. mu, r: (M,) fp32 statistics of x. g, beta: (D,).
     impl: as ``coda_jax.gemm_epilogue``; the one GEMM needs "mosaic" first.
@@ -547,6 +548,8 @@ def layernorm_input_grad(dz, w, h, x, dx, mu, r, g, beta, impl):
       why = str(e)
   dispatch.announce(f"LayerNorm's input gradient in one GEMM does not run ({why}); "
                     "it takes the GEMM + pass path")
+  if h is None:
+    h = (x.astype(_F32) * g.astype(_F32)).astype(x.dtype)
   return input_grad_gemm_and_pass(dz, w, h, x, dx, mu, r, g, beta, impl)
 
 
@@ -693,14 +696,20 @@ def _ln_matmul_bwd(impl, saved, dz):
   h, mu, r, g, beta, w, bias = saved
   wd = w.astype(h.dtype)
   dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, wd, h, mu, r, g, beta, impl)
-  db = None  # no GEMM produces dz here: dW's mainloop sums it
+  dw, db = _consumer_weight_grads(n, dz, w, bias, impl)
+  return (dh, dmu, dr, reduce_like(dg, g).astype(g.dtype),
+          reduce_like(dbeta, beta).astype(beta.dtype), dw, db)
+
+
+def _consumer_weight_grads(n, dz, w, bias, impl):
+  """dW = n^T dz (in w's dtype) and the bias's gradient (None without one), summed by
+  dW's mainloop from the dz tiles it reads: no GEMM produces dz here."""
   if bias is None:
-    dw = S.weight_grad(n, dz, impl, S.grad_dtype(w))
+    dw, db = S.weight_grad(n, dz, impl, S.grad_dtype(w)), None
   else:
     dw, db = S.weight_grad(n, dz, impl, S.grad_dtype(w), bias_grad=True)
     db = reduce_like(db, bias).astype(bias.dtype)
-  return (dh, dmu, dr, reduce_like(dg, g).astype(g.dtype),
-          reduce_like(dbeta, beta).astype(beta.dtype), reduce_like(dw, w).astype(w.dtype), db)
+  return reduce_like(dw, w).astype(w.dtype), db
 
 
 _ln_matmul.defvjp(_ln_matmul_fwd, _ln_matmul_bwd)
@@ -803,18 +812,30 @@ def _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, g_next, impl, residuals,
   return out, saved
 
 
+def _mlp_output_cotangent(impl, saved, cts):
+  """The cotangent dout of the MLP's output sum (which is also x's, through the residual
+  add), from the op's output cotangents. Returns dout, db2 (from the next norm's pass, or
+  None: dW2's mainloop then sums it) and dg_next (None without a next norm)."""
+  stats = saved[-1]
+  if stats is None:
+    return cts, None, None  # no GEMM produces dout: dW2's mainloop sums db2
+  # out also fed the next norm: the producer part of section 2
+  xo, g_next, muo, ro = stats
+  dout, db2, dg_next = stats_cotangent(xo, g_next, muo, ro, cts, impl)
+  return dout, db2, reduce_like(dg_next, g_next).astype(g_next.dtype)
+
+
 def _mlp_backward_to_dz(impl, residuals, saved, cts):
   """The MLP's backward down to its first GEMM's output cotangent. Returns dout (the
   cotangent of the MLP's input x through its residual add), dz, db1, a (dW2's A operand),
-  db2 (from the next norm's pass, or None: dW2's mainloop then sums it) and dg_next."""
+  db2 and dg_next (``_mlp_output_cotangent``)."""
+  dout, db2, dg_next = _mlp_output_cotangent(impl, saved, cts)
+  return (dout, *_mlp_hidden_grads(impl, residuals, saved, dout), db2, dg_next)
+
+
+def _mlp_hidden_grads(impl, residuals, saved, dout):
+  """B1 from the output sum's cotangent dout: dz, db1 and a (dW2's A operand)."""
   h, mu, r, g, beta, w1, b1, w2, b2, hidden, stats = saved
-  db2 = dg_next = None
-  if stats is None:
-    dout = cts  # no GEMM produces dout: dW2's mainloop sums db2 (below)
-  else:  # out also fed the next norm: the producer part of section 2, then as above
-    xo, g_next, muo, ro = stats
-    dout, db2, dg_next = stats_cotangent(xo, g_next, muo, ro, cts, impl)
-    dg_next = reduce_like(dg_next, g_next).astype(g_next.dtype)
   dt = dout.dtype
   # B1: da = dout @ w2^T; gelu' rides here, with db1's column sums: read from the
   # forward's stored slope, or recomputed from z along with a (dW2's A operand).
@@ -827,7 +848,7 @@ def _mlp_backward_to_dz(impl, residuals, saved, cts):
   b1_out = gemm_epilogue(dout, w2.astype(dt), [slope, ColSum("db1"), Store("dz", dt)], ops,
                          trans_b=True, impl=impl)
   a = a if residuals == "slope" else b1_out["a"]
-  return dout, b1_out["dz"], b1_out["db1"], a, db2, dg_next
+  return b1_out["dz"], b1_out["db1"], a
 
 
 def _mlp_weight_grads(impl, w1, w2, n, dz, a, dout, db2):
@@ -860,19 +881,24 @@ _gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
 def residual_layernorm_gelu_mlp(y, w_proj, residual, g, beta, w1, b1, w2, b2, *,
                                 proj_bias=None, eps: float = 1e-5, impl: str = "auto",
                                 residuals: str = DEFAULT_MLP_RESIDUALS, next_norm=None,
-                                next_eps: float = 1e-5):
+                                next_eps: float = 1e-5, next_norm_bias=None, next_w=None,
+                                next_bias=None):
   """``residual_layernorm`` feeding ``layernorm_gelu_mlp``, as one op (GPT-2's second
-  half-block):
+  half-block), optionally with the next LayerNorm and the GEMM that reads it (the next
+  block's c_attn):
 
       x1 = y @ w_proj + proj_bias + residual
       out = x1 + gelu(LN(x1) @ w1 + b1) @ w2 + b2
+      z' = LN'(out) @ next_w + next_bias                         (with ``next_w``)
 
-  The forward runs the same three GEMMs as the two ops. The backward differs: one op
+  The forward runs the same GEMMs as the separate ops. The backward differs: one op
   holds both x1 and the MLP's cotangents, so LayerNorm's whole input gradient comes
   from one GEMM whose epilogue finishes the row terms across the row
-  (``layernorm_input_grad``, row totals), where the two ops take that GEMM and then a
-  pass over (M, D). Where the one GEMM cannot run (no Hopper GPU, several devices, a D
-  whose partials do not fit), the backward takes the two-op path; the values agree.
+  (``layernorm_input_grad``, row totals), where the separate ops take that GEMM and then
+  a pass over (M, D). With ``next_w`` the same holds for LN': its input gradient and the
+  cotangent of out arrive in this op's backward together, so LN' too needs no pass.
+  Where the one GEMM cannot run (no Hopper GPU, several devices, a D whose partials do
+  not fit), the backward takes the GEMM + pass path; the values agree.
 
   Args:
     y: (..., K) activations (attention's output), bfloat16 or float16.
@@ -880,10 +906,15 @@ def residual_layernorm_gelu_mlp(y, w_proj, residual, g, beta, w1, b1, w2, b2, *,
     g, beta: (D,) the LayerNorm's weight and bias; eps: its epsilon.
     w1: (D, F), b1: (F,), w2: (F, D), b2: (D,): the MLP.
     impl, residuals, next_norm, next_eps: as ``layernorm_gelu_mlp``.
+    next_norm_bias: (D,) the next LayerNorm's bias; with ``next_w`` only.
+    next_w: optional (D, N): the GEMM that reads LN'(out) (needs ``next_norm`` and
+      ``next_norm_bias``). next_bias: optional (N,) its bias.
 
   Returns:
-    out (..., D) in y's dtype; with ``next_norm``, (out, h', mu', r') as
-    ``layernorm_gelu_mlp`` returns them.
+    out (..., D) in y's dtype; with ``next_norm`` alone, (out, h', mu', r') as
+    ``layernorm_gelu_mlp`` returns them; with ``next_w``, (out, z') where z' (..., N)
+    in y's dtype is what ``layernorm_matmul(h', mu', r', next_norm, next_norm_bias,
+    next_w, bias=next_bias)`` returns.
   """
   if residuals not in MLP_RESIDUALS:
     raise ValueError(f"residuals={residuals!r}: one of {MLP_RESIDUALS} (\"slope\" keeps "
@@ -900,47 +931,81 @@ def residual_layernorm_gelu_mlp(y, w_proj, residual, g, beta, w1, b1, w2, b2, *,
     check_vector("proj_bias", proj_bias, d)
   check_weight("w1", w1, (d, w1.shape[-1]))
   check_weight("w2", w2, (w1.shape[-1], d))
-  next_cfg = None
+  next_cfg = nxt = None
   if next_norm is not None:
     check_vector("next_norm", next_norm, d)
     next_cfg = LayerNormConfig(next_eps)
+  if next_w is not None:
+    if next_norm is None or next_norm_bias is None:
+      raise ValueError("next_w needs the LayerNorm it reads through: pass next_norm and "
+                       "next_norm_bias (its weight and bias) too")
+    check_vector("next_norm_bias", next_norm_bias, d)
+    check_weight("next_w", next_w, (d, next_w.shape[-1]))
+    if next_bias is not None:
+      check_vector("next_bias", next_bias, next_w.shape[-1])
+    nxt = (next_norm_bias, next_w, next_bias)
+  elif next_norm_bias is not None or next_bias is not None:
+    raise ValueError("next_norm_bias and next_bias belong to next_w's GEMM: pass next_w, "
+                     "or leave them out")
   lead = y.shape[:-1]
   out = _res_ln_mlp(flat_rows(y), w_proj, flat_rows(residual), g, beta, w1, b1, w2, b2,
-                    proj_bias, next_norm, LayerNormConfig(eps), next_cfg, impl, residuals)
+                    proj_bias, next_norm, nxt, LayerNormConfig(eps), next_cfg, impl,
+                    residuals)
   if next_norm is None:
     return out.reshape(*lead, d)
+  if nxt is not None:
+    xo, z = out
+    return xo.reshape(*lead, d), z.reshape(*lead, -1)
   xo, ho, muo, ro = out
   return (xo.reshape(*lead, d), ho.reshape(*lead, d), muo.reshape(lead), ro.reshape(lead))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13, 14))
-def _res_ln_mlp(y, w_proj, residual, g, beta, w1, b1, w2, b2, proj_bias, g_next, cfg,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(12, 13, 14, 15))
+def _res_ln_mlp(y, w_proj, residual, g, beta, w1, b1, w2, b2, proj_bias, g_next, nxt, cfg,
                 next_cfg, impl, residuals):
   return _res_ln_mlp_fwd(y, w_proj, residual, g, beta, w1, b1, w2, b2, proj_bias, g_next,
-                         cfg, next_cfg, impl, residuals)[0]
+                         nxt, cfg, next_cfg, impl, residuals)[0]
 
 
-def _res_ln_mlp_fwd(y, w_proj, residual, g, beta, w1, b1, w2, b2, proj_bias, g_next, cfg,
-                    next_cfg, impl, residuals):
+def _res_ln_mlp_fwd(y, w_proj, residual, g, beta, w1, b1, w2, b2, proj_bias, g_next, nxt,
+                    cfg, next_cfg, impl, residuals):
   (x1, h1, mu, r), producer = _residual_ln_fwd(y, w_proj, residual, g, proj_bias, cfg, impl)
   out, mlp = _gelu_mlp_fwd(x1, h1, mu, r, g, beta, w1, b1, w2, b2, g_next, impl, residuals,
                            next_cfg)
-  return out, (producer, mlp)
+  # h1 (and h') are read only where the one-GEMM input gradient cannot run, which
+  # recomputes them from x1 (and out): not kept.
+  mlp = (None, *mlp[1:])
+  if nxt is None:
+    return out, (producer, mlp, None)
+  xo, ho, muo, ro = out
+  beta_n, w_n, b_n = nxt
+  z, _ = _ln_matmul_fwd(ho, muo, ro, g_next, beta_n, w_n, b_n, impl)
+  return (xo, z), (producer, mlp, nxt)
 
 
 def _res_ln_mlp_bwd(cfg, next_cfg, impl, residuals, saved, cts):
-  (y, w_proj, x1, _, mu, r, proj_bias), mlp = saved
-  h1, _, _, g, beta, w1, b1, w2, b2, _, _ = mlp
-  dout, dz, db1, a, db2, dg_next = _mlp_backward_to_dz(impl, residuals, mlp, cts)
+  (y, w_proj, x1, _, mu, r, proj_bias), mlp, nxt = saved
+  _, _, _, g, beta, w1, b1, w2, b2, _, stats = mlp
+  cast = lambda grad, p: reduce_like(grad, p).astype(p.dtype)
+  dnxt = None
+  if nxt is None:
+    dout, db2, dg_next = _mlp_output_cotangent(impl, mlp, cts)
+  else:  # LN'(out)'s input gradient with out's own cotangent, in one GEMM: dout, db2
+    (dxo, dzn), (xo, g_next, muo, ro), (beta_n, w_n, b_n) = cts, stats, nxt
+    dout, n_n, dbeta_n, dg_next, db2 = layernorm_input_grad(
+        dzn, w_n.astype(dzn.dtype), None, xo, dxo.astype(xo.dtype), muo, ro, g_next, beta_n,
+        impl)
+    dw_n, db_n = _consumer_weight_grads(n_n, dzn, w_n, b_n, impl)
+    dg_next, dnxt = cast(dg_next, g_next), (cast(dbeta_n, beta_n), dw_n, db_n)
+  dz, db1, a = _mlp_hidden_grads(impl, residuals, mlp, dout)
   # LayerNorm's whole input gradient: dout is x1's cotangent through the MLP's residual
   # add, so one GEMM can finish it
-  dxt, n, dbeta, dg, dsum = layernorm_input_grad(dz, w1.astype(dz.dtype), h1, x1,
+  dxt, n, dbeta, dg, dsum = layernorm_input_grad(dz, w1.astype(dz.dtype), None, x1,
                                                  dout.astype(x1.dtype), mu, r, g, beta, impl)
   dw1, dw2, db2 = _mlp_weight_grads(impl, w1, w2, n, dz, a, dout, db2)
   dy, dw_proj, dproj_bias = _producer_grads(y, w_proj, proj_bias, dxt, dsum, impl)
-  cast = lambda grad, p: reduce_like(grad, p).astype(p.dtype)
   return (dy, dw_proj, dxt, cast(dg, g), cast(dbeta, beta), cast(dw1, w1), cast(db1, b1),
-          cast(dw2, w2), cast(db2, b2), dproj_bias, dg_next)
+          cast(dw2, w2), cast(db2, b2), dproj_bias, dg_next, dnxt)
 
 
 _res_ln_mlp.defvjp(_res_ln_mlp_fwd, _res_ln_mlp_bwd)

@@ -9,22 +9,27 @@ blocks, each
 then the final ``LN_f`` and an LM head tied to ``wte``. Matrices are stored (in, out), as
 Hugging Face's ``Conv1D`` stores them, so checkpoints convert without transposes.
 
-``fused=True`` runs ``coda_jax.layernorm_ops``; per layer:
+``fused=True`` runs ``coda_jax.layernorm_ops``, cut at attention as the Llama model is
+(``coda_jax.blocks``):
 
-* LN_1's statistics (mu, r) and h = x * g come from the previous block's MLP output GEMM
-  (``layernorm_gelu_mlp(..., next_norm=)``); for the first block, from XLA (the
-  embedding has no GEMM). The LN application rides in the epilogue of the c_attn GEMM
-  (``layernorm_matmul``, with its bias);
+    qkv_0 = c_attn_0(LN_1_0(x))                     LN_1_0's split in XLA, then
+                                                    ``layernorm_matmul`` (its bias too)
+    for i < L - 1:  x, qkv_{i+1} = shifted(x, attn(qkv_i), layer i's c_proj and MLP,
+                                           layer i + 1's LN_1 and c_attn)
+    x, LN_f's (mu, r) = the same for the last layer, with LN_f in place of LN_1 and c_attn
+
+* ``shifted`` is one op, ``residual_layernorm_gelu_mlp(..., next_w=)``: c_proj's bias +
+  residual add and LN_2's row statistics ride in its epilogue, then LN_2's application +
+  c_fc's bias + GELU in one epilogue, mlp_proj's bias + residual + the next LayerNorm's
+  statistics in the next, then the next LayerNorm's application + c_attn's bias in
+  c_attn's. One op, so that its backward forms LN_2's and the next LN_1's whole input
+  gradients each in one GEMM (row totals: ``layernorm_ops.layernorm_input_grad``), with
+  no pass over (tokens, D) between.
 * attention: ``flax_layers.layers.causal_attention`` (``jax.nn.dot_product_attention``;
-  cuDNN on a GPU);
-* c_proj and the MLP: ``residual_layernorm_gelu_mlp``, one op: c_proj's bias + residual
-  add and LN_2's row statistics ride in its epilogue, then LN_2 application + c_fc bias +
-  GELU in one epilogue, mlp_proj bias + residual + the next LayerNorm's statistics in the
-  next. One op, so that its backward forms LN_2's whole input gradient in one GEMM (row
-  totals: ``layernorm_ops.layernorm_input_grad``).
+  cuDNN on a GPU).
 
-The layers run under ``jax.lax.scan`` with (x, h, mu, r) as the carry; block i's MLP gets
-block i+1's LN_1 weight (LN_f's after the last block) as ``next_norm``.
+The layers run under ``jax.lax.scan`` with (x, qkv) as the carry, the parameters shifted
+by a layer as in the Llama model.
 
 The LM head: LN_f is applied in XLA from the last block's (mu, r) (n = LN(x), the
 activations' dtype), then
@@ -278,18 +283,38 @@ def _attention(c: GPT2Config):
   return lambda qkv: Lyr.causal_attention(qkv, heads, c.attention_impl)
 
 
-def _fused_block(p, x, ln_1, c: GPT2Config, next_norm=None):
+# A layer's parameters by the op that reads them: LN_1 and c_attn (the attention's input),
+# and the rest (``_shifted``: c_proj, LN_2 and the MLP).
+_ATTN = ("norm_attn", "norm_attn_bias", "c_attn", "c_attn_bias")
+_HALF = ("c_proj", "c_proj_bias", "norm_mlp", "norm_mlp_bias", "c_fc", "c_fc_bias",
+         "mlp_proj", "mlp_proj_bias")
+
+
+def _shifted(p, x, y, c: GPT2Config, next_norm=None, next_attn=None):
+  """c_proj of the attention output y, the residual add, LN_2 and the MLP
+  (``residual_layernorm_gelu_mlp``), from layer parameters ``p``. Returns x2; with
+  ``next_norm`` (a LayerNorm's weight) (x2, h', mu', r') of that norm; with
+  ``next_attn`` (the next layer's ``_ATTN`` parameters) (x2, its qkv)."""
+  nxt = {}
+  if next_attn is not None:
+    nxt = dict(next_norm=next_attn["norm_attn"],
+               next_norm_bias=next_attn["norm_attn_bias"], next_w=next_attn["c_attn"],
+               next_bias=next_attn["c_attn_bias"])
+  elif next_norm is not None:
+    nxt = dict(next_norm=next_norm)
+  return L.residual_layernorm_gelu_mlp(
+      y, p["c_proj"], x, p["norm_mlp"], p["norm_mlp_bias"], p["c_fc"], p["c_fc_bias"],
+      p["mlp_proj"], p["mlp_proj_bias"], proj_bias=p["c_proj_bias"], eps=c.eps,
+      impl=c.impl, residuals=c.mlp_residuals, next_eps=c.eps, **nxt)
+
+
+def _fused_block(p, x, ln_1, c: GPT2Config):
   """One block on the fused ops, from x and LN_1's split ``ln_1`` = (h, mu, r) of it.
-  Returns x2, or with ``next_norm`` (the next LayerNorm's weight) (x2, h', mu', r') of
-  that norm, emitted by the MLP's output GEMM."""
+  Returns x2."""
   h, mu, r = ln_1
   qkv = L.layernorm_matmul(h, mu, r, p["norm_attn"], p["norm_attn_bias"], p["c_attn"],
                            bias=p["c_attn_bias"], impl=c.impl)
-  return L.residual_layernorm_gelu_mlp(
-      _attention(c)(qkv), p["c_proj"], x, p["norm_mlp"], p["norm_mlp_bias"], p["c_fc"],
-      p["c_fc_bias"], p["mlp_proj"], p["mlp_proj_bias"], proj_bias=p["c_proj_bias"],
-      eps=c.eps, impl=c.impl, residuals=c.mlp_residuals, next_norm=next_norm,
-      next_eps=c.eps)
+  return _shifted(p, x, _attention(c)(qkv), c)
 
 
 def block_forward(p, x, c: GPT2Config, fused: bool):
@@ -379,17 +404,25 @@ class GPT2(nnx.Module):
     if not self.fused:
       x, _ = jax.lax.scan(lambda x, lp: (block_forward(lp, x, c, False), None), x, p)
       return x, None
-    # Each block's MLP output GEMM emits the statistics of the LayerNorm after it: the
-    # next block's LN_1, or LN_f after the last. Only the first LN_1 runs in XLA.
+    # Cut at attention: step i runs layer i's c_proj and MLP, then layer i + 1's LN_1
+    # and c_attn (``_shifted``); the last layer's MLP emits LN_f's statistics instead.
+    attend = _attention(c)
+    first = {k: p[k][0] for k in _ATTN}
+    h, mu, r = unfused.layernorm_split(x, first["norm_attn"], c.eps)
+    qkv = L.layernorm_matmul(h, mu, r, first["norm_attn"], first["norm_attn_bias"],
+                             first["c_attn"], bias=first["c_attn_bias"], impl=c.impl)
+
+    def layer(carry, lp):
+      x, qkv = carry
+      nxt = {k: lp["next_" + k] for k in _ATTN}
+      return _shifted(lp, x, attend(qkv), c, next_attn=nxt), None
+
+    shifted = {**{k: p[k][:-1] for k in _HALF},
+               **{"next_" + k: p[k][1:] for k in _ATTN}}
+    (x, qkv), _ = jax.lax.scan(layer, (x, qkv), shifted)
+    last = {k: p[k][-1] for k in _HALF}
     norm_f = self.norm_f[...].astype(p["norm_attn"].dtype)
-    p["next_norm"] = jnp.concatenate([p["norm_attn"][1:], norm_f[None]])
-
-    def layer(state, lp):
-      x, h, mu, r = state
-      return _fused_block(lp, x, (h, mu, r), c, next_norm=lp["next_norm"]), None
-
-    first = unfused.layernorm_split(x, p["norm_attn"][0], c.eps)
-    (x, _, mu, r), _ = jax.lax.scan(layer, (x, *first), p)
+    x, _, mu, r = _shifted(last, x, attend(qkv), c, next_norm=norm_f)
     return x, (mu, r)
 
   def _final_norm(self, x, stats):

@@ -691,8 +691,8 @@ MUTATIONS = [
         "default positions start at 1: wpe read one row off (both paths alike)"),
     Mutation(
         "gpt2_fused_c_proj_bias_dropped", "flax_layers/gpt2.py",
-        '      p["c_fc_bias"], p["mlp_proj"], p["mlp_proj_bias"], proj_bias=p["c_proj_bias"],',
-        '      p["c_fc_bias"], p["mlp_proj"], p["mlp_proj_bias"], proj_bias=None,',
+        '      p["mlp_proj"], p["mlp_proj_bias"], proj_bias=p["c_proj_bias"], eps=c.eps,',
+        '      p["mlp_proj"], p["mlp_proj_bias"], proj_bias=None, eps=c.eps,',
         ("tests/test_gpt2.py", "-k", "loss_and_every_gradient"),
         "the fused block's c_proj bias is dropped (the reference path keeps it)"),
     # ---- issue 12/13: the 3-GEMM LM head (coda_jax/fused_ops.py) ---------------------------
@@ -979,9 +979,9 @@ MUTATIONS = [
     # ---- nineteenth session: the next LayerNorm's statistics from GPT-2's MLP -----------
     Mutation(
         "mlp_next_norm_bwd_passes_dx", "coda_jax/layernorm_ops.py",
-        "    dout, db2, dg_next = stats_cotangent(xo, g_next, muo, ro, cts, impl)\n",
-        "    dout, db2, dg_next = (cts[0], jnp.sum(cts[0].astype(_F32), axis=0),\n"
-        "                          jnp.zeros(g_next.shape, _F32))\n",
+        "  dout, db2, dg_next = stats_cotangent(xo, g_next, muo, ro, cts, impl)\n",
+        "  dout, db2, dg_next = (cts[0], jnp.sum(cts[0].astype(_F32), axis=0),\n"
+        "                        jnp.zeros(g_next.shape, _F32))\n",
         ("tests/test_layernorm_ops.py", "-k", "op_and_grads_xla and next_norm"),
         "the MLP's backward takes only the output's cotangent, dropping what flowed back "
         "through the next LayerNorm's (h, mu, r)"),
@@ -1044,10 +1044,10 @@ MUTATIONS = [
         "a caller's 192-row config at M = 16384 runs unclipped: the kernel refuses it"),
     Mutation(
         "gpt2_next_norm_off_by_one", "flax_layers/gpt2.py",
-        'p["next_norm"] = jnp.concatenate([p["norm_attn"][1:], norm_f[None]])',
-        'p["next_norm"] = jnp.concatenate([p["norm_attn"][:-1], norm_f[None]])',
+        '               **{"next_" + k: p[k][1:] for k in _ATTN}}',
+        '               **{"next_" + k: p[k][:-1] for k in _ATTN}}',
         ("tests/test_gpt2.py", "-k", "loss_and_every_gradient and slope"),
-        "block i's MLP emits statistics scaled by its own LN_1 weight instead of block "
+        "step i's op applies layer i's own LN_1 and c_attn after its MLP instead of layer "
         "i+1's"),
     Mutation(
         "challenge_drops_current_config", "bench/tune_gemm.py",

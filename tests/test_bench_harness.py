@@ -49,15 +49,18 @@ def test_gpt2_rows_one_pair_per_mlp_residuals():
 
 @pytest.mark.parametrize("field,values,cell", [
     ("ln1_stats", ("gemm", "xla"), "(LN_1 stats from xla)"),
-    ("half_block", ("one_op", "two_ops"), "(half block as two ops)")])
+    ("half_block", ("shifted_op", "one_op", "two_ops"), "(half block as two ops)")])
 def test_gpt2_rows_one_pair_per_variant(field, values, cell):
   """``bench.family_blocks --ln1-stats gemm,xla`` (the next LN_1's statistics from the
-  MLP's output GEMM or an XLA pass) and ``--half-block one_op,two_ops`` (the
-  out-projection and the MLP as one op or two): GPT-2's rows once per variant, naming it
-  and no other, all within the tolerance rule of the same baseline and computing the
-  same block."""
+  MLP's output GEMM or an XLA pass) and ``--half-block shifted_op,one_op,two_ops`` (the
+  out-projection, the MLP and the next QKV as one op, the first two as one op, or three
+  ops): GPT-2's rows once per variant, naming it and no other, all within the tolerance
+  rule of the same baseline and computing the same block."""
+  kw = {field: values}
+  if field == "ln1_stats":  # the shifted op makes LN_1's statistics itself
+    kw["half_block"] = ("one_op",)
   rows = fb.run_shape("gpt2_tiny", fb.SHAPES["gpt2_tiny"], "xla", B.timer(False, 1),
-                      common.provenance(), jax.random.key(0), **{field: values})
+                      common.provenance(), jax.random.key(0), **kw)
   assert [(r["op"], r[field]) for r in rows] == [
       (op, v) for v in values for op in ("gpt2_block_fwd", "gpt2_block_fwd_bwd")]
   others = {"mlp_residuals", "ln1_stats", "half_block"} - {field}

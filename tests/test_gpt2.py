@@ -65,9 +65,15 @@ def test_loss_and_every_gradient(mlp_residuals):
 
 
 def test_loss_and_gradients_through_kernels(kernel_impl):
-  """The same, one small layer, with the GEMM-epilogue kernels (the interpreter on CPU)."""
-  cfg = CFG.replace(n_layers=1, vocab_size=256, impl=kernel_impl)
-  _check_loss_and_grads(cfg, jax.random.key(12), b=1, t=64)
+  """The same with the GEMM-epilogue kernels. Through the interpreter (CPU): one small
+  layer. Compiled (GPU): two layers of D = 256, so the scan's shifted op runs and both
+  LayerNorms' input gradients take the one-GEMM path (D a multiple of its cluster
+  tile)."""
+  if kernel_impl == "interpret":
+    cfg, b, t = CFG.replace(n_layers=1, vocab_size=256, impl=kernel_impl), 1, 64
+  else:  # 192 tokens: the last 128-row block half past M
+    cfg, b, t = CFG.replace(n_layers=2, d_model=256, vocab_size=256, impl=kernel_impl), 2, 96
+  _check_loss_and_grads(cfg, jax.random.key(12), b=b, t=t)
 
 
 def test_logits():

@@ -47,7 +47,8 @@ def _inputs(key, m, k, d, n, f, dt=jnp.bfloat16, offset=0.0):
       wq=normal(ks[9], (d, n), dt) * d ** -0.5, bq=0.5 * normal(ks[10], (n,)),
       w1=normal(ks[11], (d, f), dt) * d ** -0.5, b1=0.5 * normal(ks[12], (f,)),
       w2=normal(ks[13], (f, d), dt) * (8 * f ** -0.5), b2=0.5 * normal(ks[14], (d,)),
-      g_next=1 + 0.2 * normal(ks[15], (d,)))
+      g_next=1 + 0.2 * normal(ks[15], (d,)),
+      beta_next=0.3 * normal(jax.random.fold_in(key, 16), (d,)))
 
 
 def _producer_cts(key, truth, x):
@@ -138,6 +139,22 @@ def _half_block_next_norm_ref(p):
   out = _half_block_ref(p)
   return (out, *R.layernorm_split(out, p["g_next"], EPS))
 
+
+# The half block with the next LayerNorm and its GEMM inside (``next_w``): GPT-2's shifted
+# block from c_proj to the next block's c_attn as one op.
+_NEXT_QKV_ARGS = (*_HALF_ARGS, "b", "g_next", "beta_next", "wq", "bq")
+
+
+def _half_block_next_qkv(p, impl):
+  return _half_block(p, impl, next_norm=p["g_next"], next_eps=EPS,
+                     next_norm_bias=p["beta_next"], next_w=p["wq"], next_bias=p["bq"])
+
+
+def _half_block_next_qkv_ref(p):
+  out = _half_block_ref(p)
+  return out, (R.layer_norm(out, p["g_next"], p["beta_next"]) @ p["wq"].astype(out.dtype)
+               + p["bq"].astype(out.dtype))
+
 # op name -> (fused(p, impl), reference(p), differentiable input names[, cotangents])
 OPS = {
     "residual_layernorm": (
@@ -186,6 +203,9 @@ OPS = {
     "residual_layernorm_gelu_mlp_next_norm": (
         lambda p, impl: _half_block(p, impl, next_norm=p["g_next"], next_eps=EPS),
         _half_block_next_norm_ref, (*_HALF_ARGS, "b", "g_next"), _producer_cts),
+    # ... and the next LayerNorm's GEMM too: both LayerNorms' input gradients in one GEMM
+    "residual_layernorm_gelu_mlp_next_qkv": (_half_block_next_qkv, _half_block_next_qkv_ref,
+                                             _NEXT_QKV_ARGS, _stream_cts),
     # jax.grad through a composition is the whole LayerNorm backward, checked against the
     # plain LayerNorm of the reference (statistics of x, not (h, mu, r)).
     "composed_ln_matmul": (*_composed_qkv, ("y", "w", "res", "g", "b", "beta", "wq", "bq"),
@@ -301,12 +321,14 @@ def test_odd_shapes_fp16(name, m, key):
 @pytest.mark.parametrize("name", ["residual_layernorm", "layernorm_matmul",
                                   "layernorm_gelu_mlp", "layernorm_gelu_mlp_recompute",
                                   "layernorm_gelu_mlp_next_norm",
-                                  "residual_layernorm_gelu_mlp"])
+                                  "residual_layernorm_gelu_mlp",
+                                  "residual_layernorm_gelu_mlp_next_qkv"])
 def test_op_and_grads_kernel(name, key, kernel_impl):
   """The real kernel (Mosaic GPU interpreter on CPU; compiled on sm90), one small case
   per op: M = 128, widths 64-256 (every call of the forward and backward programs).
   D = 64 is narrower than the one-GEMM input gradient's cluster tile, so the half block
-  takes its two-kernel path here (``test_half_block_input_grad_in_one_gemm``)."""
+  takes its two-kernel path here, for both LayerNorms with ``next_w``
+  (``test_half_block_input_grad_in_one_gemm``)."""
   check_op(name, _inputs(key, 128, 128, 64, 192, 256), kernel_impl, key)
 
 
@@ -317,28 +339,40 @@ def _mosaic_kernels(fn, *args) -> int:
 
 @pytest.mark.parametrize("m", [256, 200])
 @pytest.mark.parametrize("name", ["residual_layernorm_gelu_mlp",
-                                  "residual_layernorm_gelu_mlp_next_norm"])
+                                  "residual_layernorm_gelu_mlp_next_norm",
+                                  "residual_layernorm_gelu_mlp_next_qkv"])
 def test_half_block_input_grad_in_one_gemm(name, m, key, kernel_impl):
   """On the GPU, with D a multiple of the 256-column cluster tile, the half block's
   backward forms LN_2's whole input gradient in one GEMM (row totals): one kernel fewer
-  than the two ops it joins, and every output and gradient under the tolerance rule.
-  200 rows leave part of the last row block past M (the kernel clips it)."""
+  than the two ops it joins, and with ``next_w`` two fewer than the three ops (LN_1's
+  too); every output and gradient under the tolerance rule. 200 rows leave part of the
+  last row block past M (the kernel clips it)."""
   if kernel_impl != "mosaic":
     pytest.skip("the one-GEMM input gradient waits on global semaphores, which the "
                 "Mosaic GPU interpreter does not have: checked on the GPU only "
                 "(the two-kernel path it falls back to is test_op_and_grads_kernel's)")
   p = _inputs(key, m, 128, 512, 192, 256)
-  diff = {k: p[k] for k in (*_HALF_ARGS, "b")}
+  fused, _, names, *_ = OPS[name]
+  diff = {k: p[k] for k in names}
   rest = {k: v for k, v in p.items() if k not in diff}
-  loss = lambda op: lambda d, r: jnp.sum(op({**r, **d}, "mosaic").astype(jnp.float32))
+  loss = lambda op: lambda d, r: sum(jnp.sum(o.astype(jnp.float32))
+                                     for o in jax.tree.leaves(op({**r, **d}, "mosaic")))
 
-  def two_ops(q, impl):
+  def separate_ops(q, impl):
     x, h, mu, r = L.residual_layernorm(q["y"], q["w"], q["res"], q["g"], bias=q["b"],
                                        eps=EPS, impl=impl)
-    return L.layernorm_gelu_mlp(x, h, mu, r, *(q[k] for k in _MLP_ARGS[4:]), impl=impl)
-  merged = _mosaic_kernels(jax.grad(loss(_half_block)), diff, rest)
-  split = _mosaic_kernels(jax.grad(loss(two_ops)), diff, rest)
-  assert merged == split - 1, (merged, split)
+    mlp = (x, h, mu, r, *(q[k] for k in _MLP_ARGS[4:]))
+    if name.endswith("_next_norm"):
+      return L.layernorm_gelu_mlp(*mlp, impl=impl, next_norm=q["g_next"], next_eps=EPS)
+    if not name.endswith("_next_qkv"):
+      return L.layernorm_gelu_mlp(*mlp, impl=impl)
+    x2, h2, mu2, r2 = L.layernorm_gelu_mlp(*mlp, impl=impl, next_norm=q["g_next"],
+                                           next_eps=EPS)
+    return x2, L.layernorm_matmul(h2, mu2, r2, q["g_next"], q["beta_next"], q["wq"],
+                                  bias=q["bq"], impl=impl)
+  merged = _mosaic_kernels(jax.grad(loss(fused)), diff, rest)
+  split = _mosaic_kernels(jax.grad(loss(separate_ops)), diff, rest)
+  assert merged == split - (2 if name.endswith("_next_qkv") else 1), (merged, split)
   check_op(name, p, "mosaic", key)
 
 
@@ -557,6 +591,21 @@ BAD = {
     "mlp_h": (lambda p: L.layernorm_gelu_mlp(p["x"], p["h"][:64], p["mu"], p["r"], p["g"],
                                              p["beta"], p["w1"], p["b1"], p["w2"], p["b2"]),
               r"h is bfloat16\[64, 128\], expected x's bfloat16\[128, 128\]"),
+    "next_w_without_norm_bias": (
+        lambda p: _half_block(p, "xla", next_norm=p["g_next"], next_w=p["wq"]),
+        r"next_w needs the LayerNorm it reads through: pass next_norm and next_norm_bias"),
+    "next_bias_without_next_w": (
+        lambda p: _half_block(p, "xla", next_norm=p["g_next"], next_bias=p["bq"]),
+        r"next_norm_bias and next_bias belong to next_w's GEMM"),
+    "next_w_shape": (
+        lambda p: _half_block(p, "xla", next_norm=p["g_next"],
+                              next_norm_bias=p["beta_next"], next_w=p["wq"][:-1]),
+        r"next_w has shape \(127, 64\), expected \(128, 64\)"),
+    "next_bias_shape": (
+        lambda p: _half_block(p, "xla", next_norm=p["g_next"],
+                              next_norm_bias=p["beta_next"], next_w=p["wq"],
+                              next_bias=p["bq"][:-1]),
+        r"next_bias has shape \(63,\), expected \(64,\)"),
     "eps": (lambda p: L.residual_layernorm(p["y"], p["w"], p["res"], p["g"], eps=0.0),
             r"LayerNormConfig\.eps=0\.0: must be positive and finite"),
 }
