@@ -9,6 +9,11 @@ Math and derivation of the backward: ``docs/layernorm_math.md``.
                                                     x + gelu(LN(x) @ w1 + b1) @ w2 + b2
     out, h', mu', r' = layernorm_gelu_mlp(..., next_norm=g')
                                                     the same, with the next norm's split
+    out = residual_layernorm_gelu_mlp(y, w, residual, g, beta, w1, b1, w2, b2)
+                                                    the first and third as one op
+    out, z' = residual_layernorm_gelu_mlp(..., next_norm=g', next_norm_bias=beta',
+                                          next_w=w', next_bias=c')
+                                                    ... on to LN'(out) @ w' + c'
 
 As with RMSNorm (``fused_ops``), the norm is split: the GEMM that produces x emits row
 partials of sum(x) and sum(x^2) and stores x and h = x * g; the GEMM that consumes LN(x)

@@ -1133,6 +1133,19 @@ MUTATIONS = [
         "  return dxt, n, dbeta, dg, dsum\n",
         ("tests/test_layernorm_ops.py", "-k", "test_op_and_grads_xla and residual_layernorm_gelu"),
         "the half block's two-kernel backward drops the producer's share of g's gradient"),
+    Mutation(
+        "shifted_op_next_norm_drops_dx", "coda_jax/layernorm_ops.py",
+        "        dzn, w_n.astype(dzn.dtype), None, xo, dxo.astype(xo.dtype), muo, ro, g_next, beta_n,\n",
+        "        dzn, w_n.astype(dzn.dtype), None, xo, jnp.zeros_like(xo), muo, ro, g_next, beta_n,\n",
+        ("tests/test_layernorm_ops.py", "-k", "test_op_and_grads_xla and next_qkv"),
+        "the shifted op's backward drops out's own cotangent (the residual stream's) beside "
+        "the next LayerNorm's"),
+    Mutation(
+        "input_grad_fallback_h_without_g", "coda_jax/layernorm_ops.py",
+        "    h = (x.astype(_F32) * g.astype(_F32)).astype(x.dtype)\n",
+        "    h = x\n",
+        ("tests/test_layernorm_ops.py", "-k", "test_op_and_grads_xla and residual_layernorm_gelu"),
+        "the one-GEMM input gradient's fallback recomputes h = x * g without g"),
 ]
 
 
