@@ -234,7 +234,7 @@ class LayerNormGrad(Primitive):
     r = env.load(self.r).astype(_F32)
     g = env.load(self.g).astype(_F32)[None, :]
     beta = env.load(self.beta).astype(_F32)[None, :]
-    hc = env.load(self.h).astype(_F32) - mu[:, None] * g  # (x - mu) g
+    hc = self.centred(env.load(self.h).astype(_F32), mu[:, None], g)  # (x - mu) g
     dh = r[:, None] * dn
     dh_stored = dh.astype(self.dtype).astype(_F32)
     env.store(self.dr, jnp.sum(dn * hc, axis=1))
@@ -249,6 +249,23 @@ class LayerNormGrad(Primitive):
     out = {nm: jnp.sum(raw[nm], axis=0) for nm in (self.dr, self.dmu, self.dbeta, self.dg)}
     out[self.n] = raw[self.n]
     return out
+
+  @staticmethod
+  def centred(h, mu, g):
+    """(x - mu) g from the tile operand h = x g."""
+    return h - mu * g
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerNormGradFromX(LayerNormGrad):
+  """``LayerNormGrad`` whose tile operand (still named by the field ``h``) is x itself,
+  not h = x g: for a backward that kept x alone. (x - mu) g from x rounds once, as the
+  unfused LayerNorm does; from a recomputed h = round(x) g it would round twice, which
+  rows far from zero mean (docs/layernorm_math.md section 4) do not tolerate."""
+
+  @staticmethod
+  def centred(x, mu, g):
+    return (x - mu) * g
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,10 +390,11 @@ def norm_matmul_operands(mu, r, gw, cw):
   return {"r": r, "r_mu": r * mu, "gw": gw, "cw": cw}
 
 
-def norm_matmul_grad(dz, w, h, mu, r, g, beta, impl):
-  """dn = dz @ w^T with ``LayerNormGrad``: returns dh, n, dr, dmu, dbeta, dg'."""
+def norm_matmul_grad(dz, w, h, mu, r, g, beta, impl, tile=LayerNormGrad):
+  """dn = dz @ w^T with ``LayerNormGrad``: returns dh, n, dr, dmu, dbeta, dg'. With
+  ``tile=LayerNormGradFromX``, ``h`` is x itself."""
   dt = dz.dtype
-  out = gemm_epilogue(dz, w, [LayerNormGrad("h", "mu", "r", "g", "beta", dtype=dt),
+  out = gemm_epilogue(dz, w, [tile("h", "mu", "r", "g", "beta", dtype=dt),
                               Store("dh", dt)],
                       {"h": h, "mu": mu, "r": r, "g": g.astype(_F32),
                        "beta": beta.astype(_F32)}, trans_b=True, impl=impl)
@@ -506,12 +524,15 @@ def input_grad_gemm_and_pass(dz, w, h, x, dx, mu, r, g, beta, impl):
 
   Args:
     dz, w, x, dx, mu, r, g, beta, impl: as ``layernorm_input_grad``.
-    h: (M, D) x * g as the producer stored it (``LayerNormGrad`` reads it).
+    h: (M, D) x * g as the producer stored it (``LayerNormGrad`` reads it), or None:
+      the GEMM then reads x (``LayerNormGradFromX``).
 
   Returns:
     (dxt, n, dbeta, dg, dsum) as ``layernorm_input_grad``.
   """
-  dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, w, h, mu, r, g, beta, impl)
+  tile = LayerNormGrad if h is not None else LayerNormGradFromX
+  dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, w, x if h is None else h, mu, r, g, beta,
+                                               impl, tile)
   dxt, dsum, dg_producer = stats_cotangent(x, g, mu, r, (dx, dh, dmu, dr), impl)
   return dxt, n, dbeta, dg + dg_producer, dsum
 
@@ -522,8 +543,8 @@ def layernorm_input_grad(dz, w, h, x, dx, mu, r, g, beta, impl):
 
   Args:
     dz: (M, K) the consumer GEMM's output cotangent; w: (D, K) its weight (dn = dz w^T).
-    h: (M, D) x * g as the producer stored it, read only by the two-kernel path; None
-      recomputes it there from x (one rounding more, within the tolerance rule).
+    h: (M, D) x * g as the producer stored it, read only by the two-kernel path; None:
+      that path reads x instead (``LayerNormGradFromX``), so an op need not keep h.
     x: (M, D) the normalised rows; dx: (M, D) x's cotangent from elsewhere (a residual
       add), both in dz's dtype. mu, r: (M,) fp32 statistics of x. g, beta: (D,).
     impl: as ``coda_jax.gemm_epilogue``; the one GEMM needs "mosaic" first.
@@ -553,8 +574,6 @@ def layernorm_input_grad(dz, w, h, x, dx, mu, r, g, beta, impl):
       why = str(e)
   dispatch.announce(f"LayerNorm's input gradient in one GEMM does not run ({why}); "
                     "it takes the GEMM + pass path")
-  if h is None:
-    h = (x.astype(_F32) * g.astype(_F32)).astype(x.dtype)
   return input_grad_gemm_and_pass(dz, w, h, x, dx, mu, r, g, beta, impl)
 
 
@@ -977,8 +996,8 @@ def _res_ln_mlp_fwd(y, w_proj, residual, g, beta, w1, b1, w2, b2, proj_bias, g_n
   (x1, h1, mu, r), producer = _residual_ln_fwd(y, w_proj, residual, g, proj_bias, cfg, impl)
   out, mlp = _gelu_mlp_fwd(x1, h1, mu, r, g, beta, w1, b1, w2, b2, g_next, impl, residuals,
                            next_cfg)
-  # h1 (and h') are read only where the one-GEMM input gradient cannot run, which
-  # recomputes them from x1 (and out): not kept.
+  # h1 (and h') are not kept: the one-GEMM input gradient reads x1 (and out), and so
+  # does its fallback (``LayerNormGradFromX``).
   mlp = (None, *mlp[1:])
   if nxt is None:
     return out, (producer, mlp, None)
@@ -1017,6 +1036,7 @@ _res_ln_mlp.defvjp(_res_ln_mlp_fwd, _res_ln_mlp_bwd)
 
 
 __all__ = ["AddBias", "AddOuter", "Gelu", "GeluGrad", "LayerNormConfig", "LayerNormGrad",
+           "LayerNormGradFromX",
            "LayerNormInputGrad", "SLOPE_CODE_LO", "SLOPE_CODE_STEP", "slope_code",
            "slope_dtype_for", "slope_multiplier",
            "DEFAULT_MLP_RESIDUALS", "MLP_RESIDUALS", "layernorm_gelu_mlp", "layernorm_matmul",

@@ -1141,11 +1141,11 @@ MUTATIONS = [
         "the shifted op's backward drops out's own cotangent (the residual stream's) beside "
         "the next LayerNorm's"),
     Mutation(
-        "input_grad_fallback_h_without_g", "coda_jax/layernorm_ops.py",
-        "    h = (x.astype(_F32) * g.astype(_F32)).astype(x.dtype)\n",
-        "    h = x\n",
+        "layernorm_grad_from_x_reads_h", "coda_jax/layernorm_ops.py",
+        "    return (x - mu) * g\n",
+        "    return x - mu * g\n",
         ("tests/test_layernorm_ops.py", "-k", "test_op_and_grads_xla and residual_layernorm_gelu"),
-        "the one-GEMM input gradient's fallback recomputes h = x * g without g"),
+        "the one-GEMM input gradient's fallback takes its x operand for h = x g"),
 ]
 
 
