@@ -116,17 +116,14 @@ def gpt2_ours(s: Shape, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS, ln1_stats="
                      f"ln1_stats={ln1_stats!r} needs half_block 'one_op' or 'two_ops'")
 
   def block(x0, y0, p):
-    if half_block == "shifted_op":
-      return L.residual_layernorm_gelu_mlp(
-          y0, p["wo"], x0, p["g_mlp"], p["beta_mlp"], p["w1"], p["b1"], p["w2"], p["b2"],
-          proj_bias=p["bo"], eps=s.eps, impl=impl, residuals=mlp_residuals,
-          next_norm=p["g_attn"], next_eps=s.eps, next_norm_bias=p["beta_attn"],
-          next_w=p["wqkv"], next_bias=p["bqkv"])
-    if half_block == "one_op":
+    if half_block != "two_ops":
       mlp = functools.partial(L.residual_layernorm_gelu_mlp, y0, p["wo"], x0, p["g_mlp"],
                               p["beta_mlp"], p["w1"], p["b1"], p["w2"], p["b2"],
                               proj_bias=p["bo"], eps=s.eps, impl=impl,
                               residuals=mlp_residuals)
+      if half_block == "shifted_op":
+        return mlp(next_norm=p["g_attn"], next_eps=s.eps, next_norm_bias=p["beta_attn"],
+                   next_w=p["wqkv"], next_bias=p["bqkv"])
     else:
       x1, h1, mu1, r1 = L.residual_layernorm(y0, p["wo"], x0, p["g_mlp"], bias=p["bo"],
                                              eps=s.eps, impl=impl)

@@ -849,14 +849,6 @@ def _mlp_output_cotangent(impl, saved, cts):
   return dout, db2, reduce_like(dg_next, g_next).astype(g_next.dtype)
 
 
-def _mlp_backward_to_dz(impl, residuals, saved, cts):
-  """The MLP's backward down to its first GEMM's output cotangent. Returns dout (the
-  cotangent of the MLP's input x through its residual add), dz, db1, a (dW2's A operand),
-  db2 and dg_next (``_mlp_output_cotangent``)."""
-  dout, db2, dg_next = _mlp_output_cotangent(impl, saved, cts)
-  return (dout, *_mlp_hidden_grads(impl, residuals, saved, dout), db2, dg_next)
-
-
 def _mlp_hidden_grads(impl, residuals, saved, dout):
   """B1 from the output sum's cotangent dout: dz, db1 and a (dW2's A operand)."""
   h, mu, r, g, beta, w1, b1, w2, b2, hidden, stats = saved
@@ -888,7 +880,8 @@ def _mlp_weight_grads(impl, w1, w2, n, dz, a, dout, db2):
 
 def _gelu_mlp_bwd(impl, residuals, cfg, saved, cts):
   h, mu, r, g, beta, w1, b1, w2, b2, hidden, stats = saved
-  dout, dz, db1, a, db2, dg_next = _mlp_backward_to_dz(impl, residuals, saved, cts)
+  dout, db2, dg_next = _mlp_output_cotangent(impl, saved, cts)
+  dz, db1, a = _mlp_hidden_grads(impl, residuals, saved, dout)
   # B2: dn = dz @ w1^T -> dh and the LayerNorm terms, for the producer's pass.
   dh, n, dr, dmu, dbeta, dg = norm_matmul_grad(dz, w1.astype(dz.dtype), h, mu, r, g, beta,
                                                impl)

@@ -308,13 +308,17 @@ def _shifted(p, x, y, c: GPT2Config, next_norm=None, next_attn=None):
       impl=c.impl, residuals=c.mlp_residuals, next_eps=c.eps, **nxt)
 
 
-def _fused_block(p, x, ln_1, c: GPT2Config):
-  """One block on the fused ops, from x and LN_1's split ``ln_1`` = (h, mu, r) of it.
-  Returns x2."""
-  h, mu, r = ln_1
-  qkv = L.layernorm_matmul(h, mu, r, p["norm_attn"], p["norm_attn_bias"], p["c_attn"],
-                           bias=p["c_attn_bias"], impl=c.impl)
-  return _shifted(p, x, _attention(c)(qkv), c)
+def _c_attn(p, x, c: GPT2Config):
+  """LN_1 (its split in XLA) and c_attn of x, from a layer's ``_ATTN`` parameters ``p``:
+  the one LN_1 that no GEMM's epilogue emits (x is the embedding, or one block alone)."""
+  h, mu, r = unfused.layernorm_split(x, p["norm_attn"], c.eps)
+  return L.layernorm_matmul(h, mu, r, p["norm_attn"], p["norm_attn_bias"], p["c_attn"],
+                            bias=p["c_attn_bias"], impl=c.impl)
+
+
+def _fused_block(p, x, c: GPT2Config):
+  """One block on the fused ops. Returns x2."""
+  return _shifted(p, x, _attention(c)(_c_attn(p, x, c)), c)
 
 
 def block_forward(p, x, c: GPT2Config, fused: bool):
@@ -330,7 +334,7 @@ def block_forward(p, x, c: GPT2Config, fused: bool):
     (B, T, D) in x's dtype.
   """
   if fused:
-    return _fused_block(p, x, unfused.layernorm_split(x, p["norm_attn"], c.eps), c)
+    return _fused_block(p, x, c)
   attend = _attention(c)
   dt = x.dtype
   n = ref.layer_norm(x, p["norm_attn"].astype(_F32), p["norm_attn_bias"].astype(_F32), c.eps)
@@ -407,10 +411,7 @@ class GPT2(nnx.Module):
     # Cut at attention: step i runs layer i's c_proj and MLP, then layer i + 1's LN_1
     # and c_attn (``_shifted``); the last layer's MLP emits LN_f's statistics instead.
     attend = _attention(c)
-    first = {k: p[k][0] for k in _ATTN}
-    h, mu, r = unfused.layernorm_split(x, first["norm_attn"], c.eps)
-    qkv = L.layernorm_matmul(h, mu, r, first["norm_attn"], first["norm_attn_bias"],
-                             first["c_attn"], bias=first["c_attn_bias"], impl=c.impl)
+    qkv = _c_attn({k: p[k][0] for k in _ATTN}, x, c)
 
     def layer(carry, lp):
       x, qkv = carry

@@ -101,15 +101,8 @@ def _mlp_then_qkv(p, impl):
                                      impl=impl)
   x2, h2, mu2, r2 = L.layernorm_gelu_mlp(x, h, mu, r, p["g"], p["beta"], p["w1"], p["b1"],
                                          p["w2"], p["b2"], impl=impl, next_norm=p["g_next"])
-  return x2, L.layernorm_matmul(h2, mu2, r2, p["g_next"], p["beta"], p["wq"], bias=p["bq"],
-                                impl=impl)
-
-
-def _mlp_then_qkv_ref(p):
-  x = R.residual_layernorm(p["y"], p["w"], p["res"], p["g"], p["b"])[0]
-  x2 = R.gpt2_mlp(x, p["g"], p["beta"], p["w1"], p["b1"], p["w2"], p["b2"])
-  return x2, (R.layer_norm(x2, p["g_next"], p["beta"]) @ p["wq"].astype(x2.dtype)
-              + p["bq"].astype(x2.dtype))
+  return x2, L.layernorm_matmul(h2, mu2, r2, p["g_next"], p["beta_next"], p["wq"],
+                                bias=p["bq"], impl=impl)
 
 
 def _mlp_next_norm_ref(p):
@@ -213,9 +206,9 @@ OPS = {
     "gpt2_mlp_half": (*_composed_mlp,
                       ("y", "w", "res", "g", "b", "beta", "w1", "b1", "w2", "b2"),
                       _stream_cts),
-    "gpt2_mlp_then_qkv": (_mlp_then_qkv, _mlp_then_qkv_ref,
-                          ("y", "w", "res", "g", "b", "beta", "w1", "b1", "w2", "b2",
-                           "g_next", "wq", "bq"), _stream_cts),
+    # the same block as three ops (the shifted op's reference)
+    "gpt2_mlp_then_qkv": (_mlp_then_qkv, _half_block_next_qkv_ref, _NEXT_QKV_ARGS,
+                          _stream_cts),
 }
 
 
