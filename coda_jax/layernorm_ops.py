@@ -38,15 +38,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
 
 import pallas_kernels as pk
 from coda_jax import block_gemms as S
-from coda_jax import dispatch
+from coda_jax import dispatch, partitioning
 from coda_jax.fused_ops import check_act, check_residual, check_rows, check_weight, flat_rows
 from coda_jax.epilogue_gemm import epilogue_pass, gemm_epilogue
 from coda_jax.primitives import (ACTIVATIONS, AddBias, AddTile, ColSum, MulTile, Primitive,
                                  RowSum, ScaleCol, ScaleRow, Store)
-from coda_jax.sharding import reduce_like, varying_axes
+from coda_jax.sharding import reduce_like, vary_like, varying_axes
 from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 
 _F32 = jnp.float32
@@ -552,29 +553,179 @@ def layernorm_input_grad(dz, w, h, x, dx, mu, r, g, beta, impl):
   Returns:
     (dxt, n, dbeta, dg, dsum): x's whole cotangent dx + LN's input gradient and the
     normalised rows n = LN(x) (M, D) in dz's dtype; the column sums (fp32, (D,)) of
-    dbeta, dg and dxt (a bias's gradient). Where the one GEMM cannot run, the reason is
-    logged once.
+    dbeta, dg and dxt (a bias's gradient). On several devices the one GEMM runs per
+    shard (``row_terms_sharded``); inside ``shard_map`` it runs on the local rows. Where
+    it cannot run, the reason is logged once.
   """
   why = config = None
   d = x.shape[1]
   if dispatch.resolve(impl)[0] != "mosaic" or not dispatch.kernels_available():
     why = f"impl={impl!r} does not run the compiled kernel first on this host"
-  elif jax.device_count() > 1 or any(varying_axes(v) for v in (dz, w, x, dx)):
-    why = "several devices: the row totals' exchange is not split per shard yet"
   elif dz.dtype not in (jnp.bfloat16, jnp.float16) or {x.dtype, dx.dtype, w.dtype} != {
       dz.dtype}:
     why = f"dtypes {dz.dtype}, {w.dtype}, {x.dtype}, {dx.dtype}: 16-bit and equal only"
   elif (config := row_terms_config(d, dz.dtype)) is None:
     why = f"D={d}: no pipeline of three stages fits beside the gathered partials"
   if why is None:
-    try:
-      return row_terms_gemm(dz, w, x, dx, mu, r, g, beta, config,
-                            num_sms=dispatch.target_device().core_count)
-    except ValueError as e:  # a shape or grid the kernel refuses, with its reason
+    args = (dz, w, x, dx, *(v.astype(_F32) for v in (mu, r, g, beta)))
+    rc = RowTermsCall(config, dispatch.target_device().core_count)
+    gemm = lambda *a: row_terms_gemm(*a, config, num_sms=rc.num_sms)
+    try:  # a shape or grid the kernel refuses raises while tracing, with its reason
+      if any(varying_axes(v) for v in args):  # inside shard_map: this shard's rows
+        return tuple(vary_like(o, *args) for o in gemm(*args))
+      if jax.device_count() == 1:
+        return gemm(*args)
+      jax.eval_shape(gemm, *args)  # the whole problem's refusals, before the split
+      return row_terms_sharded(rc, *args)
+    except ValueError as e:
       why = str(e)
   dispatch.announce(f"LayerNorm's input gradient in one GEMM does not run ({why}); "
                     "it takes the GEMM + pass path")
   return input_grad_gemm_and_pass(dz, w, h, x, dx, mu, r, g, beta, impl)
+
+
+# ---- the one GEMM on sharded arrays ---------------------------------------------------------
+# ``gemm_epilogue``'s rule (``coda_jax.partitioning``) cannot split this call: its row
+# totals are exchanged inside the kernel, across the row block's tiles. With the rows (M)
+# split, every row is whole on one device, so each device runs the one GEMM on its rows
+# and only the column sums (3 D floats) are summed across the row shards. With D (N) or
+# the contraction (K) split, a kernel would see part of a row or part of dn: there each
+# device forms its fp32 dn in XLA (summed over K's shards), runs the same two passes on
+# it (``row_terms_xla``), and sums the first pass's row totals over D's shards (M floats
+# each), which is the traffic of the GEMM + pass path's own split.
+@dataclasses.dataclass(frozen=True)
+class RowTermsCall:
+  """What the per-shard rule of the one GEMM keeps static.
+
+  Attributes:
+    config: the kernel's config (``row_terms_config``); None: every shard runs the XLA
+      form (``row_terms_xla``), for hosts with no kernel (the rule's CPU tests).
+    num_sms: the persistent grid's size; None: the device's SM count.
+  """
+  config: pk.GemmConfig | None
+  num_sms: int | None = None
+
+
+def row_terms_xla(dn, x, dx, mu, r, g, beta, totals=lambda t: t, d=None):
+  """The one GEMM's program in XLA on whole arrays, given dn: the kernel's two passes
+  (``row_terms_first_pass``, ``row_terms_second_pass``) on one tile spanning the rows.
+
+  Args:
+    dn: (M, D) fp32, dz @ w^T. x, dx, mu, r, g, beta: as ``row_terms_gemm``'s (mu, r, g,
+      beta fp32).
+    totals: applied to each row total of the first pass (sum g dn, sum g dn (x - mu))
+      before the second pass reads it: a sum over the shards of D's columns.
+    d: the rows' whole length (the mean's divisor); default dn's columns (D unsplit).
+
+  Returns:
+    (dxt, n, dbeta, dg, dsum) as ``row_terms_gemm``'s.
+  """
+  m, d_local = dn.shape
+  arrays = {"x": x, "dx": dx, "mu": mu, "r": r, "g": g, "beta": beta}
+  specs = {o.name: o for o in _row_terms_outputs(x.dtype)}
+  stored = {}
+
+  def tile(names):
+    inputs = {nm: (_ROW_TERMS_KINDS.get(nm, InputKind.ROW), lambda v=v: v)
+              for nm, v in arrays.items()}
+    return pk.EpilogueTile(row0=0, col0=0, shape=(m, d_local), inputs=inputs, outputs={
+        nm: (specs[nm], lambda v, nm=nm: stored.__setitem__(nm, v)) for nm in names})
+  row_terms_first_pass(tile(("sa", "sc")), dn)
+  arrays.update({nm: totals(stored.pop(nm)) for nm in ("sa", "sc")})
+  row_terms_second_pass(d or d_local)(tile(("dxt", "n", "dbeta", "dg", "dsum")), dn)
+  return tuple(stored[nm] for nm in ("dxt", "n", "dbeta", "dg", "dsum"))
+
+
+def _row_terms_layout(mesh, shapes) -> partitioning.Layout:
+  """The mesh axes splitting M and K (as dz is split) and D (as w's rows are, less those):
+  an axis that does not divide its dimension is left out (that dimension replicated)."""
+  dz, w = partitioning.spec_dims(shapes[0]), partitioning.spec_dims(shapes[1])
+  (m, k), d = shapes[0].shape, shapes[1].shape[0]
+  whole = lambda axes, size: axes if size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+  return partitioning.Layout(m=whole(dz[0], m), k=whole(dz[1], k),
+                             n=whole(tuple(a for a in w[0] if a not in dz[0] + dz[1]), d))
+
+
+def _row_terms_specs(layout):
+  """(the operands' specs, the results' specs) for ``layout``."""
+  ps = jax.sharding.PartitionSpec
+  m, n, k = (layout.m or None), (layout.n or None), (layout.k or None)
+  return ((ps(m, k), ps(n, k), ps(m, n), ps(m, n), ps(m), ps(m), ps(n), ps(n)),
+          (ps(m, n), ps(m, n), ps(n), ps(n), ps(n)))
+
+
+def row_terms_local(rc: RowTermsCall, layout: partitioning.Layout, dz, w, x, dx, mu, r, g,
+                    beta):
+  """What one device runs of ``row_terms_sharded``: the one GEMM on its rows where only M
+  is split (and the kernel takes the local shape), else the XLA form with dn summed over
+  K's shards and the row totals over D's; then the column sums over M's shards."""
+  out = None
+  if rc.config is not None and not layout.n and not layout.k:
+    try:
+      out = row_terms_gemm(dz, w, x, dx, mu, r, g, beta, rc.config, num_sms=rc.num_sms)
+    except ValueError as e:  # a local shape the kernel refuses: the same math in XLA
+      dispatch.announce(f"LayerNorm's input gradient: a shard's one GEMM does not run "
+                        f"({e}); that shard runs it in XLA")
+  if out is None:
+    dn = jnp.matmul(dz, w.T, preferred_element_type=_F32)
+    if layout.k:
+      dn = jax.lax.psum(dn, layout.k)
+    sum_n = (lambda t: jax.lax.psum(t, layout.n)) if layout.n else (lambda t: t)
+    out = row_terms_xla(dn, x, dx, mu, r, g, beta, totals=sum_n,
+                        d=x.shape[1] * (jax.lax.axis_size(layout.n) if layout.n else 1))
+  dxt, n, *cols = out
+  if layout.m:
+    cols = [jax.lax.psum(c, layout.m) for c in cols]
+  return (dxt, n, *cols)
+
+
+def _row_terms_partition(rc, mesh, arg_shapes, result_shape):
+  del result_shape
+  layout = _row_terms_layout(mesh, arg_shapes)
+  args, results = _row_terms_specs(layout)
+  named = lambda spec: jax.sharding.NamedSharding(mesh, spec)
+  return (mesh, functools.partial(row_terms_local, rc, layout),
+          tuple(map(named, results)), tuple(map(named, args)))
+
+
+def _row_terms_infer(rc, mesh, arg_shapes, result_shape):
+  del rc, result_shape
+  return tuple(jax.sharding.NamedSharding(mesh, s)
+               for s in _row_terms_specs(_row_terms_layout(mesh, arg_shapes))[1])
+
+
+_row_terms_partitioned = custom_partitioning(
+    lambda rc, *args: row_terms_local(rc, partitioning.Layout((), (), ()), *args),
+    static_argnums=(0,))
+_row_terms_partitioned.def_partition(
+    partition=_row_terms_partition, infer_sharding_from_operands=_row_terms_infer,
+    sharding_rule="m k, n k, m n, m n, m, m, n, n -> m n, m n, n, n, n",
+    reduction_factors=("k",))
+
+
+def row_terms_sharded(rc: RowTermsCall, dz, w, x, dx, mu, r, g, beta):
+  """``row_terms_gemm`` on operands sharded over a mesh: per shard, as
+  ``row_terms_local`` says. Explicitly sharded operands (their types carry the mesh) go
+  through ``jax.shard_map``; others through ``custom_partitioning``, whose rule XLA's
+  partitioner runs with the shardings it chose.
+
+  Args:
+    rc: the kernel's config and grid (``RowTermsCall``).
+    dz, w, x, dx, mu, r, g, beta: as ``row_terms_gemm``'s (mu, r, g, beta fp32).
+
+  Returns:
+    (dxt, n, dbeta, dg, dsum) as ``row_terms_gemm``'s: dxt and n split as x is, the
+    column sums as w's rows are.
+  """
+  args = (dz, w, x, dx, mu, r, g, beta)
+  mesh = partitioning.explicit_mesh(*args)
+  if mesh is None:
+    return _row_terms_partitioned(rc, *args)
+  layout = _row_terms_layout(mesh, [jax.typeof(v) for v in args])
+  arg_specs, result_specs = _row_terms_specs(layout)
+  args = [jax.reshard(v, jax.sharding.NamedSharding(mesh, s)) for v, s in zip(args, arg_specs)]
+  return jax.shard_map(functools.partial(row_terms_local, rc, layout), mesh=mesh,
+                       in_specs=arg_specs, out_specs=result_specs, check_vma=False)(*args)
 
 
 # ---- residual (+ bias) + LayerNorm statistics ---------------------------------------------
@@ -914,8 +1065,9 @@ def residual_layernorm_gelu_mlp(y, w_proj, residual, g, beta, w1, b1, w2, b2, *,
   (``layernorm_input_grad``, row totals), where the separate ops take that GEMM and then
   a pass over (M, D). With ``next_w`` the same holds for LN': its input gradient and the
   cotangent of out arrive in this op's backward together, so LN' too needs no pass.
-  Where the one GEMM cannot run (no Hopper GPU, several devices, a D whose partials do
-  not fit), the backward takes the GEMM + pass path; the values agree.
+  Where the one GEMM cannot run (no Hopper GPU, a D whose partials do not fit), the
+  backward takes the GEMM + pass path; the values agree. On several devices it runs per
+  shard (``row_terms_sharded``).
 
   Args:
     y: (..., K) activations (attention's output), bfloat16 or float16.

@@ -34,6 +34,10 @@ operands' shardings:
 A weight sharded along a dimension the rule does not split (FSDP's storage layout) is
 gathered just before the call: per layer, as FSDP does. A mesh axis that does not
 divide its dimension raises a ``ValueError`` naming the axis and the sizes.
+
+One call has a rule of its own: LayerNorm's input gradient in one GEMM, whose row
+totals are exchanged across tiles inside the kernel (``layernorm_ops.row_terms_sharded``,
+beside the op; it uses ``Layout``, ``spec_dims`` and ``explicit_mesh`` from here).
 """
 from __future__ import annotations
 
@@ -69,7 +73,9 @@ def _axes(entry) -> tuple[str, ...]:
   return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _spec_dims(shape) -> list[tuple[str, ...]]:
+def spec_dims(shape) -> list[tuple[str, ...]]:
+  """The mesh axes splitting each dimension of ``shape`` (a ShapeDtypeStruct with a
+  NamedSharding), one tuple per dimension (empty: not split)."""
   sharding = shape.sharding
   if not isinstance(sharding, NamedSharding):
     raise ValueError(
@@ -97,7 +103,7 @@ def choose_layout(sc: ShardedCall, mesh, arg_shapes) -> Layout:
   as ``a`` is split, N as ``b`` is (less axes already used). Raises ValueError on a split
   the kernels cannot run."""
   call = sc.call
-  a_dims, b_dims = _spec_dims(arg_shapes[0]), _spec_dims(arg_shapes[1])
+  a_dims, b_dims = spec_dims(arg_shapes[0]), spec_dims(arg_shapes[1])
   a_m, a_k = (a_dims[1], a_dims[0]) if call.trans_a else (a_dims[0], a_dims[1])
   b_n = b_dims[0] if call.trans_b else b_dims[1]
   layout = Layout(m=a_m, k=a_k, n=tuple(x for x in b_n if x not in a_m + a_k))
@@ -279,7 +285,7 @@ def _pass_shapes(ps: _Pass, mesh, value_shapes):
   and columns, for ``choose_layout`` and the rule."""
   tile = next(v for nm, v in zip(ps.sc.operand_names, value_shapes)
               if ps.sc.kinds()[nm] in (pk.InputKind.TILE, pk.InputKind.WIDE_TILE))
-  m_axes, n_axes = (tuple(_spec_dims(tile)) + ((), ()))[:2]
+  m_axes, n_axes = (tuple(spec_dims(tile)) + ((), ()))[:2]
   call = ps.sc.call
   spec = lambda *d: NamedSharding(mesh, PartitionSpec(*[x or None for x in d]))
   a = (jax.ShapeDtypeStruct((0, ps.m), ps.dtype, sharding=spec((), m_axes)) if call.trans_a
@@ -362,7 +368,8 @@ def call(sc: ShardedCall, a, b, *values) -> dict:
   return fn(*values)
 
 
-__all__ = ["Layout", "ShardedCall", "call", "choose_layout", "explicit_mesh", "local_call"]
+__all__ = ["Layout", "ShardedCall", "call", "choose_layout", "explicit_mesh", "local_call",
+           "spec_dims"]
 
 
 # ---- one element per row: x[m, col[m]] = val[m] -------------------------------------------

@@ -1146,6 +1146,32 @@ MUTATIONS = [
         "    return x - mu * g\n",
         ("tests/test_layernorm_ops.py", "-k", "test_op_and_grads_xla and residual_layernorm_gelu"),
         "the one-GEMM input gradient's fallback takes its x operand for h = x g"),
+    # ---- LayerNorm's one-GEMM input gradient on sharded arrays (thirty-second session) ---
+    Mutation(
+        "row_terms_rows_split_cols_unsummed", "coda_jax/layernorm_ops.py",
+        "  if layout.m:\n    cols = [jax.lax.psum(c, layout.m) for c in cols]\n",
+        "",
+        ("tests/test_sharding.py", "-k", "row_terms"),
+        "with the rows split, each device's column sums (dbeta, dg, a bias's) are its own "
+        "rows' only"),
+    Mutation(
+        "row_terms_cols_split_local_mean", "coda_jax/layernorm_ops.py",
+        "                        d=x.shape[1] * (jax.lax.axis_size(layout.n) if layout.n else 1))",
+        "                        d=x.shape[1])",
+        ("tests/test_sharding.py", "-k", "row_terms"),
+        "with D split, the row terms' means divide by the shard's columns, not the row's"),
+    Mutation(
+        "row_terms_cols_split_totals_unsummed", "coda_jax/layernorm_ops.py",
+        "    sum_n = (lambda t: jax.lax.psum(t, layout.n)) if layout.n else (lambda t: t)\n",
+        "    sum_n = lambda t: t\n",
+        ("tests/test_sharding.py", "-k", "row_terms"),
+        "with D split, the row totals are the shard's columns' only"),
+    Mutation(
+        "row_terms_contraction_gathered", "coda_jax/layernorm_ops.py",
+        "  return partitioning.Layout(m=whole(dz[0], m), k=whole(dz[1], k),",
+        "  return partitioning.Layout(m=whole(dz[0], m), k=(),",
+        ("tests/test_sharding.py", "-k", "row_terms"),
+        "a split contraction is gathered (dz, w: activation-sized) instead of summing dn"),
 ]
 
 

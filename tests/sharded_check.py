@@ -6,10 +6,12 @@ device. Prints one line per case: name, max relative gradient difference, and th
 compiled program's collective counts; for the blocks, also the one-device and the
 sharded gradients' errors against the same math in float32 (``TRUTH``).
 
-    python tests/sharded_check.py IMPL [shard_map] [jit] [auto] [train] [errors] [only=a,b]
+    python tests/sharded_check.py IMPL [shard_map] [jit] [auto] [train] [errors] [row_terms]
+                                  [only=a,b]
 
 ``only=`` keeps the cases whose name contains one of the comma-separated words. With no
-mode named, the ops run under shard_map; ``train`` alone runs only the train step."""
+mode named, the ops run under shard_map; ``train`` or ``row_terms`` alone runs only the
+train step or LayerNorm's one-GEMM input gradient (``layernorm_ops.row_terms_sharded``)."""
 import os
 import sys
 
@@ -177,7 +179,7 @@ mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
 CASES_TRAIN = "train" in sys.argv[2:]
 # No mode named: shard_map, or none at all beside "train" (the train step alone).
 MODES = [m for m in ("shard_map", "jit", "auto") if m in sys.argv[2:]] or (
-    [] if CASES_TRAIN else ["shard_map"])
+    [] if CASES_TRAIN or "row_terms" in sys.argv[2:] else ["shard_map"])
 # "only=a,b": the cases whose name contains one of these (a short run on the GPU host)
 ONLY = [w for arg in sys.argv[2:] if arg.startswith("only=")
         for w in arg.removeprefix("only=").split(",") if w]
@@ -354,3 +356,44 @@ if "errors" in sys.argv[2:] and len(jax.devices()) >= 4:  # splits the kernels c
             else "not divisible by axis_size=4" in msg)
       print(f"ERRORCASE {types.name} swiglu_pairs {'ok' if ok else 'wrong'}: "
             f"{msg.splitlines()[0][:200]}", flush=True)
+
+
+# LayerNorm's input gradient in one GEMM (layernorm_ops.row_terms_sharded): its row totals
+# are exchanged inside the kernel, so it has a rule of its own. With IMPL "mosaic" (on the
+# GPU) each shard whose rows alone are split runs the kernel; otherwise, and on the CPU,
+# every shard runs the same program in XLA (row_terms_xla), which is what the rule's
+# collectives are checked on. Prints
+#   ROWTERMS <axis type> <split> diff=<max rel diff from one device> <collectives>
+#   largest_reduce=<elements>
+if "row_terms" in sys.argv[2:]:
+  ks_rt = iter(jax.random.split(jax.random.key(2), 8))
+  rt_x = (3 * jax.random.normal(next(ks_rt), (M, D)) + 0.5).astype(bf)
+  rt_mu, rt_r = layernorm_stats(rt_x.astype(jnp.float32), 1e-5)
+  # dn ~ 1 and dx ~ 0.3: the row terms are a large part of dxt, so a wrong total shows
+  rt_args = (normal((M, F_)), weight(F_, D).T, rt_x, normal((M, D), 0.3), rt_mu, rt_r,  # dz,
+             gain(D), 0.3 * gain(D) - 0.3)  # w, x, dx, mu, r, g, beta
+  rc = L.RowTermsCall(L.row_terms_config(D) if IMPL == "mosaic" else None)
+  one_rt = jax.jit(lambda *a: L.row_terms_local(
+      rc, L.partitioning.Layout((), (), ()), *a))(*rt_args)
+  # split name -> (dz, w, x) specs (dx as x; mu, r with x's rows; g, beta with w's rows)
+  splits = {"rows": (P("data"), P(), P("data")),
+            "cols": (P(), P("model"), P(None, "model")),
+            "contraction": (P(None, "model"), P(None, "model"), P()),
+            "rows_cols": (P("data"), P("model"), P("data", "model")),
+            "rows_contraction": (P("data", "model"), P(None, "model"), P("data"))}
+  for types in (Auto, Explicit):
+    mesh_rt = {"rows": jax.make_mesh((2,), ("data",), devices=jax.devices()[:2],
+                                     axis_types=(types,))}
+    mesh_rt["tp"] = jax.make_mesh((TP_DATA, 2), ("data", "model"), axis_types=(types,) * 2,
+                                  devices=jax.devices()[:2 * TP_DATA])
+    for split, (s_dz, s_w, s_x) in splits.items():
+      m_rt = mesh_rt["rows" if split == "rows" else "tp"]
+      s_rows, s_cols = P(s_x[0] if len(s_x) else None), P(s_w[0] if len(s_w) else None)
+      put = [jax.device_put(a, NamedSharding(m_rt, s)) for a, s in zip(
+          rt_args, (s_dz, s_w, s_x, s_x, s_rows, s_rows, s_cols, s_cols))]
+      fn = jax.jit(lambda *a: L.row_terms_sharded(rc, *a))
+      got = fn(*put)
+      diff = max(rel(a, b) for a, b in zip(got, one_rt))
+      hlo = fn.lower(*put).compile().as_text()
+      print(f"ROWTERMS {types.name} {split} diff={diff:.3e} {collectives(hlo)} "
+            f"largest_reduce={largest_reduce(hlo)}", flush=True)

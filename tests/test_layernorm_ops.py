@@ -369,6 +369,74 @@ def test_half_block_input_grad_in_one_gemm(name, m, key, kernel_impl):
   check_op(name, p, "mosaic", key)
 
 
+def _row_terms_operands(key, m, d, k, offset=0.5):
+  """(dz, w, x, dx, mu, r, g, beta) of ``layernorm_input_grad`` with dn ~ 1 and dx ~ 0.3,
+  so the row terms are a large part of dxt; x's rows are 3-std wide, ``offset`` off zero."""
+  ks = jax.random.split(key, 6)
+  x = (3 * normal(ks[0], (m, d)) + offset).astype(jnp.bfloat16)
+  mu, r = R.layernorm_stats(x.astype(jnp.float32), EPS)
+  return (normal(ks[1], (m, k), jnp.bfloat16),
+          (normal(ks[2], (d, k)) * k ** -0.5).astype(jnp.bfloat16), x,
+          (0.3 * normal(ks[3], (m, d))).astype(jnp.bfloat16), mu, r,
+          1 + 0.1 * normal(ks[4], (d,)), 0.3 * normal(ks[5], (d,)))
+
+
+def _row_terms_f64(dz, w, x, dx, mu, r, g, beta):
+  """float64: (dxt, n, dbeta, dg, dsum) of LayerNorm's input gradient from dn = dz w^T."""
+  f = lambda v: np.asarray(v, np.float64)
+  dn = f(dz) @ f(w).T
+  mu, r, g, beta = f(mu)[:, None], f(r)[:, None], f(g)[None], f(beta)[None]
+  xhat = (f(x) - mu) * r
+  dxt = f(dx) + r * (g * dn - np.mean(g * dn, 1, keepdims=True)
+                     - xhat * np.mean(g * dn * xhat, 1, keepdims=True))
+  return dxt, xhat * g + beta, dn.sum(0), (dn * xhat).sum(0), dxt.sum(0)
+
+
+@pytest.mark.parametrize("m,d,k", [(64, 128, 96), (5, 24, 8)])
+def test_row_terms_in_xla_under_the_tolerance_rule(m, d, k):
+  """``row_terms_xla`` (the one GEMM's two passes on whole arrays: what a shard runs where
+  D or K is split) against float64, each output under the tolerance rule, with the XLA
+  GEMM + pass path (the same math, unfused) as the baseline."""
+  args = _row_terms_operands(jax.random.key(3), m, d, k)
+  dz, w, x, dx, mu, r, g, beta = args
+  dn = jnp.matmul(dz, w.T, preferred_element_type=jnp.float32)
+  got = jax.jit(L.row_terms_xla)(dn, x, dx, mu, r, g, beta)
+  base = L.input_grad_gemm_and_pass(dz, w, None, x, dx, mu, r, g, beta, "xla")
+  for nm, a, b, t in zip(("dxt", "n", "dbeta", "dg", "dsum"), got, base,
+                         _row_terms_f64(*args)):
+    assert a.shape == t.shape, (nm, a.shape, t.shape)
+    assert_within_baseline(a if a.ndim == 2 else a[None], t if t.ndim == 2 else t[None],
+                           b if b.ndim == 2 else b[None], nm)
+
+
+def test_input_grad_in_one_gemm_inside_shard_map(key, kernel_impl):
+  """Inside ``shard_map`` (a one-device mesh here; data parallel on more) LayerNorm's input
+  gradient still runs as the one GEMM, on the shard's rows: one Mosaic kernel, the same
+  values as outside, the outputs varying over the mesh axis as its inputs do."""
+  if kernel_impl != "mosaic":
+    pytest.skip("the one-GEMM input gradient waits on global semaphores, which the "
+                "Mosaic GPU interpreter does not have: checked on the GPU only")
+  from jax.sharding import PartitionSpec as P
+  args = _row_terms_operands(key, 256, 256, 512)
+  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  grad = lambda *a: L.layernorm_input_grad(a[0], a[1], None, *a[2:], "mosaic")
+  rows, whole = P("data"), P()
+
+  def per_shard(*a):
+    dxt, n, *cols = grad(*a)
+    return dxt, n, *(jax.lax.psum(c, "data") for c in cols)
+  inside = jax.shard_map(per_shard, mesh=mesh, out_specs=(rows, rows, whole, whole, whole),
+                         in_specs=(rows, whole, rows, rows, rows, rows, whole, whole))
+  assert _mosaic_kernels(grad, *args) == _mosaic_kernels(inside, *args) == 1
+  want, got = jax.jit(grad)(*args), jax.jit(inside)(*args)
+  base = L.input_grad_gemm_and_pass(args[0], args[1], None, *args[2:], "xla")
+  for nm, a, b, c, t in zip(("dxt", "n", "dbeta", "dg", "dsum"), got, want, base,
+                            _row_terms_f64(*args)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=nm)
+    two_d = lambda v: v if v.ndim == 2 else v[None]
+    assert_within_baseline(two_d(a), two_d(t), two_d(c), nm)
+
+
 def test_stats_with_mean_offset():
   """(mu, r) of residual_layernorm (fp32 E[x^2] - mu^2 from the accumulator) against a
   float64 oracle, for rows whose |mean| / std = k runs from 0 to ~2000 (bf16 residuals at

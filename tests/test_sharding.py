@@ -340,3 +340,42 @@ def test_b_column_sums_split_over_k_add_and_over_m_do_not():
   assert jnp.array_equal(combined["dc"], 2 * out["dc"])  # partial sums over M: added
   assert dispatch.finished_kinds(call)["db"] == ("col", 1)
   assert pk.OutputKind.B_COLUMN_SUM in {o.kind for o in outputs}
+
+
+@pytest.fixture(scope="module")
+def row_terms_results():
+  """(axis type, split) -> (max relative difference from one device, all-gathers,
+  all-reduces, largest all-reduced elements) of ``layernorm_ops.row_terms_sharded`` in
+  XLA form (tests/sharded_check.py ``row_terms``; the kernel on 2 GPUs:
+  ``python tests/sharded_check.py mosaic row_terms``)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, os.path.join(HERE, "sharded_check.py"), "xla",
+                        "row_terms"], capture_output=True, text=True, env=env, timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  found = {m.group(1, 2): (float(m.group(3)), *map(int, m.group(4, 5, 6)))
+           for m in re.finditer(r"ROWTERMS (\S+) (\S+) diff=(\S+) all-gather=(\d+) "
+                                r"all-reduce=(\d+) .*largest_reduce=(\d+)", out.stdout)}
+  assert len(found) == 10 and "CASE" not in out.stdout, out.stdout
+  return found
+
+
+# split -> the largest array the rule may all-reduce (sharded_check.py: 4 CPU devices as
+# data=2 x model=2; "rows" on a data=2 mesh): the column sums (D) over row shards, the
+# row totals (rows per shard) over column shards, and dn itself over contraction shards
+# (the GEMM + pass path's own reduction there).
+ROW_TERMS_SPLITS = {"rows": D, "cols": M, "contraction": M * D, "rows_cols": M // 2,
+                    "rows_contraction": M // 2 * D}
+
+
+@pytest.mark.parametrize("axes", ["Auto", "Explicit"])
+@pytest.mark.parametrize("split", sorted(ROW_TERMS_SPLITS))
+def test_row_terms_split_matches_one_device(row_terms_results, axes, split):
+  """LayerNorm's input gradient in one GEMM (``layernorm_ops.row_terms_sharded``; its
+  row totals cross tiles inside the kernel, so it has a rule of its own) split over rows,
+  columns, the contraction and two of them at once, on auto axes (custom_partitioning)
+  and explicit ones (shard_map): the one-device values, with no all-gather and nothing
+  larger reduced than the split needs."""
+  diff, gathers, reduces, largest = row_terms_results[axes, split]
+  assert diff < 1e-5, (diff, split)
+  assert gathers == 0 and 1 <= reduces <= 2, (gathers, reduces)
+  assert largest <= ROW_TERMS_SPLITS[split], (largest, split)
