@@ -418,7 +418,8 @@ def test_input_grad_in_one_gemm_inside_shard_map(key, kernel_impl):
                 "Mosaic GPU interpreter does not have: checked on the GPU only")
   from jax.sharding import PartitionSpec as P
   args = _row_terms_operands(key, 256, 256, 512)
-  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1],
+                       axis_types=(jax.sharding.AxisType.Auto,))
   grad = lambda *a: L.layernorm_input_grad(a[0], a[1], None, *a[2:], "mosaic")
   rows, whole = P("data"), P()
 
