@@ -575,7 +575,9 @@ def layernorm_input_grad(dz, w, h, x, dx, mu, r, g, beta, impl):
         return tuple(vary_like(o, *args) for o in gemm(*args))
       if jax.device_count() == 1:
         return gemm(*args)
-      jax.eval_shape(gemm, *args)  # the whole problem's refusals, before the split
+      # the whole problem's refusals, before the split (shapes only: the kernel refuses
+      # explicitly sharded types, which it never sees inside the rule)
+      jax.eval_shape(gemm, *(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in args))
       return row_terms_sharded(rc, *args)
     except ValueError as e:
       why = str(e)
