@@ -1172,6 +1172,20 @@ MUTATIONS = [
         "  return partitioning.Layout(m=whole(dz[0], m), k=(),",
         ("tests/test_sharding.py", "-k", "row_terms"),
         "a split contraction is gathered (dz, w: activation-sized) instead of summing dn"),
+    Mutation(
+        "row_terms_check_on_sharded_types", "coda_jax/layernorm_ops.py",
+        "      jax.eval_shape(gemm, *(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in args))\n",
+        "      jax.eval_shape(gemm, *args)\n",
+        ("tests/test_sharding.py", "-k", "one_gemm_on_split_rows"),
+        "the trace-time check hands the kernel explicitly sharded types, which it refuses: "
+        "on explicit mesh axes the op falls back"),
+    Mutation(
+        "row_terms_multi_device_falls_back", "coda_jax/layernorm_ops.py",
+        "      if jax.device_count() == 1:\n        return gemm(*args)\n",
+        "      if jax.device_count() > 1:\n        raise ValueError(\"several devices\")\n"
+        "      if jax.device_count() == 1:\n        return gemm(*args)\n",
+        ("tests/test_sharding.py", "-k", "one_gemm_on_split_rows"),
+        "the one GEMM refused on any host with several devices (before this session)"),
 ]
 
 

@@ -397,3 +397,42 @@ if "row_terms" in sys.argv[2:]:
       hlo = fn.lower(*put).compile().as_text()
       print(f"ROWTERMS {types.name} {split} diff={diff:.3e} {collectives(hlo)} "
             f"largest_reduce={largest_reduce(hlo)}", flush=True)
+
+  # layernorm_input_grad's routing with rows split: under jit on auto and explicit axes
+  # (row_terms_sharded) and inside shard_map (the local call), the one GEMM runs and
+  # nothing falls back. On the CPU a stand-in takes the kernel's place: it refuses, as
+  # the kernel does, operands whose types carry a sharding, and otherwise runs the XLA
+  # form (a fallback, if taken, runs with impl "xla"). Prints ROUTE <mode> fallbacks=<count> diff=<max rel diff from one device>.
+  from coda_jax import dispatch
+  fallbacks = []
+  dispatch.announce = fallbacks.append
+  if IMPL != "mosaic":
+    class _Device:
+      core_count = 132
+
+    def kernel_stand_in(dz, w, x, dx, mu, r, g, beta, config, num_sms=None):
+      specs = [getattr(getattr(jax.typeof(v), "sharding", None), "spec", None) or ()
+               for v in (dz, w, x, dx, mu, r, g, beta)]
+      if any(e is not None for spec in specs for e in spec):
+        raise ValueError(f"stand-in: sharded types reach the kernel ({specs})")
+      dn = jnp.matmul(dz, w.T, preferred_element_type=jnp.float32)
+      return L.row_terms_xla(dn, x, dx, mu, r, g, beta)
+    dispatch.kernels_available, dispatch.target_device = (lambda: True), (lambda: _Device())
+    L.row_terms_gemm = kernel_stand_in
+    gemm_and_pass = L.input_grad_gemm_and_pass  # a fallback, if taken, runs XLA's GEMMs
+    L.input_grad_gemm_and_pass = lambda *a: gemm_and_pass(*a[:-1], "xla")
+  grad = lambda *a: L.layernorm_input_grad(a[0], a[1], None, *a[2:], "mosaic")
+  specs_rt = (P("data"), P(), P("data"), P("data"), P("data"), P("data"), P(), P())
+
+  def local_grad(*a):
+    dxt, n, *cols = grad(*a)
+    return dxt, n, *(jax.lax.psum(c, "data") for c in cols)
+  for label, types in (("jit_auto", Auto), ("jit_explicit", Explicit), ("shard_map", Auto)):
+    m_rt = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2], axis_types=(types,))
+    put = [jax.device_put(a, NamedSharding(m_rt, s)) for a, s in zip(rt_args, specs_rt)]
+    fn = jax.jit(grad if label != "shard_map" else jax.shard_map(
+        local_grad, mesh=m_rt, in_specs=specs_rt,
+        out_specs=(P("data"), P("data"), P(), P(), P())))
+    del fallbacks[:]
+    diff = max(rel(a, b) for a, b in zip(fn(*put), one_rt))
+    print(f"ROUTE {label} fallbacks={len(fallbacks)} diff={diff:.3e} {fallbacks}", flush=True)

@@ -356,6 +356,9 @@ def row_terms_results():
            for m in re.finditer(r"ROWTERMS (\S+) (\S+) diff=(\S+) all-gather=(\d+) "
                                 r"all-reduce=(\d+) .*largest_reduce=(\d+)", out.stdout)}
   assert len(found) == 10 and "CASE" not in out.stdout, out.stdout
+  for m in re.finditer(r"ROUTE (\S+) fallbacks=(\d+) diff=(\S+)", out.stdout):
+    found["route", m.group(1)] = (int(m.group(2)), float(m.group(3)))
+  assert len(found) == 13, out.stdout
   return found
 
 
@@ -379,3 +382,14 @@ def test_row_terms_split_matches_one_device(row_terms_results, axes, split):
   assert diff < 1e-5, (diff, split)
   assert gathers == 0 and 1 <= reduces <= 2, (gathers, reduces)
   assert largest <= ROW_TERMS_SPLITS[split], (largest, split)
+
+
+@pytest.mark.parametrize("mode", ["jit_auto", "jit_explicit", "shard_map"])
+def test_layernorm_input_grad_runs_one_gemm_on_split_rows(row_terms_results, mode):
+  """``layernorm_input_grad`` with the kernel available (on the CPU a stand-in that
+  refuses sharded types, as the kernel does) and rows split over 2 devices: under jit on
+  auto and explicit axes, and inside shard_map, it takes the one GEMM (nothing falls
+  back) and gives the one-device values. Before, any host with several devices fell
+  back, and explicit axes' types made the trace-time check refuse."""
+  fallbacks, diff = row_terms_results["route", mode]
+  assert fallbacks == 0 and diff < 1e-5, (fallbacks, diff)
