@@ -638,21 +638,21 @@ def row_terms_xla(dn, x, dx, mu, r, g, beta, totals=lambda t: t, d=None):
   return tuple(stored[nm] for nm in ("dxt", "n", "dbeta", "dg", "dsum"))
 
 
-def _row_terms_layout(mesh, shapes) -> partitioning.Layout:
-  """The mesh axes splitting M and K (as dz is split) and D (as w's rows are, less those):
-  an axis that does not divide its dimension is left out (that dimension replicated)."""
-  dz, w = partitioning.spec_dims(shapes[0]), partitioning.spec_dims(shapes[1])
-  (m, k), d = shapes[0].shape, shapes[1].shape[0]
-  whole = lambda axes, size: axes if size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
-  return partitioning.Layout(m=whole(dz[0], m), k=whole(dz[1], k),
-                             n=whole(tuple(a for a in w[0] if a not in dz[0] + dz[1]), d))
+# The call as ``coda_jax.partitioning`` reads a layout: dz @ w^T with x, dx (tiles), mu, r
+# (rows) and g, beta (columns); its layout and operand specs are every other call's.
+_ROW_TERMS_SPLIT = partitioning.ShardedCall(
+    dispatch.Call(program=(), inputs=tuple(_ROW_TERMS_KINDS.items()), outputs=(),
+                  column_group=1, trans_b=True), tuple(_ROW_TERMS_KINDS), ())
 
 
-def _row_terms_specs(layout):
-  """(the operands' specs, the results' specs) for ``layout``."""
+def _row_terms_specs(mesh, shapes):
+  """(layout, operand specs, result specs) for operands arriving with ``shapes``'
+  shardings (``partitioning.choose_layout``: M and K as dz is split, D as w's rows are;
+  a mesh axis that does not divide its dimension raises, as for every call)."""
+  layout = partitioning.choose_layout(_ROW_TERMS_SPLIT, mesh, shapes)
+  m, n = (layout.m or None), (layout.n or None)
   ps = jax.sharding.PartitionSpec
-  m, n, k = (layout.m or None), (layout.n or None), (layout.k or None)
-  return ((ps(m, k), ps(n, k), ps(m, n), ps(m, n), ps(m), ps(m), ps(n), ps(n)),
+  return (layout, partitioning.arg_specs(_ROW_TERMS_SPLIT, layout),
           (ps(m, n), ps(m, n), ps(n), ps(n), ps(n)))
 
 
@@ -683,8 +683,7 @@ def row_terms_local(rc: RowTermsCall, layout: partitioning.Layout, dz, w, x, dx,
 
 def _row_terms_partition(rc, mesh, arg_shapes, result_shape):
   del result_shape
-  layout = _row_terms_layout(mesh, arg_shapes)
-  args, results = _row_terms_specs(layout)
+  layout, args, results = _row_terms_specs(mesh, arg_shapes)
   named = lambda spec: jax.sharding.NamedSharding(mesh, spec)
   return (mesh, functools.partial(row_terms_local, rc, layout),
           tuple(map(named, results)), tuple(map(named, args)))
@@ -693,7 +692,7 @@ def _row_terms_partition(rc, mesh, arg_shapes, result_shape):
 def _row_terms_infer(rc, mesh, arg_shapes, result_shape):
   del rc, result_shape
   return tuple(jax.sharding.NamedSharding(mesh, s)
-               for s in _row_terms_specs(_row_terms_layout(mesh, arg_shapes))[1])
+               for s in _row_terms_specs(mesh, arg_shapes)[2])
 
 
 _row_terms_partitioned = custom_partitioning(
@@ -723,11 +722,9 @@ def row_terms_sharded(rc: RowTermsCall, dz, w, x, dx, mu, r, g, beta):
   mesh = partitioning.explicit_mesh(*args)
   if mesh is None:
     return _row_terms_partitioned(rc, *args)
-  layout = _row_terms_layout(mesh, [jax.typeof(v) for v in args])
-  arg_specs, result_specs = _row_terms_specs(layout)
-  args = [jax.reshard(v, jax.sharding.NamedSharding(mesh, s)) for v, s in zip(args, arg_specs)]
-  return jax.shard_map(functools.partial(row_terms_local, rc, layout), mesh=mesh,
-                       in_specs=arg_specs, out_specs=result_specs, check_vma=False)(*args)
+  layout, arg_specs, result_specs = _row_terms_specs(mesh, [jax.typeof(v) for v in args])
+  return partitioning.on_explicit_mesh(functools.partial(row_terms_local, rc, layout), mesh,
+                                       args, arg_specs, result_specs)
 
 
 # ---- residual (+ bias) + LayerNorm statistics ---------------------------------------------

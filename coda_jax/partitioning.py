@@ -37,7 +37,8 @@ divide its dimension raises a ``ValueError`` naming the axis and the sizes.
 
 One call has a rule of its own: LayerNorm's input gradient in one GEMM, whose row
 totals are exchanged across tiles inside the kernel (``layernorm_ops.row_terms_sharded``,
-beside the op; it uses ``Layout``, ``spec_dims`` and ``explicit_mesh`` from here).
+beside the op; it reads its layout with ``choose_layout`` and ``arg_specs``, and runs
+through ``on_explicit_mesh`` or its own ``custom_partitioning``).
 """
 from __future__ import annotations
 
@@ -73,9 +74,7 @@ def _axes(entry) -> tuple[str, ...]:
   return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def spec_dims(shape) -> list[tuple[str, ...]]:
-  """The mesh axes splitting each dimension of ``shape`` (a ShapeDtypeStruct with a
-  NamedSharding), one tuple per dimension (empty: not split)."""
+def _spec_dims(shape) -> list[tuple[str, ...]]:
   sharding = shape.sharding
   if not isinstance(sharding, NamedSharding):
     raise ValueError(
@@ -103,7 +102,7 @@ def choose_layout(sc: ShardedCall, mesh, arg_shapes) -> Layout:
   as ``a`` is split, N as ``b`` is (less axes already used). Raises ValueError on a split
   the kernels cannot run."""
   call = sc.call
-  a_dims, b_dims = spec_dims(arg_shapes[0]), spec_dims(arg_shapes[1])
+  a_dims, b_dims = _spec_dims(arg_shapes[0]), _spec_dims(arg_shapes[1])
   a_m, a_k = (a_dims[1], a_dims[0]) if call.trans_a else (a_dims[0], a_dims[1])
   b_n = b_dims[0] if call.trans_b else b_dims[1]
   layout = Layout(m=a_m, k=a_k, n=tuple(x for x in b_n if x not in a_m + a_k))
@@ -125,7 +124,8 @@ def choose_layout(sc: ShardedCall, mesh, arg_shapes) -> Layout:
   return layout
 
 
-def _arg_specs(sc: ShardedCall, layout: Layout):
+def arg_specs(sc: ShardedCall, layout: Layout):
+  """The specs of a, b and the operands (in ``sc.operand_names``' order) for ``layout``."""
   m, n, k = (layout.m or None), (layout.n or None), (layout.k or None)
   a = PartitionSpec(k, m) if sc.call.trans_a else PartitionSpec(m, k)
   b = PartitionSpec(n, k) if sc.call.trans_b else PartitionSpec(k, n)
@@ -199,7 +199,7 @@ def _whole(sc, a, b, *values):  # one device, or every mesh axis manual: no spli
 
 def _partition(sc, mesh, arg_shapes, result_shape):
   layout = choose_layout(sc, mesh, arg_shapes)
-  arg_specs = _arg_specs(sc, layout)
+  specs = arg_specs(sc, layout)
   result_specs = _result_specs(sc, layout)
   n = arg_shapes[1].shape[0 if sc.call.trans_b else 1]
   n_local = n // _size(mesh, layout.n)
@@ -208,7 +208,7 @@ def _partition(sc, mesh, arg_shapes, result_shape):
     return local_call(sc, layout, n_local, a, b, *values)
   named = lambda spec: NamedSharding(mesh, spec)
   return (mesh, lower, {k: named(v) for k, v in result_specs.items()},
-          tuple(named(s) for s in arg_specs))
+          tuple(named(s) for s in specs))
 
 
 def _infer(sc, mesh, arg_shapes, result_shape):
@@ -285,7 +285,7 @@ def _pass_shapes(ps: _Pass, mesh, value_shapes):
   and columns, for ``choose_layout`` and the rule."""
   tile = next(v for nm, v in zip(ps.sc.operand_names, value_shapes)
               if ps.sc.kinds()[nm] in (pk.InputKind.TILE, pk.InputKind.WIDE_TILE))
-  m_axes, n_axes = (tuple(spec_dims(tile)) + ((), ()))[:2]
+  m_axes, n_axes = (tuple(_spec_dims(tile)) + ((), ()))[:2]
   call = ps.sc.call
   spec = lambda *d: NamedSharding(mesh, PartitionSpec(*[x or None for x in d]))
   a = (jax.ShapeDtypeStruct((0, ps.m), ps.dtype, sharding=spec((), m_axes)) if call.trans_a
@@ -355,21 +355,26 @@ def call(sc: ShardedCall, a, b, *values) -> dict:
     return _pass_partitioned(ps, *values) if ps else _partitioned(sc, a, b, *values)
   if ps:
     layout = choose_layout(sc, mesh, _pass_shapes(ps, mesh, [jax.typeof(x) for x in values]))
-    arg_specs = _arg_specs(sc, layout)[2:]
+    specs = arg_specs(sc, layout)[2:]
     body = _pass_lower(ps, mesh, layout)
   else:
     values = (a, b, *values)
     layout = choose_layout(sc, mesh, [jax.typeof(x) for x in values])
-    arg_specs = _arg_specs(sc, layout)
+    specs = arg_specs(sc, layout)
     body = lambda *xs: local_call(sc, layout, n // _size(mesh, layout.n), *xs)
-  values = [jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(values, arg_specs)]
-  fn = jax.shard_map(body, mesh=mesh, in_specs=arg_specs,
-                     out_specs=_result_specs(sc, layout), check_vma=False)
-  return fn(*values)
+  return on_explicit_mesh(body, mesh, values, specs, _result_specs(sc, layout))
 
 
-__all__ = ["Layout", "ShardedCall", "call", "choose_layout", "explicit_mesh", "local_call",
-           "spec_dims"]
+def on_explicit_mesh(body, mesh, values, in_specs, out_specs):
+  """``body`` per shard through ``jax.shard_map``, for operands on explicit mesh axes (the
+  layout read from their types at trace time): each value resharded to its spec first."""
+  values = [jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(values, in_specs)]
+  return jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                       check_vma=False)(*values)
+
+
+__all__ = ["Layout", "ShardedCall", "arg_specs", "call", "choose_layout", "explicit_mesh",
+           "local_call", "on_explicit_mesh"]
 
 
 # ---- one element per row: x[m, col[m]] = val[m] -------------------------------------------
@@ -417,7 +422,5 @@ def set_row_columns(x, col, val):
   if mesh is None:
     return _set_partitioned(x, col, val)
   n_axes, x_spec, rows = _set_specs(jax.typeof(x).sharding.spec)
-  args = [jax.reshard(a, NamedSharding(mesh, s)) for a, s in ((x, x_spec), (col, rows),
-                                                               (val, rows))]
-  return jax.shard_map(functools.partial(_set_local, n_axes), mesh=mesh,
-                       in_specs=(x_spec, rows, rows), out_specs=x_spec, check_vma=False)(*args)
+  return on_explicit_mesh(functools.partial(_set_local, n_axes), mesh, (x, col, val),
+                          (x_spec, rows, rows), x_spec)

@@ -1168,8 +1168,9 @@ MUTATIONS = [
         "with D split, the row totals are the shard's columns' only"),
     Mutation(
         "row_terms_contraction_gathered", "coda_jax/layernorm_ops.py",
-        "  return partitioning.Layout(m=whole(dz[0], m), k=whole(dz[1], k),",
-        "  return partitioning.Layout(m=whole(dz[0], m), k=(),",
+        "  layout = partitioning.choose_layout(_ROW_TERMS_SPLIT, mesh, shapes)\n",
+        "  layout = dataclasses.replace(partitioning.choose_layout(_ROW_TERMS_SPLIT, mesh, "
+        "shapes), k=())\n",
         ("tests/test_sharding.py", "-k", "row_terms"),
         "a split contraction is gathered (dz, w: activation-sized) instead of summing dn"),
     Mutation(

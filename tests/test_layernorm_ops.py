@@ -18,6 +18,7 @@ import pytest
 import coda_jax as cj
 from coda_jax import jnp_reference as R
 from coda_jax import layernorm_ops as L
+from bench.layernorm_row_terms import reference as row_terms_f64  # float64
 from helpers import (GATED_ACTS, assert_within_baseline, f32_tree, normal, projected,
                      rel_err, spread_rows, worst_row_err)
 
@@ -381,17 +382,6 @@ def _row_terms_operands(key, m, d, k, offset=0.5):
           1 + 0.1 * normal(ks[4], (d,)), 0.3 * normal(ks[5], (d,)))
 
 
-def _row_terms_f64(dz, w, x, dx, mu, r, g, beta):
-  """float64: (dxt, n, dbeta, dg, dsum) of LayerNorm's input gradient from dn = dz w^T."""
-  f = lambda v: np.asarray(v, np.float64)
-  dn = f(dz) @ f(w).T
-  mu, r, g, beta = f(mu)[:, None], f(r)[:, None], f(g)[None], f(beta)[None]
-  xhat = (f(x) - mu) * r
-  dxt = f(dx) + r * (g * dn - np.mean(g * dn, 1, keepdims=True)
-                     - xhat * np.mean(g * dn * xhat, 1, keepdims=True))
-  return dxt, xhat * g + beta, dn.sum(0), (dn * xhat).sum(0), dxt.sum(0)
-
-
 @pytest.mark.parametrize("m,d,k", [(64, 128, 96), (5, 24, 8)])
 def test_row_terms_in_xla_under_the_tolerance_rule(m, d, k):
   """``row_terms_xla`` (the one GEMM's two passes on whole arrays: what a shard runs where
@@ -403,7 +393,7 @@ def test_row_terms_in_xla_under_the_tolerance_rule(m, d, k):
   got = jax.jit(L.row_terms_xla)(dn, x, dx, mu, r, g, beta)
   base = L.input_grad_gemm_and_pass(dz, w, None, x, dx, mu, r, g, beta, "xla")
   for nm, a, b, t in zip(("dxt", "n", "dbeta", "dg", "dsum"), got, base,
-                         _row_terms_f64(*args)):
+                         row_terms_f64(*args)):
     assert a.shape == t.shape, (nm, a.shape, t.shape)
     assert_within_baseline(a if a.ndim == 2 else a[None], t if t.ndim == 2 else t[None],
                            b if b.ndim == 2 else b[None], nm)
@@ -432,7 +422,7 @@ def test_input_grad_in_one_gemm_inside_shard_map(key, kernel_impl):
   want, got = jax.jit(grad)(*args), jax.jit(inside)(*args)
   base = L.input_grad_gemm_and_pass(args[0], args[1], None, *args[2:], "xla")
   for nm, a, b, c, t in zip(("dxt", "n", "dbeta", "dg", "dsum"), got, want, base,
-                            _row_terms_f64(*args)):
+                            row_terms_f64(*args)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=nm)
     two_d = lambda v: v if v.ndim == 2 else v[None]
     assert_within_baseline(two_d(a), two_d(t), two_d(c), nm)
