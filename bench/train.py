@@ -84,6 +84,12 @@ def parse_args():
                  "model on its rows (data axis only; on a GPU it needs --attention xla: "
                  "jax 0.11.2's compiler segfaults with cuDNN attention there, "
                  "docs/known_issues.md)")
+  p.add_argument("--head-per-device", choices=("on", "off"), default="off",
+                 help="with --mesh data=N under jit: on: the fused last block and LM head "
+                 "run per device in one shard_map, their weight gradients summed across "
+                 "devices once per step (make_train_step's loss_row_split); off (default): "
+                 "every GEMM through jit's per-GEMM rule. With --fsdp, on is unverified on "
+                 "GPUs (bench/NOTES.md)")
   p.add_argument("--attention", choices=("cudnn", "xla"), default=None,
                  help="jax.nn.dot_product_attention's implementation (default: cuDNN on a "
                  "GPU for 16-bit activations, else XLA)")
@@ -229,7 +235,8 @@ def run_path(path, cfg, args, train_batches, val_batches):
   programs = None if args.program_cache == "none" else args.program_cache
   make_step = lambda k: train.make_train_step(graphdef, micro_batches=k, mesh=mesh,
                                               partitioner=args.partitioner,
-                                              program_cache=programs)
+                                              program_cache=programs,
+                                              loss_row_split=args.head_per_device == "on")
   while True:  # "auto": halve the micro-batch until the compiled step fits the device
     step = make_step(k)
     t0 = time.perf_counter()
@@ -418,6 +425,7 @@ def main():
           + (f"_{args.mesh.replace('=', '').replace(',', '_')}" if args.mesh else "")
           + ("_fsdp" if args.fsdp else "")
           + ("_jit" if args.mesh and args.partitioner == "jit" else "")
+          + ("_head_per_device" if args.mesh and args.head_per_device == "on" else "")
           + (f"_{args.head_grad}_head" if args.head_grad not in (None, "auto") else ""))
   try:
     data = corpus.load(args.batch, args.seq)
@@ -471,6 +479,7 @@ def main():
     r["n_devices"] = n_devices
     r["mesh"] = (args.mesh or "none") + (" fsdp" if args.fsdp else "")
     r["partitioner"] = args.partitioner if args.mesh else "none"
+    r["head_per_device"] = bool(args.mesh) and args.head_per_device == "on"
     r["tokens_per_s_per_device"] = r["tokens_per_s"] / n_devices
   if args.mesh_obj is not None:
     print("tokens/s per device: " + ", ".join(

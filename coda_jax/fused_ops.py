@@ -596,17 +596,19 @@ def _lm_fwd(h, r, wlm, targets, opts, impl):
   dw = unpad_vocab(dw, vocab, w_nk)
   loss = loss_from_stats(lse, tgt, targets, ignore_index, reduction, vocab)
   # dh and dW stay fp32 until they are scaled; the empty arrays carry h's and the
-  # weight's dtypes (and the weight's varying mesh axes, for reduce_like).
+  # weight's dtypes, and r's and the weight's varying mesh axes (for reduce_like: under
+  # shard_map an r made on every device alike, e.g. ones, gets its dr summed).
   return loss, (dh, dr, dw, norm, jnp.zeros((0,), h.dtype),
-                vary_like(jnp.zeros((0,), wlm.dtype), wlm))
+                vary_like(jnp.zeros((0,), wlm.dtype), wlm), vary_like(jnp.zeros((0,)), r))
 
 
 def _lm_bwd(opts, impl, saved, dloss):
   ignore_index, reduction, rows, w_nk = opts.ignore_index, opts.reduction, opts.rows, opts.w_nk
   if reduction != "none":  # the forward's gradients for a unit cotangent, scaled
-    dh, dr, dw, norm, hdt, wdt = saved
+    dh, dr, dw, norm, hdt, wdt, rdt = saved
     dh, dr, dw = scale_grads((dh, dr, dw), dloss * norm)
-    return dh.astype(hdt.dtype), dr, reduce_like(dw, wdt).astype(wdt.dtype), None
+    return (dh.astype(hdt.dtype), reduce_like(dr, rdt), reduce_like(dw, wdt).astype(wdt.dtype),
+            None)
   h, r, wlm, targets, lse, tgt, rest = saved
   vocab = head_vocab(wlm, w_nk)
   weight = loss_row_weights(dloss, targets, ignore_index, vocab)
@@ -623,7 +625,8 @@ def _lm_bwd(opts, impl, saved, dloss):
   dw, (dh, dr) = jax.lax.scan(step, dw_carry(wp, h),
                               tuple(chunked(rows, h, r, lse, tgt, rest, targets, weight)))
   dw = unpad_vocab(dw, vocab, w_nk)
-  return unchunked(dh), unchunked(dr), reduce_like(dw, wlm).astype(wlm.dtype), None
+  return (unchunked(dh), reduce_like(unchunked(dr), r), reduce_like(dw, wlm).astype(wlm.dtype),
+          None)
 
 
 _lm_head_loss.defvjp(_lm_fwd, _lm_bwd)

@@ -18,7 +18,11 @@ primal does not. Outside ``shard_map`` both are invariant and it does nothing.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable
+
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 def varying_axes(x) -> frozenset:
@@ -54,4 +58,72 @@ def vary_like(x, *refs):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-__all__ = ["reduce_like", "vary_like", "varying_axes"]
+@dataclasses.dataclass(frozen=True)
+class RowSplit:
+  """The rows (batch x sequence) of a step's activations are split over ``axis`` of
+  ``mesh``: data parallelism, with the weights replicated or FSDP-split, under
+  ``jax.jit`` on auto axes, where the rows' split is not visible while tracing.
+
+  Args:
+    mesh: the mesh the step runs on. Every axis other than ``axis`` must have size 1
+      (a tensor-parallel axis is not a row split).
+    axis: the mesh axis the rows are split over.
+  """
+  mesh: Any
+  axis: str
+
+  def __post_init__(self):
+    shape = dict(self.mesh.shape)
+    if self.axis not in shape:
+      raise ValueError(f"RowSplit.axis={self.axis!r} is not an axis of the mesh "
+                       f"{shape}")
+    others = {a: n for a, n in shape.items() if a != self.axis and n > 1}
+    if others:
+      raise ValueError(f"RowSplit: mesh axes {others} besides {self.axis!r} have size > "
+                       "1; a row split is data parallelism only (leave row_split=None "
+                       "for tensor parallelism)")
+
+
+def sum_over_rows(fn: Callable, split: RowSplit, rows: tuple, shared: tuple, *,
+                  per_row: bool = False):
+  """``fn(*rows, *shared)`` run per device on its own rows in one ``jax.shard_map``.
+
+  The rows' leading dimension is split over ``split.axis``; ``shared`` (weights) enter
+  whole: a weight stored split (FSDP) is gathered once here, and its gradient leaves
+  split like it. Inside, every fused op runs on the device's rows, and each one's
+  backward sums its weight gradients over the devices once (``reduce_like``). A loop
+  over row chunks (the LM head's) then accumulates its weight gradient per device in
+  place and sums it across devices once after the loop, where under ``jax.jit``'s
+  per-GEMM rule each chunk's partial is reduced (and an FSDP-split weight gathered)
+  chunk by chunk.
+
+  Args:
+    fn: returns a scalar sum over its rows (``per_row=False``), or one value per row.
+    split: where the rows are split.
+    rows: arrays whose leading dimension is the rows' (a multiple of the axis size).
+    shared: arrays (or pytrees of them) every device needs whole.
+    per_row: ``fn`` returns per-row values (split like the rows) instead of a sum.
+
+  Returns:
+    The sum over all rows (a scalar, ``psum``-ed over ``split.axis``), or the per-row
+    values.
+  """
+  P = PartitionSpec
+  n = split.mesh.shape[split.axis]
+  for i, x in enumerate(rows):
+    if x.shape[0] % n:
+      raise ValueError(f"rows[{i}] has {x.shape[0]} rows along its first dimension, not "
+                       f"divisible by the {n} devices of mesh axis {split.axis!r}")
+  whole = NamedSharding(split.mesh, P())
+  shared = jax.tree.map(lambda v: jax.reshard(v, whole), tuple(shared))
+
+  def local(*args):
+    out = fn(*args)
+    return out if per_row else jax.lax.psum(out, split.axis)
+  body = jax.shard_map(local, mesh=split.mesh,
+                       in_specs=(P(split.axis),) * len(rows) + (P(),) * len(shared),
+                       out_specs=P(split.axis) if per_row else P())
+  return body(*rows, *shared)
+
+
+__all__ = ["RowSplit", "reduce_like", "sum_over_rows", "vary_like", "varying_axes"]

@@ -58,10 +58,12 @@ from coda_jax import jnp_reference as ref
 from coda_jax import layernorm_ops as L
 from coda_jax import unfused
 from coda_jax.fused_ops import REDUCTIONS
+from coda_jax.sharding import RowSplit
 from flax_layers import checkpoint as ck
 from flax_layers import layers as Lyr
 
 _F32 = jnp.float32
+IGNORE_INDEX = -100  # the targets the loss skips (fused_ops' default)
 _DTYPES = ("bfloat16", "float16", "float32")
 _IMPLS = ("auto", "mosaic", "interpret", "xla")
 _HF_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both GELU's tanh form
@@ -387,10 +389,11 @@ class GPT2(nnx.Module):
     for name, ids, n in (("token id", tokens, c.vocab_size),
                          ("position", positions, c.n_positions)):
       if not isinstance(ids, jax.core.Tracer):  # checkable now: refuse bad ids
-        bad = np.asarray((ids < 0) | (ids >= n))
+        ids = np.asarray(ids)  # numpy: a concrete array closed over by a jit traces too
+        bad = (ids < 0) | (ids >= n)
         if bad.any():
           at = tuple(int(i) for i in np.argwhere(bad)[0])
-          raise ValueError(f"{name} {int(np.asarray(ids)[at])} at {at} is outside [0, {n})")
+          raise ValueError(f"{name} {int(ids[at])} at {at} is outside [0, {n})")
     # Under jit ids cannot be checked: one out of range reads a NaN row ("fill" mode).
     x = (jnp.take(self.wte[...], tokens, axis=0, mode="fill")
          + jnp.take(self.wpe[...], positions, axis=0, mode="fill"))
@@ -433,7 +436,8 @@ class GPT2(nnx.Module):
       return ref.layer_norm(x, g, beta, self.config.eps)
     return unfused.layernorm_apply(x, *stats, g, beta)
 
-  def loss(self, tokens, targets, positions=None, *, reduction: str = "mean"):
+  def loss(self, tokens, targets, positions=None, *, reduction: str = "mean",
+           row_split: RowSplit | None = None):
     """Next-token cross-entropy of the whole model (the training path).
 
     Args:
@@ -443,6 +447,9 @@ class GPT2(nnx.Module):
         on the fused and the reference path alike.
       positions: (B, T) int positions into ``wpe``; default ``arange(T)`` per row.
       reduction: "mean" over the counted targets, "sum", or "none" (per token).
+      row_split: a ``coda_jax.sharding.RowSplit`` naming the mesh axis the batch is split
+        over under ``jax.jit`` on auto axes (the train step passes it): the fused path
+        runs the LM head per device in one ``jax.shard_map``, as ``Llama.loss`` does.
 
     Returns:
       fp32: a scalar, or (B, T) with ``reduction="none"`` (0 where ignored).
@@ -455,9 +462,11 @@ class GPT2(nnx.Module):
     n = self._final_norm(*self._trunk(tokens, positions))
     wte = self.wte[...].astype(c.dtype)
     if self.fused:  # n = LN_f(x) already holds g and beta: the head's row scale is 1
-      ones = jnp.ones(n.shape[:-1], _F32)
-      return F.rmsnorm_lm_head_loss(n, ones, wte, targets, reduction=reduction,
-                                    wlm_layout="vd", impl=c.impl)
+      head = lambda n, targets, wte, red: F.rmsnorm_lm_head_loss(
+          n, jnp.ones(n.shape[:-1], _F32), wte, targets, ignore_index=IGNORE_INDEX,
+          reduction=red, wlm_layout="vd", impl=c.impl)
+      return Lyr.loss_over_rows(head, reduction, (n, targets), (wte,), targets,
+                                IGNORE_INDEX, row_split)
     loss = ref.cross_entropy(F.flat_rows(n) @ wte.T, targets.reshape(-1),
                              reduction=reduction)
     return loss.reshape(targets.shape) if reduction == "none" else loss

@@ -22,6 +22,7 @@ from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as ref
 from coda_jax import qk_norm as qk_norm_ops
 from coda_jax import unfused
+from coda_jax.sharding import RowSplit, sum_over_rows
 
 
 def _normal(rngs, shape, std, dtype):
@@ -101,6 +102,36 @@ def qkv_qknorm_rope(h, r, wqkv, positions, qk_norm_w, heads, theta, eps, fused, 
   qkv = ref.rmsnorm_qkv_qknorm_rope(F.flat_rows(h), r.reshape(-1), wqkv,
                                     positions.reshape(-1), q_norm_w, k_norm_w, **kw)
   return qkv.reshape(*h.shape[:-1], -1)
+
+
+def loss_over_rows(fn, reduction, rows, shared, targets, ignore_index,
+                   row_split: RowSplit | None = None):
+  """``fn(*rows, *shared, reduction)``, a loss over the rows, with ``rows`` split over
+  ``row_split``'s mesh axis: each device computes the sum over its own rows inside one
+  ``jax.shard_map`` (``coda_jax.sharding.sum_over_rows``) and a mean divides by the
+  count of counted targets over all rows. Without ``row_split``, ``fn`` as it is.
+
+  Args:
+    fn: the loss of its rows for a reduction ("mean", "sum" or "none").
+    reduction: the one asked for.
+    rows: arrays whose leading dimension is the batch (split over the devices).
+    shared: weights every device needs whole (a pytree each).
+    targets: the targets among ``rows``, for a mean's count.
+    ignore_index: the targets not counted.
+    row_split: a ``coda_jax.sharding.RowSplit``, or None.
+
+  Returns:
+    What ``fn`` returns for ``reduction``, over all rows.
+  """
+  if row_split is None:
+    return fn(*rows, *shared, reduction)
+  if reduction == "none":
+    return sum_over_rows(lambda *a: fn(*a, "none"), row_split, rows, shared, per_row=True)
+  total = sum_over_rows(lambda *a: fn(*a, "sum"), row_split, rows, shared)
+  if reduction == "sum":
+    return total
+  count = jnp.sum(targets != ignore_index).astype(jnp.float32)
+  return total / jnp.maximum(count, 1.0)
 
 
 def lm_head_loss(h, r, wlm, targets, ignore_index, reduction, fused, impl="auto"):

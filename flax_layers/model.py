@@ -26,6 +26,7 @@ from coda_jax import blocks
 from coda_jax import jnp_reference as ref
 from coda_jax.fused_ops import REDUCTIONS, flat_rows
 from flax_layers import layers as Lyr
+from coda_jax.sharding import RowSplit
 from flax_layers.config import LlamaConfig
 
 _MLP_KEYS = ("wo", "g_mlp", "w13", "w2")
@@ -183,10 +184,11 @@ class Llama(nnx.Module):
     elif positions.shape != tokens.shape:
       raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
     if not isinstance(tokens, jax.core.Tracer):  # checkable now: refuse bad ids
-      bad = np.asarray((tokens < 0) | (tokens >= self.config.vocab_size))
+      ids = np.asarray(tokens)  # numpy: a concrete array closed over by a jit traces too
+      bad = (ids < 0) | (ids >= self.config.vocab_size)
       if bad.any():
         at = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"token id {int(np.asarray(tokens)[at])} at {at} is outside "
+        raise ValueError(f"token id {int(ids[at])} at {at} is outside "
                          f"[0, vocab_size={self.config.vocab_size})")
     # Under jit the ids cannot be checked: an id outside [0, V) reads a NaN embedding
     # (jnp.take's "fill" mode), so that token's row, and the loss, become NaN.
@@ -197,7 +199,8 @@ class Llama(nnx.Module):
     """wlm (D, V) for the fused ops, or None when the head owns it."""
     return self.embed[...].astype(dtype).T if self.config.tie_embeddings else None
 
-  def loss(self, tokens, targets, positions=None, *, reduction: str = "mean"):
+  def loss(self, tokens, targets, positions=None, *, reduction: str = "mean",
+           row_split: RowSplit | None = None):
     """Next-token cross-entropy of the whole model (the training path).
 
     Args:
@@ -207,6 +210,13 @@ class Llama(nnx.Module):
         on the fused and the reference path alike; it passes no gradient.
       positions: (B, T) int RoPE positions; default ``arange(T)`` per row.
       reduction: "mean" over the counted targets, "sum", or "none" (per token).
+      row_split: a ``coda_jax.sharding.RowSplit`` naming the mesh axis the batch is split
+        over, under ``jax.jit`` on auto axes (data parallelism, FSDP; the train step
+        passes it). The fused path then runs the last block and the LM head per device
+        in one ``jax.shard_map``: each device accumulates the head's weight gradient
+        in place over its row chunks and the devices sum it once, and an FSDP-split
+        head is gathered once, where the per-GEMM rule would do both chunk by chunk.
+        The reference path ignores it (jit partitions XLA's graph itself).
 
     Returns:
       fp32: a scalar, or (B, T) with ``reduction="none"`` (0 where ignored).
@@ -245,7 +255,9 @@ class Llama(nnx.Module):
                    else (self.head.head_weight(), "dv"))
     last = {**{k: p[k][-1] for k in _MLP_KEYS}, "g_final": self.head.norm_weight(),
             "wlm": wlm}
-    loss = impl.post_block(x, attend(qkv), targets, last, reduction, layout)
+    post = lambda x, y, targets, last, red: impl.post_block(x, y, targets, last, red, layout)
+    loss = Lyr.loss_over_rows(post, reduction, (x, attend(qkv), targets), (last,), targets,
+                              self.head.ignore_index, row_split if self.fused else None)
     return loss[:, :t] if reduction == "none" else loss
 
   def _pad_to_tile(self, tokens, targets, positions):

@@ -10,6 +10,7 @@ step is a single XLA program with no Python graph traversal per call.
 """
 from __future__ import annotations
 
+import inspect
 import os
 
 import jax
@@ -19,6 +20,7 @@ from flax import nnx
 
 import coda_jax.epilogue_gemm
 from coda_jax.program_cache import cached_jit
+from coda_jax.sharding import RowSplit
 from flax_layers import layers as Lyr
 
 
@@ -59,28 +61,19 @@ IGNORE_INDEX = -100  # Llama.loss skips these targets
 
 def data_parallel_loss(gdef, rest, mesh, data_axis: str):
   """loss(params, tokens, targets) -> the mean loss over the whole batch, each device
-  running the model on its rows (``jax.shard_map``; parameters replicated). The sum of
-  the losses and the count of counted targets are summed across devices; gradients of
-  the replicated parameters come back summed by shard_map and the fused ops' backward
+  running the model on its rows (``jax.shard_map``; parameters replicated, or gathered
+  once per step where stored split). The sum of the losses and the count of counted
+  targets are summed across devices (``layers.loss_over_rows``); gradients of the
+  replicated parameters come back summed by shard_map and the fused ops' backward
   (coda_jax/sharding.py)."""
-  from jax.sharding import PartitionSpec as P
+  split = RowSplit(mesh, data_axis)
 
-  def local(params, tokens, targets):
-    model = nnx.merge(gdef, params, rest)
-    total = model.loss(tokens, targets, reduction="sum")
-    count = jnp.sum(targets != IGNORE_INDEX).astype(jnp.float32)
-    return jax.lax.psum(total, data_axis), jax.lax.psum(count, data_axis)
-
-  sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(data_axis), P(data_axis)),
-                          out_specs=(P(), P()))
-  replicated = jax.sharding.NamedSharding(mesh, P())
+  def loss_of(tokens, targets, params, reduction):
+    return nnx.merge(gdef, params, rest).loss(tokens, targets, reduction=reduction)
 
   def loss(params, tokens, targets):
-    # FSDP: parameters stored split (fsdp_shardings) are gathered here, once per step;
-    # their gradients come back split like them. Replicated ones pass unchanged.
-    params = jax.tree.map(lambda v: jax.reshard(v, replicated), params)
-    total, count = sharded(params, tokens, targets)
-    return total / jnp.maximum(count, 1.0)
+    return Lyr.loss_over_rows(loss_of, "mean", (tokens, targets), (params,), targets,
+                              IGNORE_INDEX, split)
   return loss
 
 
@@ -205,7 +198,8 @@ def check_shard_map_attention(config, platform: str | None = None):
 
 def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, mesh=None,
                     data_axis: str = "data", partitioner: str = "jit",
-                    program_cache: str | os.PathLike | None = None):
+                    program_cache: str | os.PathLike | None = None,
+                    loss_row_split: bool = False):
   """jit(step)(state, tokens, targets) -> (state, loss): one optimizer step on the mean
   loss. ``micro_batches`` > 1 splits the batch and accumulates gradients (fp32, in the
   parameters' dtype) over the pieces in a ``jax.lax.scan``, so activations of only one
@@ -226,6 +220,17 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, me
   attention (``check_shard_map_attention`` refuses it with a ValueError; the kernels are
   not the cause): use "jit", or the config's ``attention_impl="xla"``.
 
+  ``loss_row_split``: with ``partitioner="jit"`` and a mesh whose only axis of size > 1
+  is ``data_axis`` (data parallelism, FSDP), the model's ``loss`` gets
+  ``row_split=RowSplit(mesh, data_axis)`` when it takes one (``Llama``, ``GPT2``): the
+  fused last block and LM head then run per device in one ``jax.shard_map``, so the
+  head's weight gradient is summed across devices once per step and an FSDP-split head
+  gathered once, not once per row chunk. False (default): every GEMM through jit's
+  per-GEMM rule. Opt-in for now: on 2 H200s it took the 1B data-parallel step from 316
+  to 302 ms (reference 313 ms); with FSDP-split state the step gives the one-device
+  values on CPU devices, but on the GPUs one run did not finish in 560 s, undiagnosed
+  (bench/NOTES.md, thirty-third session).
+
   ``program_cache``: a folder where the lowered step is kept across processes
   (``coda_jax.program_cache``): a later process with the same model, shapes and library
   skips lowering the kernels (most of the fused step's compile time). None: plain jit."""
@@ -240,6 +245,16 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, me
       raise ValueError("micro_batches > 1 with a mesh is not supported yet: use more "
                        "devices or a smaller batch")
 
+  split = None
+  if (loss_row_split and mesh is not None and partitioner == "jit"
+      and all(n == 1 for a, n in mesh.shape.items() if a != data_axis)):
+    split = RowSplit(mesh, data_axis)
+
+  def loss_of(model, tokens, targets):
+    if split is not None and "row_split" in inspect.signature(model.loss).parameters:
+      return model.loss(tokens, targets, row_split=split)
+    return model.loss(tokens, targets)
+
   def grads_of(model, tokens, targets):
     if mesh is not None:
       check_mesh(mesh, data_axis, tokens.shape[0], other_axes=partitioner == "jit")
@@ -249,7 +264,7 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, me
       return jax.value_and_grad(data_parallel_loss(gdef, rest, shard_map_mesh, data_axis))(
           params, tokens, targets)
     if micro_batches == 1:
-      return nnx.value_and_grad(lambda m: m.loss(tokens, targets))(model)
+      return nnx.value_and_grad(lambda m: loss_of(m, tokens, targets))(model)
     if tokens.shape[0] % micro_batches:
       raise ValueError(f"batch {tokens.shape[0]} is not divisible by micro_batches="
                        f"{micro_batches}")

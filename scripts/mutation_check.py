@@ -1187,6 +1187,30 @@ MUTATIONS = [
         "      if jax.device_count() == 1:\n        return gemm(*args)\n",
         ("tests/test_sharding.py", "-k", "one_gemm_on_split_rows"),
         "the one GEMM refused on any host with several devices (before this session)"),
+    Mutation(
+        "row_split_sum_not_psummed", "coda_jax/sharding.py",
+        "    return out if per_row else jax.lax.psum(out, split.axis)\n",
+        "    return out if per_row else jax.lax.pmean(out, split.axis)\n",
+        ("tests/test_sharding.py", "-k", "row_split_matches_jit"),
+        "the devices' loss sums averaged, not summed"),
+    Mutation(
+        "row_split_mean_over_local_count", "flax_layers/layers.py",
+        "  total = sum_over_rows(lambda *a: fn(*a, \"sum\"), row_split, rows, shared)\n",
+        "  total = sum_over_rows(lambda *a: fn(*a, \"mean\"), row_split, rows, shared)\n",
+        ("tests/test_sharding.py", "-k", "row_split_matches_jit"),
+        "each device's mean over its own counted targets, summed"),
+    Mutation(
+        "lm_head_invariant_r_grad_unsummed", "coda_jax/fused_ops.py",
+        "    return (dh.astype(hdt.dtype), reduce_like(dr, rdt),",
+        "    return (dh.astype(hdt.dtype), dr,",
+        ("tests/test_sharding.py", "-k", "row_split_matches_jit"),
+        "an r made alike on every device (GPT-2's ones) gets a varying dr under shard_map"),
+    Mutation(
+        "train_step_ignores_loss_row_split", "flax_layers/train.py",
+        "  if (loss_row_split and mesh is not None and partitioner == \"jit\"\n",
+        "  if (False and mesh is not None and partitioner == \"jit\"\n",
+        ("tests/test_sharding.py", "-k", "head_gradient_once"),
+        "the train step never runs the head per device"),
 ]
 
 

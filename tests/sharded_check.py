@@ -217,6 +217,42 @@ def collectives(hlo):
                    "collective-permute"))
 
 
+def loop_collectives(hlo, dim):
+  """Collectives of compiled HLO text that run inside a while loop (in a loop's body or
+  in any computation it calls) on an array with a dimension of size ``dim``."""
+  import re
+  bodies, calls, comp = {}, {}, None
+  for line in hlo.splitlines():
+    if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+      comp = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+      bodies[comp] = []
+      calls[comp] = set()
+    elif comp is not None:
+      bodies[comp].append(line)
+      calls[comp].update(re.findall(
+          r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line))
+      for group in re.findall(r"(?:branch_computations|called_computations)=\{([^}]*)\}", line):
+        calls[comp].update(x.strip().lstrip("%") for x in group.split(","))
+  todo = [b for lines in bodies.values() for line in lines
+          for b in re.findall(r"while\(.*body=%?([\w.\-]+)", line)]
+  inside = set()
+  while todo:
+    c = todo.pop()
+    if c not in inside and c in bodies:
+      inside.add(c)
+      todo.extend(calls[c])
+  ops = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+  pat = re.compile(r"\[[^\]]*\b%d\b[^\]]*\]" % dim)
+  count = 0
+  for c in inside:
+    for line in bodies[c]:
+      rhs = line.split(" = ", 1)[-1]
+      for op in ops:
+        if f" {op}(" in rhs or f" {op}-start(" in rhs:
+          count += bool(pat.search(rhs.split(f" {op}", 1)[0]))
+  return count
+
+
 def largest_reduce(hlo):
   """Elements of the largest array any all-reduce of ``hlo`` sums."""
   import re
@@ -272,7 +308,15 @@ if CASES_TRAIN:  # the main job's data-parallel train step against one device
   from flax import nnx  # noqa: E402
   from flax_layers import Llama, get_config, train  # noqa: E402
   # XLA's attention on a GPU: the shard_map runs refuse cuDNN's (train.check_shard_map_attention)
-  cfg_m = get_config("tiny", **({"attention_impl": "xla"} if ON_GPU else {}))
+  # A vocabulary no other dimension shares, so the head's collectives can be told apart,
+  # and LM-head chunks of 64 rows (4 on one device, 2 per device on 2): a loop over
+  # chunks, as the 1B model runs with 8 of 2048 rows.
+  VOCAB_M, HEAD_ROWS = 384, 64
+  cfg_m = get_config("tiny", vocab_size=VOCAB_M,
+                     **({"attention_impl": "xla"} if ON_GPU else {}))
+  import coda_jax.block_gemms as BG  # noqa: E402
+  _row_chunks = BG.row_chunks
+  BG.row_chunks = lambda m, v, chunk_rows, **kw: _row_chunks(m, v, chunk_rows or HEAD_ROWS, **kw)
   tokens = jax.random.randint(jax.random.key(1), (4, 64), 0, cfg_m.vocab_size, jnp.int32)
   targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(train.IGNORE_INDEX)
   targets = targets.at[0, :40].set(train.IGNORE_INDEX)  # unequal counts per device
@@ -283,19 +327,21 @@ if CASES_TRAIN:  # the main job's data-parallel train step against one device
   mesh_tp = jax.make_mesh((TP_DATA, 2), ("data", "model"), axis_types=auto * 2,
                           devices=jax.devices()[:2 * TP_DATA])
   runs = (("one", None, "jit"), ("two", mesh, "shard_map"), ("fsdp", mesh, "shard_map"),
-          ("jit", mesh_jit, "jit"), ("jit_fsdp", mesh_jit, "jit"), ("tp", mesh_tp, "jit"))
+          ("jit", mesh_jit, "jit"), ("jit_fsdp", mesh_jit, "jit"), ("tp", mesh_tp, "jit"),
+          ("jit_per_gemm", mesh_jit, "jit"), ("jit_fsdp_per_gemm", mesh_jit, "jit"))
   for label, m, partitioner in runs:
     print(f"RUN train {label}", flush=True)  # progress; a crash names its run
     model = Llama(cfg_m, rngs=nnx.Rngs(0), fused=True)
     graphdef, state = train.init_state(model, train.make_optimizer(1e-3, total_steps=4))
-    if label in ("fsdp", "jit_fsdp"):
+    if label in ("fsdp", "jit_fsdp", "jit_fsdp_per_gemm"):
       state = jax.device_put(state, train.fsdp_shardings(state, m))
     elif label == "tp":
       train.check_tensor_parallel(cfg_m, m)
       state = jax.device_put(state, train.tensor_parallel_shardings(state, m))
     elif m is not None:
       state = jax.device_put(state, NamedSharding(m, P()))
-    step = train.make_train_step(graphdef, mesh=m, donate=False, partitioner=partitioner)
+    step = train.make_train_step(graphdef, mesh=m, donate=False, partitioner=partitioner,
+                                 loss_row_split="per_gemm" not in label)
     rows = NamedSharding(m, P("data")) if m is not None else None
     t, y = (jax.device_put(tokens, rows), jax.device_put(targets, rows)) if m else (tokens, targets)
     losses = []
@@ -325,11 +371,44 @@ if CASES_TRAIN:  # the main job's data-parallel train step against one device
                                             jax.tree.leaves(grads[f, "one"])))
            for f in (True, False)}
   print(f"GRADTP fused={gdiff[True]:.3e} reference={gdiff[False]:.3e}", flush=True)
-  for label in ("jit", "jit_fsdp", "tp"):
+  for label in ("jit", "jit_fsdp", "tp", "jit_per_gemm", "jit_fsdp_per_gemm"):
     (l1, p1, _, _), (lx, px, hlox, argx) = results["one"], results[label]
     print(f"TRAINJIT {label} loss_diff={max(abs(a - b) for a, b in zip(l1, lx)):.3e} "
           f"param_diff={max(rel(a, b) for a, b in zip(px, p1)):.3e} "
-          f"arg_bytes_ratio={argx / results['jit'][3]:.3f} {collectives(hlox)}", flush=True)
+          f"arg_bytes_ratio={argx / results['jit'][3]:.3f} {collectives(hlox)} "
+          f"head_collectives_in_loops={loop_collectives(hlox, VOCAB_M)}", flush=True)
+  # Llama.loss and GPT2.loss with row_split (the head per device in one shard_map)
+  # against the same jit on the same 2 devices without it, each reduction, gradients of
+  # the mean; then the refusals of RowSplit and sum_over_rows.
+  from coda_jax.sharding import RowSplit, sum_over_rows  # noqa: E402
+  from flax_layers import GPT2, get_gpt2_config  # noqa: E402
+  split = RowSplit(mesh_jit, "data")
+  rows = NamedSharding(mesh_jit, P("data"))
+  t, y = jax.device_put(tokens, rows), jax.device_put(targets, rows)
+  for name, model in (("llama", Llama(cfg_m, rngs=nnx.Rngs(0), fused=True)),
+                      ("gpt2", GPT2(get_gpt2_config("gpt2-tiny", vocab_size=VOCAB_M),
+                                    rngs=nnx.Rngs(0), fused=True))):
+    gdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.device_put(params, NamedSharding(mesh_jit, P()))
+    of = lambda p, red, rs, gdef=gdef, rest=rest: nnx.merge(gdef, p, rest).loss(
+        t, y, reduction=red, row_split=rs)
+    diffs = {red: rel(jax.jit(lambda p, red=red: of(p, red, split))(params),
+                      jax.jit(lambda p, red=red: of(p, red, None))(params))
+             for red in ("mean", "sum", "none")}
+    g_split = jax.jit(jax.grad(lambda p: of(p, "mean", split)))(params)
+    g_plain = jax.jit(jax.grad(lambda p: of(p, "mean", None)))(params)
+    gdiff = max(rel(a, b) for a, b in zip(jax.tree.leaves(g_split), jax.tree.leaves(g_plain)))
+    print(f"ROWSPLIT {name} " + " ".join(f"{k}={v:.3e}" for k, v in diffs.items())
+          + f" grad={gdiff:.3e}", flush=True)
+  for label, make in (("axis", lambda: RowSplit(mesh_jit, "model")),
+                      ("tp", lambda: RowSplit(mesh_tp, "data")),
+                      ("rows", lambda: sum_over_rows(jnp.sum, split, (jnp.ones((3, 4)),), ()))):
+    try:
+      make()
+      print(f"ROWSPLITERR {label} none", flush=True)
+    except ValueError as e:
+      print(f"ROWSPLITERR {label} ok {str(e)[:150]}", flush=True)
+  BG.row_chunks = _row_chunks
   (l1, p1, _, _), (l2, p2, hlo2, arg2) = results["one"], results["two"]
   l3, p3, hlo3, arg3 = results["fsdp"]
   print(f"FSDP loss_diff={max(abs(a - b) for a, b in zip(l1, l3)):.3e} "

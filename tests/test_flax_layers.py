@@ -702,6 +702,12 @@ def test_token_ids_outside_the_vocabulary():
   gdef, state = nnx.split(model)
   loss = jax.jit(lambda s, t: nnx.merge(gdef, s).loss(t, jnp.zeros_like(t)))(state, tokens)
   assert np.isnan(float(loss))
+  # Concrete ids closed over by a jit are checked too (the check ran jnp comparisons on
+  # them, which a trace turns into tracers: TracerArrayConversionError before).
+  with pytest.raises(ValueError, match=r"token id 256 at \(1, 3\)"):
+    jax.jit(lambda s: nnx.merge(gdef, s).loss(tokens, tokens))(state)
+  good = tokens.at[1, 3].set(0)
+  assert np.isfinite(float(jax.jit(lambda s: nnx.merge(gdef, s).loss(good, good))(state)))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

@@ -98,6 +98,11 @@ def sharded_results():
   for m in re.finditer(r"TRAINJIT (\S+) loss_diff=(\S+) param_diff=(\S+) "
                        r"arg_bytes_ratio=(\S+) all-gather=(\d+) all-reduce=(\d+)", out.stdout):
     cases["train_" + m.group(1)] = (*map(float, m.group(2, 3, 4)), *map(int, m.group(5, 6)))
+  cases["head_loops"] = {k: int(v) for k, v in re.findall(
+      r"TRAINJIT (\S+) .*head_collectives_in_loops=(\d+)", out.stdout)}
+  cases["row_split"] = {m.group(1): dict(re.findall(r"(\w+)=(\S+)", m.group(2)))
+                       for m in re.finditer(r"ROWSPLIT (\S+) (.*)", out.stdout)}
+  cases["row_split_errors"] = dict(re.findall(r"ROWSPLITERR (\S+) (\w+)", out.stdout))
   m = re.search(r"GRADTP fused=(\S+) reference=(\S+)", out.stdout)
   assert m, out.stdout
   cases["grad_tp"] = tuple(map(float, m.group(1, 2)))
@@ -221,6 +226,40 @@ def test_jit_train_step_fsdp(sharded_results):
   loss_diff, param_diff, arg_ratio, gathers, _ = sharded_results["train_jit_fsdp"]
   assert loss_diff < 1e-5 and param_diff < JIT_PARAM_BOUND, (loss_diff, param_diff)
   assert arg_ratio < 0.55 and gathers >= 2, (arg_ratio, gathers)
+
+
+@pytest.mark.parametrize("state", ["replicated", "fsdp"])
+def test_jit_train_step_sums_the_head_gradient_once(sharded_results, state):
+  """With the batch split over "data" under jit, the train step runs the fused LM head
+  per device (``Llama.loss(row_split=...)``): no collective on a vocabulary-sized array
+  runs inside the head's loop over row chunks, where jit's per-GEMM rule reduces the
+  head's dW in every chunk (and, FSDP, gathers the head in every chunk). The per-GEMM
+  step (``loss_row_split=False``) shows the detector sees them, and both steps give the
+  one-device loss and parameters."""
+  one, per_gemm = ("jit", "jit_per_gemm") if state == "replicated" else (
+      "jit_fsdp", "jit_fsdp_per_gemm")
+  loops = sharded_results["head_loops"]
+  assert loops[one] == 0 and loops[per_gemm] >= 1, loops
+  for label in (one, per_gemm):
+    loss_diff, param_diff = sharded_results["train_" + label][:2]
+    assert loss_diff < 1e-5 and param_diff < JIT_PARAM_BOUND, (label, loss_diff, param_diff)
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_loss_with_row_split_matches_jit(sharded_results, model):
+  """``Llama.loss`` / ``GPT2.loss`` with ``row_split`` (the fused head per device in a
+  shard_map, the mean over the whole batch from the summed counts) against the same loss
+  under jit on the same 2 devices without it: mean, sum and per-token losses, and the
+  mean's gradients (one device holding fewer counted targets than the other)."""
+  d = {k: float(v) for k, v in sharded_results["row_split"][model].items()}
+  assert set(d) == {"mean", "sum", "none", "grad"}, d
+  assert max(d["mean"], d["sum"], d["none"]) < 1e-5 and d["grad"] < 1e-3, d
+
+
+def test_row_split_refuses_what_it_cannot_split(sharded_results):
+  """A RowSplit over an axis the mesh lacks, over a mesh with a tensor-parallel axis, and
+  rows that the devices do not divide: each a ValueError."""
+  assert sharded_results["row_split_errors"] == {"axis": "ok", "tp": "ok", "rows": "ok"}
 
 
 def test_jit_train_step_tensor_parallel(sharded_results):
