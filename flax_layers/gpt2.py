@@ -448,7 +448,8 @@ class GPT2(nnx.Module):
       positions: (B, T) int positions into ``wpe``; default ``arange(T)`` per row.
       reduction: "mean" over the counted targets, "sum", or "none" (per token).
       row_split: a ``coda_jax.sharding.RowSplit`` naming the mesh axis the batch is split
-        over under ``jax.jit`` on auto axes (the train step passes it): the fused path
+        over under ``jax.jit`` on auto axes (``make_train_step(loss_row_split=True)``
+        passes it): the fused path
         runs the LM head per device in one ``jax.shard_map``, as ``Llama.loss`` does.
 
     Returns:

@@ -25,8 +25,8 @@ from flax import nnx
 from coda_jax import blocks
 from coda_jax import jnp_reference as ref
 from coda_jax.fused_ops import REDUCTIONS, flat_rows
-from flax_layers import layers as Lyr
 from coda_jax.sharding import RowSplit
+from flax_layers import layers as Lyr
 from flax_layers.config import LlamaConfig
 
 _MLP_KEYS = ("wo", "g_mlp", "w13", "w2")
@@ -211,8 +211,8 @@ class Llama(nnx.Module):
       positions: (B, T) int RoPE positions; default ``arange(T)`` per row.
       reduction: "mean" over the counted targets, "sum", or "none" (per token).
       row_split: a ``coda_jax.sharding.RowSplit`` naming the mesh axis the batch is split
-        over, under ``jax.jit`` on auto axes (data parallelism, FSDP; the train step
-        passes it). The fused path then runs the last block and the LM head per device
+        over, under ``jax.jit`` on auto axes (data parallelism, FSDP;
+        ``make_train_step(loss_row_split=True)`` passes it). The fused path then runs the last block and the LM head per device
         in one ``jax.shard_map``: each device accumulates the head's weight gradient
         in place over its row chunks and the devices sum it once, and an FSDP-split
         head is gathered once, where the per-GEMM rule would do both chunk by chunk.
