@@ -464,7 +464,9 @@ def main():
                       "by rows), the rest replicated")
     elif args.fsdp:
       state_layout = ("split over the devices (FSDP), parameters gathered "
-                      + ("once per step" if args.partitioner == "shard_map" else "per GEMM"))
+                      + ("once per step" if args.partitioner == "shard_map" else "per GEMM"
+                         + (" (the last block's and the head's once: --head-per-device on)"
+                            if args.head_per_device == "on" else "")))
     else:
       state_layout = "replicated"
     print(f"mesh {dict(args.mesh_obj.shape)} ({args.partitioner}): tokens and targets split "

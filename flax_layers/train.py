@@ -245,14 +245,14 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, me
       raise ValueError("micro_batches > 1 with a mesh is not supported yet: use more "
                        "devices or a smaller batch")
 
-  split = None
+  row_split = None
   if (loss_row_split and mesh is not None and partitioner == "jit"
       and all(n == 1 for a, n in mesh.shape.items() if a != data_axis)):
-    split = RowSplit(mesh, data_axis)
+    row_split = RowSplit(mesh, data_axis)
 
   def loss_of(model, tokens, targets):
-    if split is not None and "row_split" in inspect.signature(model.loss).parameters:
-      return model.loss(tokens, targets, row_split=split)
+    if row_split is not None and "row_split" in inspect.signature(model.loss).parameters:
+      return model.loss(tokens, targets, row_split=row_split)
     return model.loss(tokens, targets)
 
   def grads_of(model, tokens, targets):

@@ -210,11 +210,13 @@ def count_op(hlo, op):
   return hlo.count(op + "(") + hlo.count(op + "-start(")
 
 
+COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+                  "collective-permute")
+
+
 def collectives(hlo):
   """Counts of each collective in compiled HLO text (``count_op``)."""
-  return " ".join(f"{op}={count_op(hlo, op)}" for op in
-                  ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
-                   "collective-permute"))
+  return " ".join(f"{op}={count_op(hlo, op)}" for op in COLLECTIVE_OPS)
 
 
 def loop_collectives(hlo, dim):
@@ -241,14 +243,13 @@ def loop_collectives(hlo, dim):
     if c not in inside and c in bodies:
       inside.add(c)
       todo.extend(calls[c])
-  ops = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
   pat = re.compile(r"\[[^\]]*\b%d\b[^\]]*\]" % dim)
   count = 0
   for c in inside:
     for line in bodies[c]:
       rhs = line.split(" = ", 1)[-1]
-      for op in ops:
-        if f" {op}(" in rhs or f" {op}-start(" in rhs:
+      for op in COLLECTIVE_OPS:
+        if count_op(rhs, " " + op):
           count += bool(pat.search(rhs.split(f" {op}", 1)[0]))
   return count
 
