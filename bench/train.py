@@ -76,20 +76,20 @@ def parse_args():
                  "split over 2 devices) or data=2,model=2 (plus Megatron tensor parallel "
                  "over 'model': column-parallel wqkv/w13/wlm, row-parallel wo/w2)")
   p.add_argument("--fsdp", action="store_true", help="with --mesh: split the parameters "
-                 "and optimizer state over the data axis (gathered once per step with "
-                 "--partitioner shard_map, per GEMM with jit)")
+                 "and optimizer state over the data axis, each array inside each layer "
+                 "(train.fsdp_shardings; gathered once per step with --partitioner "
+                 "shard_map, per layer with jit)")
   p.add_argument("--partitioner", choices=("shard_map", "jit"), default=None,
                  help="jit (default): plain jit, each fused GEMM split as its operands are "
                  "sharded (coda_jax.partitioning); shard_map: each device runs the whole "
                  "model on its rows (data axis only; on a GPU it needs --attention xla: "
                  "jax 0.11.2's compiler segfaults with cuDNN attention there, "
                  "docs/known_issues.md)")
-  p.add_argument("--head-per-device", choices=("on", "off"), default="off",
-                 help="with --mesh data=N under jit: on: the fused last block and LM head "
-                 "run per device in one shard_map, their weight gradients summed across "
-                 "devices once per step (make_train_step's loss_row_split); off (default): "
-                 "every GEMM through jit's per-GEMM rule. With --fsdp, on is unverified on "
-                 "GPUs (bench/NOTES.md)")
+  p.add_argument("--head-per-device", choices=("on", "off"), default="on",
+                 help="with --mesh data=N under jit: on (default): the fused last block and "
+                 "LM head run per device in one shard_map, their weight gradients summed "
+                 "across devices once per step (make_train_step's loss_row_split); off: "
+                 "every GEMM through jit's per-GEMM rule")
   p.add_argument("--attention", choices=("cudnn", "xla"), default=None,
                  help="jax.nn.dot_product_attention's implementation (default: cuDNN on a "
                  "GPU for 16-bit activations, else XLA)")
@@ -187,6 +187,35 @@ def device_limit_bytes():
   return stats.get("bytes_limit") if stats else None
 
 
+def largest_allocation(stats):
+  """The largest single buffer a device's allocator can still hand out, from its
+  ``memory_stats()``: its largest free block, or the memory it has not reserved yet,
+  whichever is larger. None where the device reports no statistics (CPU)."""
+  if not stats or "bytes_limit" not in stats:
+    return None
+  reserved = stats.get("pool_bytes", stats.get("bytes_reserved", stats.get("bytes_in_use", 0)))
+  return max(stats.get("largest_free_block_bytes", 0), stats["bytes_limit"] - reserved)
+
+
+def check_temp_fits(path, temp_bytes, devices):
+  """Stops the run (SystemExit) when a several-device step's temporary buffer fits in no
+  free piece of some device's memory. On one device XLA then raises an out-of-memory
+  error; on several, the device that failed leaves the others waiting at NCCL's
+  rendezvous for good (jax 0.11.2), so a run would hang instead (bench/NOTES.md,
+  thirty-fourth session: the 1B reference with --fsdp after the fused path)."""
+  if len(devices) < 2 or not temp_bytes:
+    return
+  for d in devices:
+    room = largest_allocation(d.memory_stats())
+    if room is not None and temp_bytes > room:
+      sys.exit(f"{path}: the compiled step needs a {temp_bytes / 2**30:.1f} GiB temporary "
+               f"buffer, and {d} can allocate at most {room / 2**30:.1f} GiB in one piece "
+               "now (memory held or fragmented by the paths run before it). On several "
+               "devices an out-of-memory error leaves the other devices waiting for good, "
+               f"so the run stops here: run this path in a process of its own (--paths "
+               f"{path}), or with a smaller --batch")
+
+
 def mem_limit(results):
   limit = results[0].get("device_limit_bytes")
   return f"{limit / 2**30:.1f} GiB" if limit else "-"
@@ -263,6 +292,8 @@ def run_path(path, cfg, args, train_batches, val_batches):
     step = make_step(k)
     compiled = step.lower(state, *first).compile()
     r["warm_compile_s"] = time.perf_counter() - t0
+  if mesh is not None and m is not None:
+    check_temp_fits(path, m.temp_size_in_bytes, list(mesh.devices.flat))
   r["micro_batches"] = k
   r["losses"], r["step_s"] = [], []
   last = args.stop_after or args.steps
@@ -425,7 +456,7 @@ def main():
           + (f"_{args.mesh.replace('=', '').replace(',', '_')}" if args.mesh else "")
           + ("_fsdp" if args.fsdp else "")
           + ("_jit" if args.mesh and args.partitioner == "jit" else "")
-          + ("_head_per_device" if args.mesh and args.head_per_device == "on" else "")
+          + ("_head_per_gemm" if args.mesh and args.head_per_device == "off" else "")
           + (f"_{args.head_grad}_head" if args.head_grad not in (None, "auto") else ""))
   try:
     data = corpus.load(args.batch, args.seq)
@@ -464,8 +495,9 @@ def main():
                       "by rows), the rest replicated")
     elif args.fsdp:
       state_layout = ("split over the devices (FSDP), parameters gathered "
-                      + ("once per step" if args.partitioner == "shard_map" else "per GEMM"
-                         + (" (the last block's and the head's once: --head-per-device on)"
+                      + ("once per step" if args.partitioner == "shard_map"
+                         else "per layer, as the layer scan reaches them"
+                         + ("; the head once (--head-per-device on)"
                             if args.head_per_device == "on" else "")))
     else:
       state_layout = "replicated"

@@ -68,9 +68,14 @@ class RowSplit:
     mesh: the mesh the step runs on. Every axis other than ``axis`` must have size 1
       (a tensor-parallel axis is not a row split).
     axis: the mesh axis the rows are split over.
+    loss_per_device: a model's loss runs its last block and LM head per device in one
+      ``jax.shard_map`` (``flax_layers.layers.loss_over_rows``); False leaves them to
+      ``jax.jit``'s per-GEMM rule. Either way each layer's weights are gathered whole
+      per layer (``flax_layers.layers.whole_weights``).
   """
   mesh: Any
   axis: str
+  loss_per_device: bool = True
 
   def __post_init__(self):
     shape = dict(self.mesh.shape)

@@ -399,32 +399,35 @@ class GPT2(nnx.Module):
          + jnp.take(self.wpe[...], positions, axis=0, mode="fill"))
     return x.astype(c.dtype)
 
-  def _trunk(self, tokens, positions):
+  def _trunk(self, tokens, positions, row_split: RowSplit | None = None):
     """Embeddings and every block. Returns the final residual stream (B, T, D), and on
     the fused path LN_f's statistics (mu, r) of it, which the last block's MLP emits
-    (None on the reference path)."""
+    (None on the reference path). With ``row_split`` each layer's weights are gathered
+    whole as the scan reaches them (``layers.whole_weights``)."""
     c = self.config
     x = self._embed(tokens, positions)
     p = self.layers.params()
     # Matrices in the compute dtype once, before the scan slices them per layer.
     p = {k: (v.astype(c.dtype) if k in _MATRICES else v) for k, v in p.items()}
+    whole = lambda tree: Lyr.whole_weights(tree, row_split)  # FSDP: gathered per layer
     if not self.fused:
-      x, _ = jax.lax.scan(lambda x, lp: (block_forward(lp, x, c, False), None), x, p)
+      x, _ = jax.lax.scan(lambda x, lp: (block_forward(whole(lp), x, c, False), None), x, p)
       return x, None
     # Cut at attention: step i runs layer i's c_proj and MLP, then layer i + 1's LN_1
     # and c_attn (``_shifted``); the last layer's MLP emits LN_f's statistics instead.
     attend = _attention(c)
-    qkv = _c_attn({k: p[k][0] for k in _ATTN}, x, c)
+    qkv = _c_attn(whole({k: p[k][0] for k in _ATTN}), x, c)
 
     def layer(carry, lp):
       x, qkv = carry
+      lp = whole(lp)
       nxt = {k: lp["next_" + k] for k in _ATTN}
       return _shifted(lp, x, attend(qkv), c, next_attn=nxt), None
 
     shifted = {**{k: p[k][:-1] for k in _HALF},
                **{"next_" + k: p[k][1:] for k in _ATTN}}
     (x, qkv), _ = jax.lax.scan(layer, (x, qkv), shifted)
-    last = {k: p[k][-1] for k in _HALF}
+    last = whole({k: p[k][-1] for k in _HALF})
     norm_f = self.norm_f[...].astype(p["norm_attn"].dtype)
     x, _, mu, r = _shifted(last, x, attend(qkv), c, next_norm=norm_f)
     return x, (mu, r)
@@ -448,9 +451,10 @@ class GPT2(nnx.Module):
       positions: (B, T) int positions into ``wpe``; default ``arange(T)`` per row.
       reduction: "mean" over the counted targets, "sum", or "none" (per token).
       row_split: a ``coda_jax.sharding.RowSplit`` naming the mesh axis the batch is split
-        over under ``jax.jit`` on auto axes (``make_train_step(loss_row_split=True)``
-        passes it): the fused path
-        runs the LM head per device in one ``jax.shard_map``, as ``Llama.loss`` does.
+        over under ``jax.jit`` on auto axes (``make_train_step`` passes it by
+        default): both paths gather each layer's weights whole as the layer scan
+        reaches them, and the fused path runs the LM head per device in one
+        ``jax.shard_map``, as ``Llama.loss`` does.
 
     Returns:
       fp32: a scalar, or (B, T) with ``reduction="none"`` (0 where ignored).
@@ -460,8 +464,8 @@ class GPT2(nnx.Module):
       raise ValueError(f"targets {targets.shape} must match tokens {tokens.shape}")
     if reduction not in REDUCTIONS:
       raise ValueError(f"reduction={reduction!r}: one of {REDUCTIONS}")
-    n = self._final_norm(*self._trunk(tokens, positions))
-    wte = self.wte[...].astype(c.dtype)
+    n = self._final_norm(*self._trunk(tokens, positions, row_split))
+    wte = Lyr.whole_weights(self.wte[...].astype(c.dtype), row_split)
     if self.fused:  # n = LN_f(x) already holds g and beta: the head's row scale is 1
       head = lambda n, targets, wte, red: F.rmsnorm_lm_head_loss(
           n, jnp.ones(n.shape[:-1], _F32), wte, targets, ignore_index=IGNORE_INDEX,

@@ -104,12 +104,40 @@ def qkv_qknorm_rope(h, r, wqkv, positions, qk_norm_w, heads, theta, eps, fused, 
   return qkv.reshape(*h.shape[:-1], -1)
 
 
+def whole_weights(tree, row_split: RowSplit | None):
+  """``tree``'s arrays whole on every device of ``row_split``'s mesh, or ``tree`` as it is
+  when there is no split.
+
+  With the rows split over the devices, every device needs each weight whole while its
+  layer runs. A weight stored split (FSDP, ``flax_layers.train.fsdp_shardings``) is
+  gathered here: called on one layer's slice inside the layer scan, it gathers that
+  layer's weights as the scan reaches them, and their gradients are summed back the
+  same way. Without it, jit's partitioner is free to split the plain-XLA path's GEMMs
+  along the weights' split instead, and moves activations between devices (all-to-alls;
+  bench/NOTES.md, thirty-fourth session).
+  The fused GEMMs gather a split weight themselves (``coda_jax.partitioning``); here
+  the gather is explicit for both paths.
+
+  Args:
+    tree: a pytree of arrays (one layer's weights).
+    row_split: a ``coda_jax.sharding.RowSplit``, or None.
+
+  Returns:
+    ``tree``, constrained to be replicated over ``row_split.mesh``.
+  """
+  if row_split is None:
+    return tree
+  whole = jax.sharding.NamedSharding(row_split.mesh, jax.sharding.PartitionSpec())
+  return jax.tree.map(lambda v: jax.lax.with_sharding_constraint(v, whole), tree)
+
+
 def loss_over_rows(fn, reduction, rows, shared, targets, ignore_index,
                    row_split: RowSplit | None = None):
   """``fn(*rows, *shared, reduction)``, a loss over the rows, with ``rows`` split over
   ``row_split``'s mesh axis: each device computes the sum over its own rows inside one
   ``jax.shard_map`` (``coda_jax.sharding.sum_over_rows``) and a mean divides by the
-  count of counted targets over all rows. Without ``row_split``, ``fn`` as it is.
+  count of counted targets over all rows. Without ``row_split`` (or with its
+  ``loss_per_device`` False), ``fn`` as it is.
 
   Args:
     fn: the loss of its rows for a reduction ("mean", "sum" or "none").
@@ -123,7 +151,7 @@ def loss_over_rows(fn, reduction, rows, shared, targets, ignore_index,
   Returns:
     What ``fn`` returns for ``reduction``, over all rows.
   """
-  if row_split is None:
+  if row_split is None or not row_split.loss_per_device:
     return fn(*rows, *shared, reduction)
   if reduction == "none":
     return sum_over_rows(lambda *a: fn(*a, "none"), row_split, rows, shared, per_row=True)

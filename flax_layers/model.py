@@ -212,11 +212,12 @@ class Llama(nnx.Module):
       reduction: "mean" over the counted targets, "sum", or "none" (per token).
       row_split: a ``coda_jax.sharding.RowSplit`` naming the mesh axis the batch is split
         over, under ``jax.jit`` on auto axes (data parallelism, FSDP;
-        ``make_train_step(loss_row_split=True)`` passes it). The fused path then runs the last block and the LM head per device
+        ``make_train_step`` passes it by default). Both paths then gather each layer's
+        weights whole as the layer scan reaches them (``layers.whole_weights``: FSDP
+        per layer). The fused path also runs the last block and the LM head per device
         in one ``jax.shard_map``: each device accumulates the head's weight gradient
         in place over its row chunks and the devices sum it once, and an FSDP-split
         head is gathered once, where the per-GEMM rule would do both chunk by chunk.
-        The reference path ignores it (jit partitions XLA's graph itself).
 
     Returns:
       fp32: a scalar, or (B, T) with ``reduction="none"`` (0 where ignored).
@@ -238,12 +239,14 @@ class Llama(nnx.Module):
     p = {k: (v if k.startswith("g_") else v.astype(c.dtype)) for k, v in p.items()}
     attend = lambda qkv: Lyr.causal_attention(qkv, heads(c), c.attention_impl)
     norms = [k for k in blocks.QK_NORM_KEYS if k in p]  # the next layer's, as g_attn
-    qkv = impl.pre_block(x, positions, p["g_attn"][0], p["wqkv"][0],
-                         _qk_norm_w({k: p[k][0] for k in norms}))
+    whole = lambda tree: Lyr.whole_weights(tree, row_split)  # FSDP: gathered per layer
+    first = whole({k: p[k][0] for k in ("g_attn", "wqkv", *norms)})
+    qkv = impl.pre_block(x, positions, first["g_attn"], first["wqkv"],
+                         _qk_norm_w({k: first[k] for k in norms}))
 
     def layer(carry, lp):
       x, qkv = carry
-      return impl.shifted_block(x, attend(qkv), positions, lp), None
+      return impl.shifted_block(x, attend(qkv), positions, whole(lp)), None
 
     # Block i: layer i's out-proj and MLP, then layer i + 1's norm and QKV.
     shifted = {**{k: p[k][:-1] for k in _MLP_KEYS},
@@ -253,8 +256,8 @@ class Llama(nnx.Module):
     # neither it nor its gradient is copied into a (D, V) layout each step.
     wlm, layout = ((self.embed[...].astype(c.dtype), "vd") if c.tie_embeddings
                    else (self.head.head_weight(), "dv"))
-    last = {**{k: p[k][-1] for k in _MLP_KEYS}, "g_final": self.head.norm_weight(),
-            "wlm": wlm}
+    last = whole({**{k: p[k][-1] for k in _MLP_KEYS}, "g_final": self.head.norm_weight(),
+                  "wlm": wlm})
     post = lambda x, y, targets, last, red: impl.post_block(x, y, targets, last, red, layout)
     loss = Lyr.loss_over_rows(post, reduction, (x, attend(qkv), targets), (last,), targets,
                               self.head.ignore_index, row_split if self.fused else None)

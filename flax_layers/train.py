@@ -78,21 +78,36 @@ def data_parallel_loss(gdef, rest, mesh, data_axis: str):
 
 
 def fsdp_shardings(tree, mesh, data_axis: str = "data"):
-  """Shardings that split each array of ``tree`` (a train state: parameters and
-  optimizer moments) along its first dimension divisible by the ``data_axis`` size, and
-  replicate the rest (scalars, small vectors). ``jax.device_put(state, ...)`` them to
-  train FSDP-style with ``make_train_step(mesh=...)``: each device stores 1/N of the
-  state; the step gathers the parameters once and reduce-scatters their gradients."""
+  """Shardings that split each array of a train state over the devices, FSDP-style.
+
+  Each array is split along its largest dimension that the ``data_axis`` size divides
+  (the later one on a tie), and replicated when none does (scalars, small vectors).
+  A stack of layers, (n_layers, K, N), is therefore split inside each layer, not along
+  the layer axis: the layer scan slices one layer on every device and gathers that
+  layer's weights as it reaches them, so no device ever holds the whole model. (Split
+  along the layer axis, each layer lives on one device and XLA gathers the whole fp32
+  stack before the scan: bench/NOTES.md, thirty-fourth session.)
+
+  Args:
+    tree: the state (parameters and optimizer moments alike), or any pytree of arrays.
+    mesh: the device mesh; its only axis of size > 1 must be ``data_axis``.
+    data_axis: the axis to split over.
+
+  Returns:
+    ``tree``'s structure of ``NamedSharding``s. ``jax.device_put(state, ...)`` them to
+    train with ``make_train_step(mesh=...)``: each device stores 1/N of the state.
+  """
   from jax.sharding import NamedSharding, PartitionSpec as P
   check_mesh(mesh, data_axis)
   n = mesh.shape[data_axis]
 
   def one(x):
     shape = getattr(x, "shape", ())
-    for dim, size in enumerate(shape):
-      if size >= n and size % n == 0:
-        return NamedSharding(mesh, P(*([None] * dim), data_axis))
-    return NamedSharding(mesh, P())
+    split = [d for d, size in enumerate(shape) if size >= n and size % n == 0]
+    if not split:
+      return NamedSharding(mesh, P())
+    dim = max(split, key=lambda d: (shape[d], d))
+    return NamedSharding(mesh, P(*([None] * dim), data_axis))
   return jax.tree.map(one, tree)
 
 
@@ -199,7 +214,7 @@ def check_shard_map_attention(config, platform: str | None = None):
 def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, mesh=None,
                     data_axis: str = "data", partitioner: str = "jit",
                     program_cache: str | os.PathLike | None = None,
-                    loss_row_split: bool = False):
+                    loss_row_split: bool = True):
   """jit(step)(state, tokens, targets) -> (state, loss): one optimizer step on the mean
   loss. ``micro_batches`` > 1 splits the batch and accumulates gradients (fp32, in the
   parameters' dtype) over the pieces in a ``jax.lax.scan``, so activations of only one
@@ -220,16 +235,18 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, me
   attention (``check_shard_map_attention`` refuses it with a ValueError; the kernels are
   not the cause): use "jit", or the config's ``attention_impl="xla"``.
 
-  ``loss_row_split``: with ``partitioner="jit"`` and a mesh whose only axis of size > 1
-  is ``data_axis`` (data parallelism, FSDP), the model's ``loss`` gets
-  ``row_split=RowSplit(mesh, data_axis)`` when it takes one (``Llama``, ``GPT2``): the
-  fused last block and LM head then run per device in one ``jax.shard_map``, so the
-  head's weight gradient is summed across devices once per step and an FSDP-split head
-  gathered once, not once per row chunk. False (default): every GEMM through jit's
-  per-GEMM rule. Opt-in for now: on 2 H200s it took the 1B data-parallel step from 316
-  to 302 ms (reference 313 ms); with FSDP-split state the step gives the one-device
-  values on CPU devices, but on the GPUs one run did not finish in 560 s, undiagnosed
-  (bench/NOTES.md, thirty-third session).
+  With ``partitioner="jit"`` and a mesh whose only axis of size > 1 is ``data_axis``
+  (data parallelism, FSDP), the model's ``loss`` gets ``row_split=RowSplit(mesh,
+  data_axis)`` when it takes one (``Llama``, ``GPT2``). Both paths then gather each
+  layer's weights whole as the layer scan reaches them (``layers.whole_weights``): an
+  FSDP-split layer is gathered per layer, and the activations stay split by rows.
+
+  ``loss_row_split``: True (default): the fused last block and LM head also run per
+  device in one ``jax.shard_map``, so the head's weight gradient is summed across
+  devices once per step and an FSDP-split head gathered once, not once per row chunk.
+  On 2 H200s it took the 1B step from 316 to 302 ms data parallel and GPT-2 small to
+  1.07x its reference (bench/NOTES.md, thirty-third and thirty-fourth sessions).
+  False: those GEMMs go through jit's per-GEMM rule too.
 
   ``program_cache``: a folder where the lowered step is kept across processes
   (``coda_jax.program_cache``): a later process with the same model, shapes and library
@@ -246,9 +263,9 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, me
                        "devices or a smaller batch")
 
   row_split = None
-  if (loss_row_split and mesh is not None and partitioner == "jit"
+  if (mesh is not None and partitioner == "jit"
       and all(n == 1 for a, n in mesh.shape.items() if a != data_axis)):
-    row_split = RowSplit(mesh, data_axis)
+    row_split = RowSplit(mesh, data_axis, loss_per_device=loss_row_split)
 
   def loss_of(model, tokens, targets):
     if row_split is not None and "row_split" in inspect.signature(model.loss).parameters:

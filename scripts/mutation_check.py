@@ -1207,10 +1207,28 @@ MUTATIONS = [
         "an r made alike on every device (GPT-2's ones) gets a varying dr under shard_map"),
     Mutation(
         "train_step_ignores_loss_row_split", "flax_layers/train.py",
-        "  if (loss_row_split and mesh is not None and partitioner == \"jit\"\n",
-        "  if (False and mesh is not None and partitioner == \"jit\"\n",
+        "    row_split = RowSplit(mesh, data_axis, loss_per_device=loss_row_split)\n",
+        "    row_split = RowSplit(mesh, data_axis, loss_per_device=False)\n",
         ("tests/test_sharding.py", "-k", "head_gradient_once"),
         "the train step never runs the head per device"),
+    Mutation(
+        "fsdp_splits_the_layer_axis", "flax_layers/train.py",
+        "    dim = max(split, key=lambda d: (shape[d], d))\n",
+        "    dim = split[0]\n",
+        ("tests/test_sharding.py", "-k", "fsdp_shardings_split_inside or jit_train_step_fsdp"),
+        "FSDP splits a stack of layers along its layer axis (XLA gathers the whole stack)"),
+    Mutation(
+        "layer_weights_not_gathered", "flax_layers/layers.py",
+        "  if row_split is None:\n    return tree\n",
+        "  if True:\n    return tree\n",
+        ("tests/test_sharding.py", "-k", "jit_train_step_fsdp"),
+        "the layer scan leaves FSDP-split weights split: jit moves activations instead"),
+    Mutation(
+        "train_temp_check_skipped", "bench/train.py",
+        "  if len(devices) < 2 or not temp_bytes:\n",
+        "  if True:\n",
+        ("tests/test_bench_harness.py", "-k", "temp_buffer"),
+        "a several-device step whose temp buffer fits nowhere runs into the hang"),
 ]
 
 

@@ -341,8 +341,10 @@ if CASES_TRAIN:  # the main job's data-parallel train step against one device
       state = jax.device_put(state, train.tensor_parallel_shardings(state, m))
     elif m is not None:
       state = jax.device_put(state, NamedSharding(m, P()))
+    # the default splits the head's rows per device; the per_gemm runs turn that off
+    per_gemm = {"loss_row_split": False} if "per_gemm" in label else {}
     step = train.make_train_step(graphdef, mesh=m, donate=False, partitioner=partitioner,
-                                 loss_row_split="per_gemm" not in label)
+                                 **per_gemm)
     rows = NamedSharding(m, P("data")) if m is not None else None
     t, y = (jax.device_put(tokens, rows), jax.device_put(targets, rows)) if m else (tokens, targets)
     losses = []
@@ -377,7 +379,9 @@ if CASES_TRAIN:  # the main job's data-parallel train step against one device
     print(f"TRAINJIT {label} loss_diff={max(abs(a - b) for a, b in zip(l1, lx)):.3e} "
           f"param_diff={max(rel(a, b) for a, b in zip(px, p1)):.3e} "
           f"arg_bytes_ratio={argx / results['jit'][3]:.3f} {collectives(hlox)} "
-          f"head_collectives_in_loops={loop_collectives(hlox, VOCAB_M)}", flush=True)
+          f"head_collectives_in_loops={loop_collectives(hlox, VOCAB_M)} "
+          f"layer_collectives_in_loops={loop_collectives(hlox, 2 * cfg_m.ffn_dim)}",
+          flush=True)
   # Llama.loss and GPT2.loss with row_split (the head per device in one shard_map)
   # against the same jit on the same 2 devices without it, each reduction, gradients of
   # the mean; then the refusals of RowSplit and sum_over_rows.

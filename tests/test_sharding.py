@@ -98,6 +98,8 @@ def sharded_results():
   for m in re.finditer(r"TRAINJIT (\S+) loss_diff=(\S+) param_diff=(\S+) "
                        r"arg_bytes_ratio=(\S+) all-gather=(\d+) all-reduce=(\d+)", out.stdout):
     cases["train_" + m.group(1)] = (*map(float, m.group(2, 3, 4)), *map(int, m.group(5, 6)))
+  cases["trainjit"] = {m.group(1): dict(re.findall(r"([\w-]+)=(\S+)", m.group(2)))
+                       for m in re.finditer(r"TRAINJIT (\S+) (.*)", out.stdout)}
   cases["head_loops"] = {k: int(v) for k, v in re.findall(
       r"TRAINJIT (\S+) .*head_collectives_in_loops=(\d+)", out.stdout)}
   cases["row_split"] = {m.group(1): dict(re.findall(r"(\w+)=(\S+)", m.group(2)))
@@ -202,6 +204,21 @@ def test_fsdp_train_step(sharded_results):
   assert gathers >= 1
 
 
+def test_fsdp_shardings_split_inside_each_layer():
+  """fsdp_shardings splits each array along its largest dimension the axis divides (the
+  later on a tie), so a stack of layers is split inside each layer, never along the
+  layer axis (where each layer would live on one device and XLA gathers the whole
+  stack); arrays no dimension of which divides stay replicated."""
+  from flax_layers import train
+  mesh = jax.sharding.AbstractMesh((2,), ("data",))
+  S = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  tree = dict(w13=S(16, 2048, 16384), w2=S(16, 8192, 2048), wo=S(16, 2048, 2048),
+              g=S(16, 2048), embed=S(128256, 2048), odd=S(16, 3, 5), bias=S(3,), step=S())
+  specs = {k: tuple(v.spec) for k, v in train.fsdp_shardings(tree, mesh).items()}
+  assert specs == dict(w13=(None, None, "data"), w2=(None, "data"), wo=(None, None, "data"),
+                       g=(None, "data"), embed=("data",), odd=("data",), bias=(), step=()), specs
+
+
 # On auto axes the one- and two-device programs of the XLA fallback differ by bf16
 # rounding in the layers' gradients since the LM head forms its gradient in the forward
 # (1.2e-3 relative; the head's own gradients agree to 2e-7, a "sum" loss to 5e-5, the
@@ -220,18 +237,26 @@ def test_jit_train_step_data_parallel(sharded_results):
   assert gathers == 0 and reduces >= 1
 
 
-def test_jit_train_step_fsdp(sharded_results):
+@pytest.mark.parametrize("label", ["jit_fsdp", "jit_fsdp_per_gemm"])
+def test_jit_train_step_fsdp(sharded_results, label):
   """The same with the state split by fsdp_shardings: the same loss and parameters, half
-  the argument bytes, and the weights gathered per GEMM (per layer: all-gathers)."""
-  loss_diff, param_diff, arg_ratio, gathers, _ = sharded_results["train_jit_fsdp"]
+  the argument bytes, and each layer's weights gathered as the layer scan reaches them:
+  collectives on the MLP's (D, 2F) weight inside the scan's loops, none of the whole
+  stack before it (fsdp_shardings splits inside each layer, not along the layer axis),
+  and no activation moved between devices (no all-to-all: the weights are gathered,
+  the rows stay split). With and without the head per device (``loss_row_split``)."""
+  loss_diff, param_diff, arg_ratio, gathers, _ = sharded_results["train_" + label]
   assert loss_diff < 1e-5 and param_diff < JIT_PARAM_BOUND, (loss_diff, param_diff)
   assert arg_ratio < 0.55 and gathers >= 2, (arg_ratio, gathers)
+  fields = sharded_results["trainjit"][label]
+  assert int(fields["layer_collectives_in_loops"]) >= 2, fields
+  assert int(fields["all-to-all"]) == 0, fields
 
 
 @pytest.mark.parametrize("state", ["replicated", "fsdp"])
 def test_jit_train_step_sums_the_head_gradient_once(sharded_results, state):
   """With the batch split over "data" under jit, the train step runs the fused LM head
-  per device (``Llama.loss(row_split=...)``): no collective on a vocabulary-sized array
+  per device by default (``Llama.loss(row_split=...)``): no collective on a vocabulary-sized array
   runs inside the head's loop over row chunks, where jit's per-GEMM rule reduces the
   head's dW in every chunk (and, FSDP, gathers the head in every chunk). The per-GEMM
   step (``loss_row_split=False``) shows the detector sees them, and both steps give the
