@@ -88,6 +88,19 @@ class RowSplit:
                        "1; a row split is data parallelism only (leave row_split=None "
                        "for tensor parallelism)")
 
+  def whole(self, tree):
+    """``tree``'s arrays whole on every device of the mesh: a weight stored split
+    (FSDP) is gathered here, and its gradient leaves split like it. On an explicit axis
+    that is ``jax.reshard``; on an auto axis (``jax.jit``'s own partitioning) a sharding
+    constraint, since ``jax.reshard`` leaves the partitioner free there (an FSDP step's
+    reference then split its GEMMs along the weights: bench/NOTES.md, thirty-fourth
+    session)."""
+    whole = NamedSharding(self.mesh, PartitionSpec())
+    kind = dict(zip(self.mesh.axis_names, self.mesh.axis_types))[self.axis]
+    put = jax.reshard if kind == jax.sharding.AxisType.Explicit else (
+        jax.lax.with_sharding_constraint)
+    return jax.tree.map(lambda v: put(v, whole), tree)
+
 
 def sum_over_rows(fn: Callable, split: RowSplit, rows: tuple, shared: tuple, *,
                   per_row: bool = False):
@@ -119,8 +132,7 @@ def sum_over_rows(fn: Callable, split: RowSplit, rows: tuple, shared: tuple, *,
     if x.shape[0] % n:
       raise ValueError(f"rows[{i}] has {x.shape[0]} rows along its first dimension, not "
                        f"divisible by the {n} devices of mesh axis {split.axis!r}")
-  whole = NamedSharding(split.mesh, P())
-  shared = jax.tree.map(lambda v: jax.reshard(v, whole), tuple(shared))
+  shared = split.whole(tuple(shared))
 
   def local(*args):
     out = fn(*args)

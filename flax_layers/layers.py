@@ -123,12 +123,9 @@ def whole_weights(tree, row_split: RowSplit | None):
     row_split: a ``coda_jax.sharding.RowSplit``, or None.
 
   Returns:
-    ``tree``, constrained to be replicated over ``row_split.mesh``.
+    ``tree``, replicated over ``row_split.mesh`` (``RowSplit.whole``).
   """
-  if row_split is None:
-    return tree
-  whole = jax.sharding.NamedSharding(row_split.mesh, jax.sharding.PartitionSpec())
-  return jax.tree.map(lambda v: jax.lax.with_sharding_constraint(v, whole), tree)
+  return tree if row_split is None else row_split.whole(tree)
 
 
 def loss_over_rows(fn, reduction, rows, shared, targets, ignore_index,

@@ -1219,8 +1219,8 @@ MUTATIONS = [
         "FSDP splits a stack of layers along its layer axis (XLA gathers the whole stack)"),
     Mutation(
         "layer_weights_not_gathered", "flax_layers/layers.py",
-        "  if row_split is None:\n    return tree\n",
-        "  if True:\n    return tree\n",
+        "  return tree if row_split is None else row_split.whole(tree)\n",
+        "  return tree\n",
         ("tests/test_sharding.py", "-k", "jit_train_step_fsdp"),
         "the layer scan leaves FSDP-split weights split: jit moves activations instead"),
     Mutation(
