@@ -43,6 +43,7 @@ from coda_jax import epilogue_gemm, fused_ops
 from flax_layers import CONFIGS, Llama, LlamaConfig, get_config, load_hf_checkpoint, train
 from flax_layers.gpt2 import (GPT2, GPT2_CONFIGS, GPT2Config, get_gpt2_config,
                               load_gpt2_checkpoint)
+from pallas_kernels import kernel_cache
 
 WARMUP = 3  # steps left out of the timing: the first runs right after compilation
 SMOOTH = 9  # width of the moving average the reference's noise is measured against
@@ -112,6 +113,11 @@ def parse_args():
                  help="where the lowered train and eval steps are kept across runs "
                  "(coda_jax.program_cache; 'none' turns it off): a later run skips lowering "
                  "the fused kernels, most of the fused path's compile time")
+  p.add_argument("--kernel-cache", default=None,
+                 help="where each lowered Mosaic GPU kernel is kept across runs "
+                 "(pallas_kernels.kernel_cache; default $CODA_JAX_KERNEL_CACHE, else "
+                 "~/.cache/coda_jax/kernels; 'none': kept in this process only): a later "
+                 "run, or another model with the same GEMMs, skips lowering them")
   args = p.parse_args()
   if args.init_from is not None and args.config is not None:
     p.error("--init-from takes the model's config from the checkpoint: drop --config")
@@ -266,6 +272,7 @@ def run_path(path, cfg, args, train_batches, val_batches):
                                               partitioner=args.partitioner,
                                               program_cache=programs,
                                               loss_row_split=args.head_per_device == "on")
+  before = dict(kernel_cache.counts)
   while True:  # "auto": halve the micro-batch until the compiled step fits the device
     step = make_step(k)
     t0 = time.perf_counter()
@@ -282,6 +289,8 @@ def run_path(path, cfg, args, train_batches, val_batches):
     print(f"{path}: {r['compiled_peak_bytes'] / 2**30:.1f} GiB does not fit in "
           f"{limit / 2**30:.1f} GiB: {2 * k} micro-batches", flush=True)
     k *= 2
+  r["kernels"] = {how: kernel_cache.counts[how] - before.get(how, 0)
+                  for how in ("lowered", "memory", "disk")}
   if programs is not None:
     r["program"] = step.source(state, *first)
   if args.compile_cache != "none" or programs is not None:
@@ -382,6 +391,11 @@ def markdown(results, summary, args, cfg, data, prov):
            f"{s['val_loss_diff']:+.2e}."]
   md += ["", "Program cache: " + "; ".join(f"{r['path']} {r['program']}" for r in results)
          if all("program" in r for r in results) else "Program cache: off"]
+  md += ["", f"Kernel cache ({kernel_cache.cache_dir() or 'in memory only'}), at the first "
+         "compile: " + "; ".join(
+      f"{r['path']} {r['kernels']['lowered']} kernels lowered, {r['kernels']['memory']} "
+      f"reused in the process, {r['kernels']['disk']} read from the folder"
+      for r in results if "kernels" in r)]
   md += ["", f"Step time: wall clock of one step until its loss is ready (the batch is "
          f"already on the device), median over steps {WARMUP + 1}-{args.steps}; tokens/s = "
          f"batch x seq / that. Compile: lowering + compiling the train step (all "
@@ -430,6 +444,8 @@ def plot(results, png, title):
 
 def main():
   args = parse_args()
+  if args.kernel_cache is not None:
+    kernel_cache.set_cache_dir(None if args.kernel_cache == "none" else args.kernel_cache)
   if args.compile_cache != "none":  # JAX's persistent compilation cache, every program
     jax.config.update("jax_compilation_cache_dir", args.compile_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -7,12 +7,16 @@ lowered module, so it is consulted only after that lowering, and spares none of 
 ``cached_jit`` exports the lowered program once (``jax.export``) into ``cache_dir``. A later
 process traces the function (a second or two), finds the program by the trace's
 fingerprint, and compiles it without lowering a kernel; with JAX's persistent compilation
-cache on, the XLA compile comes from there too.
+cache on, the XLA compile comes from there too. (Each kernel is also lowered only once per
+process and kept on disk by ``pallas_kernels.kernel_cache``, which works for every
+program, multi-device ones included; this cache spares a later process the rest: tracing
+the kernels and putting the program together.)
 
 The fingerprint covers everything the lowering reads:
-  - the traced program itself, walked equation by equation, nested programs (kernel bodies
-    included) and parameters too; jax's printed form elides nested kernel bodies, so it is
-    not used;
+  - the traced program itself, walked equation by equation, nested programs and
+    parameters too (``pallas_kernels.kernel_cache.Fingerprint``; a compiled kernel appears
+    as a call of its exported copy, named by its body's own fingerprint); jax's printed
+    form elides nested kernel bodies, so it is not used;
   - the bytes of its constants;
   - the arguments' shapes, dtypes and shardings, and which arguments are donated;
   - jax's and jaxlib's versions, a few jax settings that lowering reads, the backend and its
@@ -31,20 +35,17 @@ any: remove the folder to reclaim the space.
 """
 from __future__ import annotations
 
-import collections.abc
 import functools
-import hashlib
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
 import jaxlib
 import numpy as np
-from jax.extend import core as jex_core
 
 from coda_jax.dispatch import announce
+from pallas_kernels import kernel_cache
 
 FORMAT = "coda-jax-program-1"  # bump when what a cache file holds, or the key, changes
 SUFFIX = ".jaxexport"
@@ -69,84 +70,7 @@ KERNEL_TARGETS = tuple("__cudnn$" + n for n in (
 def library_digest() -> str:
   """sha256 of coda_jax's and pallas_kernels' Python sources and the shipped tuning cache,
   read once per process (the code a process lowers is the code it imported)."""
-  h = hashlib.sha256()
-  for root in _LIBRARY:
-    for f in sorted(list(root.rglob("*.py")) + list(root.rglob("*.json"))):
-      h.update(str(f.relative_to(root.parent)).encode())
-      h.update(f.read_bytes())
-  return h.hexdigest()
-
-
-class _Fingerprint:
-  """A sha256 over a closed jaxpr's whole structure: every equation's primitive, operand and
-  result types, the dataflow between them, and its parameters, recursing into nested
-  jaxprs (scan and cond bodies, custom_vjp calls, kernel bodies) wherever a parameter holds
-  one."""
-
-  def __init__(self):
-    self.h = hashlib.sha256()
-
-  def add(self, *parts: str) -> None:
-    for p in parts:
-      self.h.update(p.encode())
-      self.h.update(b"\x00")
-
-  def jaxpr(self, jaxpr, consts: Sequence[Any] = ()) -> None:
-    names: dict[Any, str] = {}
-
-    def var(v) -> str:
-      if isinstance(v, jex_core.Literal):
-        return f"literal {np.asarray(v.val)!r}:{v.aval}"
-      return names.setdefault(v, f"v{len(names)}") + f":{v.aval}"
-
-    self.add("jaxpr(", *map(var, jaxpr.constvars), "|", *map(var, jaxpr.invars))
-    for c in consts:
-      self.array(c)
-    for eqn in jaxpr.eqns:
-      self.add(eqn.primitive.name, *map(var, eqn.invars))
-      for k in sorted(eqn.params):
-        self.add(k)
-        self.value(eqn.params[k])
-      # effects follow from the equations (their reprs hold object ids): types only
-      self.add("->", *map(var, eqn.outvars), *sorted(type(e).__name__ for e in eqn.effects))
-    self.add("return", *map(var, jaxpr.outvars), ")")
-
-  def array(self, x) -> None:
-    if isinstance(x, jax.core.Tracer):  # a nested body closing over its caller's values
-      self.add("traced", str(x.aval))
-      return
-    a = np.asarray(x)
-    self.add("array", str(a.dtype), str(a.shape))
-    self.h.update(a.tobytes())
-
-  def value(self, v) -> None:
-    if isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):  # one class in jax 0.11
-      self.jaxpr(getattr(v, "jaxpr", v), getattr(v, "consts", ()))
-    elif isinstance(v, (tuple, list)):
-      self.add(type(v).__name__, str(len(v)))
-      for x in v:
-        self.value(x)
-    elif isinstance(v, collections.abc.Mapping):  # dicts, jax's FrozenDict
-      self.add("dict", str(len(v)))
-      for k in sorted(v, key=repr):
-        self.add(repr(k))
-        self.value(v[k])
-    elif isinstance(v, (np.ndarray, jax.Array)):
-      self.array(v)
-    else:
-      self.add(_stable_repr(v))
-
-  def hexdigest(self) -> str:
-    return self.h.hexdigest()
-
-
-def _stable_repr(v) -> str:
-  """``repr(v)``, or its type's name where the repr holds a memory address (a function or
-  rule object: these parameters, e.g. custom_vmap's batching rule, are not lowered)."""
-  r = repr(v)
-  if " at 0x" in r:
-    return f"<{type(v).__module__}.{type(v).__qualname__}>"
-  return r
+  return kernel_cache.source_digest(*_LIBRARY)
 
 
 def _signature(args) -> tuple:
@@ -160,7 +84,7 @@ def program_key(traced: "jax.stages.Traced", args: tuple, donate_argnums: tuple[
                 signature: tuple | None = None) -> str:
   """The cache key of one traced call: see the module docstring for what it covers.
   ``signature``: ``_signature(args)``, where the caller has it already."""
-  fp = _Fingerprint()
+  fp = kernel_cache.Fingerprint()
   fp.add(FORMAT, jax.__version__, jaxlib.__version__, jax.default_backend())
   for d in jax.devices():
     fp.add(d.platform, d.device_kind, str(getattr(d, "compute_capability", "")))
@@ -192,33 +116,14 @@ def _flat_export(fun: Callable, args: tuple,
                           disabled_checks=allowed)(*specs)
 
 
-def _write(path: Path, data: bytes) -> None:
-  """Writes ``data`` to ``path`` atomically: a reader sees the old file or the whole new
-  one, also when two processes export the same program at once."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-    os.chmod(tmp, 0o644)  # mkstemp's 0o600 would hide it from a shared cache's other users
-    os.replace(tmp, path)
-  except BaseException:
-    Path(tmp).unlink(missing_ok=True)
-    raise
+_write = kernel_cache.write_atomic
 
 
 def _read(path: Path) -> "jax.export.Exported | None":
   """The exported program at ``path``, or None when there is none or it cannot be read
   (a damaged file: logged). Its argument types are the key's; ``Exported.call`` checks
   them again."""
-  if not path.exists():
-    return None
-  try:
-    return jax.export.deserialize(bytearray(path.read_bytes()))
-  except Exception as e:  # noqa: BLE001 (any failure to parse means: export again)
-    announce(f"program cache: {path} could not be read ({type(e).__name__}: {e}); "
-             "exporting the program again")
-    return None
+  return kernel_cache.read_exported(path, lambda msg: announce(f"program cache: {msg}"))
 
 
 class CachedJit:

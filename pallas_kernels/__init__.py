@@ -4,9 +4,9 @@ from pallas_kernels import epilogue
 from pallas_kernels.gemm_mgpu import (CLIP_M_MULTIPLE, GemmConfig, MatDim, Schedule,
                                      check_operands, default_config, gemm, interpret_params,
                                      smem_bytes)
-from pallas_kernels import autotune
+from pallas_kernels import autotune, kernel_cache
 
 __all__ = [
     "CLIP_M_MULTIPLE", "EpilogueOutput", "EpilogueTile", "GemmConfig", "InputKind", "MatDim", "Schedule",
-    "OutputKind", "autotune", "check_operands", "default_config", "epilogue", "gemm", "interpret_params", "smem_bytes",
+    "OutputKind", "autotune", "check_operands", "default_config", "epilogue", "gemm", "interpret_params", "kernel_cache", "smem_bytes",
 ]

@@ -30,6 +30,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import epilogue as epi
+from pallas_kernels import kernel_cache
 
 SMEM_LIMIT_BYTES = 227 * 1024  # sm90 per-block opt-in maximum
 _SMEM_RESERVE_BYTES = 2304  # barriers and alignment padding (measured: ~2.1 KiB)
@@ -1674,8 +1675,14 @@ def gemm(a: jax.Array, b: jax.Array, *,
         interpret=interpret)
 
   lead = (a, b) if mainloop else ()
+  # compiled kernels are lowered once per process and kept on disk (kernel_cache); a
+  # workload being recorded for the tuner is only traced
+  lowered_once = (interpret is None and not autotune.is_recording()
+                  and kernel_cache.active())
   if not in_place:
-    results = make_kernel({})(*lead, *(kernel_inputs[nm] for nm in names_in))
+    fresh = lambda *xs: tuple(make_kernel({})(*xs))
+    args = (*lead, *(kernel_inputs[nm] for nm in names_in))
+    results = kernel_cache.launch(fresh, args) if lowered_once else fresh(*args)
     return unclip(dict(zip(names, results)))
 
   def run_in_place(*args):  # a and b where there is a product, then the operands
@@ -1699,7 +1706,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
   # and the backward's re-run read its fresh, unwritten Ref (the LM head's dW came back
   # zero; bench/NOTES.md, issue 12). Under vmap the outputs are not written in place
   # (that only saves memory): every output is fresh, and plgpu.kernel batches the call.
-  run = jax.custom_batching.custom_vmap(run_in_place)
+  run = jax.custom_batching.custom_vmap(
+      (lambda *xs: kernel_cache.call(run_in_place, xs)) if lowered_once else run_in_place)
 
   @run.def_vmap
   def _batched(axis_size, in_batched, *args):

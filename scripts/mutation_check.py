@@ -929,7 +929,7 @@ MUTATIONS = [
         "the step"),
     # ---- the program cache: a stale program served is a silent wrong answer -------------
     Mutation(
-        "program_key_skips_nested_jaxprs", "coda_jax/program_cache.py",
+        "program_key_skips_nested_jaxprs", "pallas_kernels/kernel_cache.py",
         '      self.jaxpr(getattr(v, "jaxpr", v), getattr(v, "consts", ()))\n',
         '      self.add("a jaxpr")\n',
         ("tests/test_program_cache.py", "-k", "inside_kernels"),
@@ -937,7 +937,7 @@ MUTATIONS = [
         "does for kernel bodies): two kernels differing in pipeline depth or epilogue share "
         "a cache entry"),
     Mutation(
-        "program_key_skips_constant_bytes", "coda_jax/program_cache.py",
+        "program_key_skips_constant_bytes", "pallas_kernels/kernel_cache.py",
         "    self.h.update(a.tobytes())\n",
         "    pass\n",
         ("tests/test_program_cache.py", "-k", "lowering_reads"),
@@ -1229,6 +1229,18 @@ MUTATIONS = [
         "  if True:\n",
         ("tests/test_bench_harness.py", "-k", "temp_buffer"),
         "a several-device step whose temp buffer fits nowhere runs into the hang"),
+    Mutation(
+        "kernel_key_ignores_the_kernel", "pallas_kernels/kernel_cache.py",
+        "  fp.jaxpr(jaxpr.jaxpr, jaxpr.consts)\n  return fp.hexdigest()\n",
+        "  return fp.hexdigest()\n",
+        ("tests/test_kernel_cache.py", "-k", "key_follows or lowered_once"),
+        "every kernel gets one key: the first one lowered runs in place of all the others"),
+    Mutation(
+        "kernel_cache_not_kept", "pallas_kernels/kernel_cache.py",
+        "  with _lock:\n    _exported[key] = exp\n",
+        "",
+        ("tests/test_kernel_cache.py", "-k", "lowered_once"),
+        "a kernel is lowered again at every call site of the process"),
 ]
 
 

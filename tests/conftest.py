@@ -8,6 +8,11 @@ import types
 # XLA's CPU client deadlocks the Mosaic GPU interpreter on small (2-core) machines
 # unless NPROC is large. This must happen before jax is imported.
 os.environ.setdefault("NPROC", "32")
+# Kernels lowered for the GPU are kept in a folder of this run's own (not the user's
+# ~/.cache/coda_jax/kernels), unless the caller names one.
+if "CODA_JAX_KERNEL_CACHE" not in os.environ:
+  import tempfile
+  os.environ["CODA_JAX_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="coda_jax_kernels-")
 
 import zlib  # noqa: E402
 

@@ -1,0 +1,303 @@
+"""Each compiled kernel lowered once: kept per process, and on disk across processes.
+
+Why: Mosaic GPU lowers a kernel in Python (layout inference, then its dialect's lowering),
+about 2.5 s for one of ``gemm``'s kernels, every time a program holding it is lowered. A
+training step calls the same kernel at several sites (each layer's forward and its
+recomputation, the train and the evaluation step, a first and a last layer written out),
+and under ``custom_partitioning`` each site is lowered by itself inside XLA's partitioner.
+The fused 1B Llama step traced 34 kernel calls, 18 of them distinct; lowering them was
+most of its compile time (``bench/lowering_time.py``).
+
+``launch(fn, args)`` runs ``fn`` (a pure function of arrays whose body is one kernel
+launch) through an exported copy of it (``jax.export``, platform ``cuda``). The copy is
+found by the fingerprint of ``fn``'s traced program (``Fingerprint``: every equation, its
+parameters and constants, the kernel body included), together with jax's and jaxlib's
+versions, this package's source and the device's kind. It is made once per process and,
+where a cache folder is set, read from and written to that folder, so a later process
+lowers none of the kernels it has seen. Tracing a kernel and taking its fingerprint costs
+about a tenth of lowering it.
+
+The folder: ``$CODA_JAX_KERNEL_CACHE`` (a path, or ``none`` for no folder), default
+``~/.cache/coda_jax/kernels``; ``set_cache_dir`` replaces it in a running process. One
+file per kernel (a few hundred KB); nothing is ever deleted: remove the folder to reclaim
+the space. A file that cannot be read is logged and replaced; a folder that cannot be
+written is logged, and the kernel is kept in memory only.
+
+Under ``jax.vmap`` (``plgpu.kernel`` batches a launch) the batched kernel is lowered where
+it is traced, as without this cache: an exported program has no batching rule (the
+unbatched kernel is still looked up, since vmap traces it first). While
+``autotune.recording`` collects a workload's problems, kernels are traced only, never
+lowered. Identical launches in one program share one lowered function (jax lowers a
+primitive with equal parameters once per module), so the module holds each kernel once.
+"""
+from __future__ import annotations
+
+import collections
+import collections.abc
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jaxlib
+import numpy as np
+from jax.extend import core as jex_core
+
+log = logging.getLogger("coda_jax")
+
+FORMAT = "coda-jax-kernel-1"  # bump when what a file holds, or the key, changes
+SUFFIX = ".jaxexport"
+CACHE_ENV = "CODA_JAX_KERNEL_CACHE"
+_PACKAGE = Path(__file__).resolve().parent
+_lock = threading.Lock()
+_exported: dict[str, "jax.export.Exported"] = {}
+_dir_override: list[Path | None] = []
+# how each launch found its kernel, for reports and tests
+counts: collections.Counter = collections.Counter()
+
+
+# ---- fingerprints (also coda_jax.program_cache's) ---------------------------------------
+
+def _stable_repr(v) -> str:
+  """``repr(v)``, or its type's name where the repr holds a memory address (a function or
+  rule object: these parameters, e.g. custom_vmap's batching rule, are not lowered)."""
+  r = repr(v)
+  if " at 0x" in r:
+    return f"<{type(v).__module__}.{type(v).__qualname__}>"
+  return r
+
+
+class Fingerprint:
+  """A sha256 over a closed jaxpr's whole structure: every equation's primitive, operand and
+  result types, the dataflow between them, and its parameters, recursing into nested
+  jaxprs (scan and cond bodies, custom_vjp calls, kernel bodies) wherever a parameter holds
+  one. A kernel launched through ``launch`` appears as a call of its exported copy, whose
+  name holds the kernel's own fingerprint."""
+
+  def __init__(self):
+    self.h = hashlib.sha256()
+
+  def add(self, *parts: str) -> None:
+    for p in parts:
+      self.h.update(p.encode())
+      self.h.update(b"\x00")
+
+  def jaxpr(self, jaxpr, consts: Sequence[Any] = ()) -> None:
+    names: dict[Any, str] = {}
+
+    def var(v) -> str:
+      if isinstance(v, jex_core.Literal):
+        return f"literal {np.asarray(v.val)!r}:{v.aval}"
+      return names.setdefault(v, f"v{len(names)}") + f":{v.aval}"
+
+    self.add("jaxpr(", *map(var, jaxpr.constvars), "|", *map(var, jaxpr.invars))
+    for c in consts:
+      self.array(c)
+    for eqn in jaxpr.eqns:
+      self.add(eqn.primitive.name, *map(var, eqn.invars))
+      for k in sorted(eqn.params):
+        self.add(k)
+        self.value(eqn.params[k])
+      # effects follow from the equations (their reprs hold object ids): types only
+      self.add("->", *map(var, eqn.outvars), *sorted(type(e).__name__ for e in eqn.effects))
+    self.add("return", *map(var, jaxpr.outvars), ")")
+
+  def array(self, x) -> None:
+    if isinstance(x, jax.core.Tracer):  # a nested body closing over its caller's values
+      self.add("traced", str(x.aval))
+      return
+    a = np.asarray(x)
+    self.add("array", str(a.dtype), str(a.shape))
+    self.h.update(a.tobytes())
+
+  def value(self, v) -> None:
+    if isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):  # one class in jax 0.11
+      self.jaxpr(getattr(v, "jaxpr", v), getattr(v, "consts", ()))
+    elif isinstance(v, jax.export.Exported):  # its name is its content's fingerprint
+      self.add("exported", v.fun_name, repr(v.platforms), *map(str, v.in_avals),
+               *map(str, v.out_avals))
+    elif isinstance(v, (tuple, list)):
+      self.add(type(v).__name__, str(len(v)))
+      for x in v:
+        self.value(x)
+    elif isinstance(v, collections.abc.Mapping):  # dicts, jax's FrozenDict
+      self.add("dict", str(len(v)))
+      for k in sorted(v, key=repr):
+        self.add(repr(k))
+        self.value(v[k])
+    elif isinstance(v, (np.ndarray, jax.Array)):
+      self.array(v)
+    else:
+      self.add(_stable_repr(v))
+
+  def hexdigest(self) -> str:
+    return self.h.hexdigest()
+
+
+def source_digest(*roots: Path) -> str:
+  """sha256 of the Python sources and JSON files under ``roots`` (read once per process by
+  the callers that cache it: the code a process lowers is the code it imported)."""
+  h = hashlib.sha256()
+  for root in roots:
+    for f in sorted(list(root.rglob("*.py")) + list(root.rglob("*.json"))):
+      h.update(str(f.relative_to(root.parent)).encode())
+      h.update(f.read_bytes())
+  return h.hexdigest()
+
+
+@functools.cache
+def _package_digest() -> str:
+  return source_digest(_PACKAGE)
+
+
+# ---- files -------------------------------------------------------------------------------
+
+def write_atomic(path: Path, data: bytes) -> None:
+  """Writes ``data`` to ``path`` atomically: a reader sees the old file or the whole new
+  one, also when two processes write the same entry at once."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    os.chmod(tmp, 0o644)  # mkstemp's 0o600 would hide it from a shared cache's other users
+    os.replace(tmp, path)
+  except BaseException:
+    Path(tmp).unlink(missing_ok=True)
+    raise
+
+
+def read_exported(path: Path, warn: Callable[[str], None]) -> "jax.export.Exported | None":
+  """The exported program at ``path``, or None when there is none or it cannot be read (a
+  damaged file: ``warn`` is told). ``Exported.call`` checks its argument types again."""
+  if not path.exists():
+    return None
+  try:
+    return jax.export.deserialize(bytearray(path.read_bytes()))
+  except Exception as e:  # noqa: BLE001 (any failure to parse means: make it again)
+    warn(f"{path} could not be read ({type(e).__name__}: {e}); making it again")
+    return None
+
+
+# ---- the kernel cache ----------------------------------------------------------------------
+
+_bypassed = threading.local()
+
+
+@contextlib.contextmanager
+def bypassed():
+  """Inside, ``gemm`` lowers its kernels where it traces them, as without this module
+  (a reference for tests; also how ``autotune.recording`` traces a workload)."""
+  _bypassed.depth = getattr(_bypassed, "depth", 0) + 1
+  try:
+    yield
+  finally:
+    _bypassed.depth -= 1
+
+
+def active() -> bool:
+  """Whether ``gemm`` launches compiled kernels through this cache here."""
+  return not getattr(_bypassed, "depth", 0)
+
+
+def cache_dir() -> Path | None:
+  """The folder kernels are kept in across processes, or None for none (see the module
+  docstring)."""
+  if _dir_override:
+    return _dir_override[-1]
+  env = os.environ.get(CACHE_ENV, "")
+  if env.lower() in ("none", "off", "0"):
+    return None
+  return Path(env) if env else Path.home() / ".cache" / "coda_jax" / "kernels"
+
+
+def set_cache_dir(path: str | os.PathLike | None) -> None:
+  """Keeps kernels in ``path`` from now on in this process (None: in memory only),
+  whatever ``$CODA_JAX_KERNEL_CACHE`` says."""
+  _dir_override[:] = [None if path is None else Path(path)]
+
+
+def clear_memory() -> None:
+  """Forgets the kernels this process holds (the folder is left as it is)."""
+  with _lock:
+    _exported.clear()
+
+
+def kernel_key(jaxpr: "jax.extend.core.ClosedJaxpr") -> str:
+  """The key of one kernel launch's traced program (see the module docstring)."""
+  fp = Fingerprint()
+  fp.add(FORMAT, jax.__version__, jaxlib.__version__, _package_digest())
+  d = jax.devices()[0]
+  fp.add(d.platform, d.device_kind, str(getattr(d, "compute_capability", "")))
+  fp.jaxpr(jaxpr.jaxpr, jaxpr.consts)
+  return fp.hexdigest()
+
+
+def _export(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct], name: str):
+  def kernel(*xs):
+    return tuple(fn(*xs))
+  kernel.__name__ = kernel.__qualname__ = name  # Fingerprint reads it from the call
+  return jax.export.export(jax.jit(kernel), platforms=["cuda"])(*specs)
+
+
+def exported(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> "jax.export.Exported":
+  """``fn`` exported for CUDA: from this process's memory, else the cache folder, else
+  lowered now (and kept in both)."""
+  traced = jax.jit(lambda *xs: tuple(fn(*xs))).trace(*specs)
+  key = kernel_key(traced.jaxpr)
+  with _lock:
+    hit = _exported.get(key)
+  if hit is not None:
+    counts["memory"] += 1
+    return hit
+  folder = cache_dir()
+  path = None if folder is None else folder / f"kernel-{key[:40]}{SUFFIX}"
+  exp = None if path is None else read_exported(
+      path, lambda msg: log.warning("coda_jax: kernel cache: %s", msg))
+  if exp is not None and exp.fun_name == f"coda_kernel_{key[:40]}":
+    counts["disk"] += 1
+  else:
+    exp = _export(fn, specs, f"coda_kernel_{key[:40]}")
+    counts["lowered"] += 1
+    if path is not None:
+      try:
+        write_atomic(path, bytes(exp.serialize()))
+      except OSError as e:  # a read-only or full disk must not stop the program itself
+        log.warning("coda_jax: kernel cache: could not write %s (%s); the kernel is kept "
+                    "in memory only", path, e)
+  with _lock:
+    _exported[key] = exp
+  return exp
+
+
+def call(fn: Callable, args: Sequence[jax.Array]) -> tuple:
+  """``fn(*args)`` (a tuple of arrays) through its exported copy (``exported``). ``fn``
+  must be a pure function of ``args`` whose body launches one compiled kernel; it may
+  capture constants, not traced values. No batching rule: see ``launch``."""
+  specs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in args]
+  return tuple(exported(fn, specs).call(*args))
+
+
+def launch(fn: Callable, args: Sequence[jax.Array]) -> tuple:
+  """``call(fn, args)``, and under ``jax.vmap`` ``fn`` batched as lowered directly."""
+  run = jax.custom_batching.custom_vmap(lambda *xs: call(fn, xs))
+
+  @run.def_vmap
+  def _batched(axis_size, in_batched, *xs):
+    xs = [x if batched else jax.numpy.broadcast_to(x, (axis_size, *x.shape))
+          for x, batched in zip(xs, in_batched)]
+    outs = jax.vmap(lambda *v: tuple(fn(*v)))(*xs)
+    return outs, tuple(True for _ in outs)
+
+  return run(*args)
+
+
+__all__ = ["CACHE_ENV", "Fingerprint", "FORMAT", "SUFFIX", "active", "bypassed", "cache_dir",
+           "call", "clear_memory", "counts", "exported", "kernel_key", "launch",
+           "read_exported", "set_cache_dir", "source_digest", "write_atomic"]

@@ -1,0 +1,166 @@
+"""pallas_kernels.kernel_cache: each compiled kernel lowered once per process, and read back
+from its folder by a later one. Here (no GPU) kernels are lowered for CUDA as an H100 runs
+them (``bench.lowering_time.pretend_h100``) and exported, nothing runs. On an sm90 GPU the
+last test runs the cached kernels against the same kernels lowered where they are traced,
+bit for bit; every other GPU test runs its kernels through the cache too."""
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench.lowering_time import pretend_h100
+import coda_jax as cj
+import pallas_kernels as pk
+from pallas_kernels import kernel_cache as KC
+
+A = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+B = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
+STORE = [cj.Store("y", jnp.bfloat16)]
+SCALED = [cj.ScaleConst(2.0), cj.Store("y", jnp.bfloat16)]
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+  """A fresh cache folder and an empty process cache, both put back afterwards."""
+  monkeypatch.setattr(KC, "_dir_override", [tmp_path])
+  monkeypatch.setattr(KC, "_exported", {})
+  return tmp_path
+
+
+def gemm(program):
+  return lambda a, b: cj.gemm_epilogue(a, b, program, impl="mosaic")["y"]
+
+
+def export(fn, *args) -> tuple[str, dict]:
+  """(the exported module's text, how the cache found its kernels)."""
+  before = dict(KC.counts)
+  with pretend_h100():
+    text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+  return text, {k: KC.counts[k] - before.get(k, 0) for k in ("lowered", "memory", "disk")}
+
+
+def test_lowered_once_then_reused_then_read_back(folder):
+  """The first use lowers the kernel and writes one file; more call sites of the same
+  kernel in another program reuse it; a process that has not seen it (memory cleared)
+  reads the file; another epilogue is another kernel."""
+  text, found = export(gemm(STORE), A, B)
+  assert found == {"lowered": 1, "memory": 0, "disk": 0}
+  assert text.count("mosaic_gpu_v2") == 1
+  files = sorted(folder.glob(f"*{KC.SUFFIX}"))
+  assert len(files) == 1
+
+  twice = lambda a, b, c: (gemm(STORE)(a, b), gemm(STORE)(c, b))
+  text, found = export(twice, A, B, A)
+  assert found == {"lowered": 0, "memory": 2, "disk": 0}
+  # the kernel is in the module once, and both sites call it
+  assert text.count("mosaic_gpu_v2") == 1
+  assert len(re.findall(r"call @call_exported_coda_kernel_", text)) == 2
+
+  KC.clear_memory()
+  _, found = export(gemm(STORE), A, B)
+  assert found == {"lowered": 0, "memory": 0, "disk": 1}
+
+  _, found = export(gemm(SCALED), A, B)
+  assert found == {"lowered": 1, "memory": 0, "disk": 0}
+  assert len(list(folder.glob(f"*{KC.SUFFIX}"))) == 2
+
+
+def test_key_follows_the_kernel():
+  """One kernel traced twice has one key; a changed epilogue, pipeline depth or shape
+  changes it."""
+  def key(program, a=A, stages=None):
+    import dataclasses
+    cfg = cj.kernel_config(a, B, program, {})
+    cfg = cfg if stages is None else dataclasses.replace(cfg, stages=stages)
+    run = lambda a, b: tuple(cj.gemm_epilogue(a, b, program, impl="mosaic", config=cfg).values())
+    with KC.bypassed(), pretend_h100():
+      return KC.kernel_key(jax.make_jaxpr(run)(a, B))
+  base = key(STORE)
+  assert key(STORE) == base
+  assert key(SCALED) != base
+  assert key(STORE, stages=cj.kernel_config(A, B, STORE, {}).stages - 1) != base
+  assert key(STORE, a=jax.ShapeDtypeStruct((512, 128), jnp.bfloat16)) != base
+
+
+def test_damaged_file_is_lowered_again(folder, caplog):
+  export(gemm(STORE), A, B)
+  (path,) = folder.glob(f"*{KC.SUFFIX}")
+  path.write_bytes(b"not a kernel")
+  KC.clear_memory()
+  with caplog.at_level(logging.WARNING, logger="coda_jax"):
+    _, found = export(gemm(STORE), A, B)
+  assert found["lowered"] == 1
+  assert any("could not be read" in r.message for r in caplog.records)
+  assert KC.read_exported(path, pytest.fail) is not None
+
+
+def test_unwritable_folder_keeps_the_kernel_in_memory(tmp_path, monkeypatch, caplog):
+  blocked = tmp_path / "file"
+  blocked.write_text("")
+  monkeypatch.setattr(KC, "_dir_override", [blocked / "kernels"])
+  monkeypatch.setattr(KC, "_exported", {})
+  with caplog.at_level(logging.WARNING, logger="coda_jax"):
+    _, found = export(gemm(STORE), A, B)
+    assert found["lowered"] == 1
+    _, found = export(gemm(STORE), A, B)
+  assert found["memory"] == 1
+  assert any("could not write" in r.message for r in caplog.records)
+
+
+def test_no_folder_keeps_the_kernel_in_memory(tmp_path, monkeypatch):
+  monkeypatch.setattr(KC, "_exported", {})
+  monkeypatch.setenv(KC.CACHE_ENV, "none")
+  monkeypatch.setattr(KC, "_dir_override", [])
+  assert KC.cache_dir() is None
+  for want in ("lowered", "memory"):
+    assert export(gemm(STORE), A, B)[1][want] == 1
+  monkeypatch.setenv(KC.CACHE_ENV, str(tmp_path))
+  assert KC.cache_dir() == tmp_path
+
+
+def test_vmap_and_recording_lower_where_traced(folder):
+  """Under vmap the batched kernel is lowered where it is traced, as it always was (an
+  exported program has no batching rule; the unbatched one is still made when vmap
+  traces it first); a workload recorded for the tuner is traced, never lowered."""
+  a3 = jax.ShapeDtypeStruct((3, *A.shape), A.dtype)
+  text, found = export(jax.vmap(gemm(STORE), in_axes=(0, None)), a3, B)
+  assert "mosaic_gpu_v2" in text and "call_exported" not in text
+  assert found == {"lowered": 1, "memory": 0, "disk": 0}
+  before = dict(KC.counts)
+  with pretend_h100(), pk.autotune.recording() as problems:
+    jax.eval_shape(gemm(SCALED), A, B)
+  assert len(problems) == 1 and dict(KC.counts) == before
+  assert len(list(folder.glob(f"*{KC.SUFFIX}"))) == 1  # vmap's, not the recorded one
+
+
+def test_cached_kernels_equal_direct_ones(key, kernel_impl, folder):
+  """On the GPU: a plain store, an epilogue with row and column partials, and an output
+  written in place, each through the cache (lowered, then reused) and lowered where
+  traced: the same bits."""
+  if kernel_impl != "mosaic":
+    pytest.skip("the cache holds compiled kernels only: this runs on an sm90 GPU")
+  k1, k2, k3 = jax.random.split(key, 3)
+  a = jax.random.normal(k1, (512, 256), jnp.bfloat16)
+  b = jax.random.normal(k2, (256, 384), jnp.bfloat16)
+  g = jax.random.normal(k3, (512, 384), jnp.float32)
+  runs = {
+      "store": lambda a, b, g: cj.gemm_epilogue(a, b, STORE, impl="mosaic"),
+      "partials": lambda a, b, g: cj.gemm_epilogue(
+          a, b, [cj.RowSum("s", square=True), cj.ColSum("c"), cj.Store("y", jnp.bfloat16)],
+          impl="mosaic"),
+      "in_place": lambda a, b, g: cj.gemm_epilogue(
+          a, b, [cj.AddTile("g"), cj.Store("g_new", jnp.float32)], {"g": g}, impl="mosaic",
+          in_place={"g_new": "g"}),
+  }
+  for name, run in runs.items():
+    with KC.bypassed():
+      want = jax.jit(run)(a, b, g)
+    before = dict(KC.counts)
+    got = [jax.jit(run)(a, b, g), jax.jit(lambda *x: run(*x))(a, b, g)]
+    assert KC.counts["lowered"] - before.get("lowered", 0) == 1, name
+    for out in got:
+      for nm in want:
+        np.testing.assert_array_equal(np.asarray(out[nm]), np.asarray(want[nm]), err_msg=name)
