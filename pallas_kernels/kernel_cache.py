@@ -141,8 +141,14 @@ class Fingerprint:
 
 
 def source_digest(*roots: Path) -> str:
-  """sha256 of the Python sources and JSON files under ``roots`` (read once per process by
-  the callers that cache it: the code a process lowers is the code it imported)."""
+  """A digest of source trees (callers read it once per process: the code a process
+  lowers is the code it imported).
+
+  Args:
+    roots: package folders.
+
+  Returns:
+    sha256 hex digest of every ``.py`` and ``.json`` file under them, with its path."""
   h = hashlib.sha256()
   for root in roots:
     for f in sorted(list(root.rglob("*.py")) + list(root.rglob("*.json"))):
@@ -160,7 +166,14 @@ def _package_digest() -> str:
 
 def write_atomic(path: Path, data: bytes) -> None:
   """Writes ``data`` to ``path`` atomically: a reader sees the old file or the whole new
-  one, also when two processes write the same entry at once."""
+  one, also when two processes write the same entry at once.
+
+  Args:
+    path: the file; its folder is made if missing.
+    data: its contents.
+
+  Returns:
+    None (OSError where the folder cannot be written)."""
   path.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
   try:
@@ -174,8 +187,14 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def read_exported(path: Path, warn: Callable[[str], None]) -> "jax.export.Exported | None":
-  """The exported program at ``path``, or None when there is none or it cannot be read (a
-  damaged file: ``warn`` is told). ``Exported.call`` checks its argument types again."""
+  """Reads an exported program (``Exported.call`` checks its argument types again).
+
+  Args:
+    path: the file written from ``Exported.serialize()``.
+    warn: told why, when the file exists but cannot be read.
+
+  Returns:
+    The ``jax.export.Exported``, or None when there is no file or it cannot be read."""
   if not path.exists():
     return None
   try:
@@ -192,8 +211,11 @@ _bypassed = threading.local()
 
 @contextlib.contextmanager
 def bypassed():
-  """Inside, ``gemm`` lowers its kernels where it traces them, as without this module
-  (a reference for tests; also how ``autotune.recording`` traces a workload)."""
+  """Inside, ``gemm`` lowers its kernels where it traces them, as without this module (the
+  reference of the GPU test; ``autotune.recording`` has the same effect).
+
+  Returns:
+    A context manager."""
   _bypassed.depth = getattr(_bypassed, "depth", 0) + 1
   try:
     yield
@@ -202,13 +224,19 @@ def bypassed():
 
 
 def active() -> bool:
-  """Whether ``gemm`` launches compiled kernels through this cache here."""
+  """Whether ``gemm`` launches compiled kernels through this cache here.
+
+  Returns:
+    False inside ``bypassed()``, else True."""
   return not getattr(_bypassed, "depth", 0)
 
 
 def cache_dir() -> Path | None:
-  """The folder kernels are kept in across processes, or None for none (see the module
-  docstring)."""
+  """The folder kernels are kept in across processes.
+
+  Returns:
+    ``set_cache_dir``'s path where it was called, else ``$CODA_JAX_KERNEL_CACHE``
+    (None where it says ``none``), else ``~/.cache/coda_jax/kernels``."""
   if _dir_override:
     return _dir_override[-1]
   env = os.environ.get(CACHE_ENV, "")
@@ -218,19 +246,38 @@ def cache_dir() -> Path | None:
 
 
 def set_cache_dir(path: str | os.PathLike | None) -> None:
-  """Keeps kernels in ``path`` from now on in this process (None: in memory only),
-  whatever ``$CODA_JAX_KERNEL_CACHE`` says."""
+  """Keeps kernels in ``path`` from now on in this process, whatever
+  ``$CODA_JAX_KERNEL_CACHE`` says.
+
+  Args:
+    path: the folder (made on first use), or None to keep kernels in memory only.
+
+  Returns:
+    None."""
   _dir_override[:] = [None if path is None else Path(path)]
 
 
 def clear_memory() -> None:
-  """Forgets the kernels this process holds (the folder is left as it is)."""
+  """Forgets the kernels this process holds (the folder is left as it is), as a new
+  process would start.
+
+  Returns:
+    None."""
   with _lock:
     _exported.clear()
 
 
 def kernel_key(jaxpr: "jax.extend.core.ClosedJaxpr") -> str:
-  """The key of one kernel launch's traced program (see the module docstring)."""
+  """The key of one kernel launch's traced program.
+
+  Args:
+    jaxpr: the launch traced with abstract arguments (``jax.make_jaxpr`` or
+      ``jax.jit(...).trace(...).jaxpr``).
+
+  Returns:
+    A sha256 hex digest over the program (``Fingerprint``), jax's and jaxlib's versions,
+    this package's source and the default device's platform, kind and compute
+    capability."""
   fp = Fingerprint()
   fp.add(FORMAT, jax.__version__, jaxlib.__version__, _package_digest())
   d = jax.devices()[0]
@@ -248,7 +295,14 @@ def _export(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct], name: str):
 
 def exported(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> "jax.export.Exported":
   """``fn`` exported for CUDA: from this process's memory, else the cache folder, else
-  lowered now (and kept in both)."""
+  lowered now (and kept in both). ``counts`` says which.
+
+  Args:
+    fn: a pure function of arrays launching one compiled kernel, returning arrays.
+    specs: its arguments' shapes and dtypes.
+
+  Returns:
+    The ``jax.export.Exported`` whose ``fun_name`` holds the kernel's key."""
   traced = jax.jit(lambda *xs: tuple(fn(*xs))).trace(*specs)
   key = kernel_key(traced.jaxpr)
   with _lock:
@@ -277,15 +331,28 @@ def exported(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> "jax.export
 
 
 def call(fn: Callable, args: Sequence[jax.Array]) -> tuple:
-  """``fn(*args)`` (a tuple of arrays) through its exported copy (``exported``). ``fn``
-  must be a pure function of ``args`` whose body launches one compiled kernel; it may
-  capture constants, not traced values. No batching rule: see ``launch``."""
+  """``fn(*args)`` through its exported copy (``exported``); no batching rule (see
+  ``launch``).
+
+  Args:
+    fn: a pure function of ``args`` whose body launches one compiled kernel; it may
+      capture constants, not traced values.
+    args: arrays (or tracers).
+
+  Returns:
+    ``fn``'s outputs, a tuple of arrays."""
   specs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in args]
   return tuple(exported(fn, specs).call(*args))
 
 
 def launch(fn: Callable, args: Sequence[jax.Array]) -> tuple:
-  """``call(fn, args)``, and under ``jax.vmap`` ``fn`` batched as lowered directly."""
+  """``call(fn, args)``; under ``jax.vmap``, ``fn`` batched and lowered where traced.
+
+  Args:
+    fn, args: as ``call``'s.
+
+  Returns:
+    ``fn``'s outputs, a tuple of arrays."""
   run = jax.custom_batching.custom_vmap(lambda *xs: call(fn, xs))
 
   @run.def_vmap
