@@ -273,6 +273,10 @@ def run_path(path, cfg, args, train_batches, val_batches):
                                               program_cache=programs,
                                               loss_row_split=args.head_per_device == "on")
   before = dict(kernel_cache.counts)
+  lowers = path == "fused" and epilogue_gemm.kernels_available()
+  print(f"{path}: compiling the train step" + (
+      " (a kernel not in the kernel cache takes a second or two to lower)" if lowers
+      else ""), flush=True)
   while True:  # "auto": halve the micro-batch until the compiled step fits the device
     step = make_step(k)
     t0 = time.perf_counter()
@@ -291,6 +295,9 @@ def run_path(path, cfg, args, train_batches, val_batches):
     k *= 2
   r["kernels"] = {how: kernel_cache.counts[how] - before.get(how, 0)
                   for how in ("lowered", "memory", "disk")}
+  print(f"{path}: compiled in {r['compile_s']:.1f} s" + (
+      f" ({r['kernels']['lowered']} kernels lowered, {r['kernels']['memory']} reused, "
+      f"{r['kernels']['disk']} read from the kernel cache)" if lowers else ""), flush=True)
   if programs is not None:
     r["program"] = step.source(state, *first)
   if args.compile_cache != "none" or programs is not None:

@@ -41,6 +41,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -317,8 +318,12 @@ def exported(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> "jax.export
   if exp is not None and exp.fun_name == f"coda_kernel_{key[:40]}":
     counts["disk"] += 1
   else:
+    t0 = time.perf_counter()
     exp = _export(fn, specs, f"coda_kernel_{key[:40]}")
     counts["lowered"] += 1
+    log.info("coda_jax: kernel cache: lowered kernel %d of this process (arguments %s) "
+             "in %.1f s", counts["lowered"], ", ".join(str(jax.typeof(x)) for x in specs),
+             time.perf_counter() - t0)
     if path is not None:
       try:
         write_atomic(path, bytes(exp.serialize()))

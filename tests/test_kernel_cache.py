@@ -42,12 +42,15 @@ def export(fn, *args) -> tuple[str, dict]:
   return text, {k: KC.counts[k] - before.get(k, 0) for k in ("lowered", "memory", "disk")}
 
 
-def test_lowered_once_then_reused_then_read_back(folder):
-  """The first use lowers the kernel and writes one file; more call sites of the same
-  kernel in another program reuse it; a process that has not seen it (memory cleared)
-  reads the file; another epilogue is another kernel."""
-  text, found = export(gemm(STORE), A, B)
+def test_lowered_once_then_reused_then_read_back(folder, caplog):
+  """The first use lowers the kernel (and logs it, with its arguments) and writes one
+  file; more call sites of the same kernel in another program reuse it; a process that
+  has not seen it (memory cleared) reads the file; another epilogue is another kernel."""
+  with caplog.at_level(logging.INFO, logger="coda_jax"):
+    text, found = export(gemm(STORE), A, B)
   assert found == {"lowered": 1, "memory": 0, "disk": 0}
+  assert any("lowered kernel" in r.message and "bfloat16[256,128]" in r.message
+             for r in caplog.records)
   assert text.count("mosaic_gpu_v2") == 1
   files = sorted(folder.glob(f"*{KC.SUFFIX}"))
   assert len(files) == 1
