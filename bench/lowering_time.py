@@ -17,7 +17,6 @@ Tuned configs are the H100's from the shipped cache.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import tempfile
 import time
@@ -57,7 +56,7 @@ def export_time(fn, *args) -> dict:
   """Exports ``fn`` for CUDA as an H100 would run it: seconds, GEMMs traced, MB, and how
   the kernel cache found the kernels (``pallas_kernels.kernel_cache``: lowered now, reused
   from this process's memory, read from the cache folder)."""
-  before = collections.Counter(kernel_cache.counts)
+  before = kernel_cache.counts.copy()
   with pretend_h100() as traced:
     t0 = time.perf_counter()
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)

@@ -272,7 +272,7 @@ def run_path(path, cfg, args, train_batches, val_batches):
                                               partitioner=args.partitioner,
                                               program_cache=programs,
                                               loss_row_split=args.head_per_device == "on")
-  before = dict(kernel_cache.counts)
+  before = kernel_cache.counts.copy()
   lowers = path == "fused" and epilogue_gemm.kernels_available()
   print(f"{path}: compiling the train step" + (
       " (a kernel not in the kernel cache takes a second or two to lower)" if lowers
@@ -293,8 +293,8 @@ def run_path(path, cfg, args, train_batches, val_batches):
     print(f"{path}: {r['compiled_peak_bytes'] / 2**30:.1f} GiB does not fit in "
           f"{limit / 2**30:.1f} GiB: {2 * k} micro-batches", flush=True)
     k *= 2
-  r["kernels"] = {how: kernel_cache.counts[how] - before.get(how, 0)
-                  for how in ("lowered", "memory", "disk")}
+  found = kernel_cache.counts - before
+  r["kernels"] = {how: found[how] for how in ("lowered", "memory", "disk")}
   print(f"{path}: compiled in {r['compile_s']:.1f} s" + (
       f" ({r['kernels']['lowered']} kernels lowered, {r['kernels']['memory']} reused, "
       f"{r['kernels']['disk']} read from the kernel cache)" if lowers else ""), flush=True)

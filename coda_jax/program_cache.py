@@ -116,9 +116,6 @@ def _flat_export(fun: Callable, args: tuple,
                           disabled_checks=allowed)(*specs)
 
 
-_write = kernel_cache.write_atomic
-
-
 def _read(path: Path) -> "jax.export.Exported | None":
   """The exported program at ``path``, or None when there is none or it cannot be read
   (a damaged file: logged). Its argument types are the key's; ``Exported.call`` checks
@@ -164,7 +161,7 @@ class CachedJit:
         announce(f"program cache: {name} runs as plain jax.jit, not kept: {reason}")
         return self._jit, f"jit ({reason})"
       try:
-        _write(path, bytes(data))
+        kernel_cache.write_atomic(path, bytes(data))
         source = f"exported to {path}"
       except OSError as e:  # a read-only or full disk must not stop the program itself
         announce(f"program cache: could not write {path} ({e}); {name} runs without "

@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gemm_mgpu as g
+from pallas_kernels import gemm_mgpu as g, kernel_cache
 
 CACHE_ENV = "CODA_JAX_GEMM_CACHE"
 SHIPPED_CACHE = Path(__file__).resolve().parent / "tuned" / "gemm_configs.json"
@@ -339,11 +339,13 @@ _recorders: list[dict] = []
 @contextlib.contextmanager
 def recording() -> Iterator[dict]:
   """Collects the problems of every ``gemm`` call traced inside, by key text (trace the
-  workload with ``jax.jit(f).lower(...)`` or ``jax.eval_shape``; nothing runs)."""
+  workload with ``jax.jit(f).lower(...)`` or ``jax.eval_shape``; nothing runs, and no
+  kernel is lowered: ``kernel_cache.bypassed``)."""
   found: dict = {}
   _recorders.append(found)
   try:
-    yield found
+    with kernel_cache.bypassed():
+      yield found
   finally:
     _recorders.remove(found)
 

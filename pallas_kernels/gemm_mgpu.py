@@ -1675,10 +1675,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
         interpret=interpret)
 
   lead = (a, b) if mainloop else ()
-  # compiled kernels are lowered once per process and kept on disk (kernel_cache); a
-  # workload being recorded for the tuner is only traced
-  lowered_once = (interpret is None and not autotune.is_recording()
-                  and kernel_cache.active())
+  # compiled kernels are lowered once per process and kept on disk (kernel_cache)
+  lowered_once = interpret is None and kernel_cache.active()
   if not in_place:
     fresh = lambda *xs: tuple(make_kernel({})(*xs))
     args = (*lead, *(kernel_inputs[nm] for nm in names_in))

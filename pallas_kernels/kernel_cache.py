@@ -26,8 +26,8 @@ written is logged, and the kernel is kept in memory only.
 Under ``jax.vmap`` (``plgpu.kernel`` batches a launch) the batched kernel is lowered where
 it is traced, as without this cache: an exported program has no batching rule (the
 unbatched kernel is still looked up, since vmap traces it first). While
-``autotune.recording`` collects a workload's problems, kernels are traced only, never
-lowered. Identical launches in one program share one lowered function (jax lowers a
+``autotune.recording`` collects a workload's problems (inside ``bypassed``), kernels are
+traced only, never lowered. Identical launches in one program share one lowered function (jax lowers a
 primitive with equal parameters once per module), so the module holds each kernel once.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -213,7 +214,7 @@ _bypassed = threading.local()
 @contextlib.contextmanager
 def bypassed():
   """Inside, ``gemm`` lowers its kernels where it traces them, as without this module (the
-  reference of the GPU test; ``autotune.recording`` has the same effect).
+  reference of the GPU test; ``autotune.recording`` traces inside it, lowering nothing).
 
   Returns:
     A context manager."""
@@ -287,39 +288,37 @@ def kernel_key(jaxpr: "jax.extend.core.ClosedJaxpr") -> str:
   return fp.hexdigest()
 
 
-def _export(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct], name: str):
-  def kernel(*xs):
-    return tuple(fn(*xs))
-  kernel.__name__ = kernel.__qualname__ = name  # Fingerprint reads it from the call
-  return jax.export.export(jax.jit(kernel), platforms=["cuda"])(*specs)
-
-
 def exported(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> "jax.export.Exported":
   """``fn`` exported for CUDA: from this process's memory, else the cache folder, else
-  lowered now (and kept in both). ``counts`` says which.
+  lowered now (and kept in both). ``counts`` says which. ``fn`` is traced once: the key's
+  trace is the one a miss lowers.
 
   Args:
-    fn: a pure function of arrays launching one compiled kernel, returning arrays.
+    fn: a pure function of arrays launching one compiled kernel, returning a tuple of
+      arrays.
     specs: its arguments' shapes and dtypes.
 
   Returns:
     The ``jax.export.Exported`` whose ``fun_name`` holds the kernel's key."""
-  traced = jax.jit(lambda *xs: tuple(fn(*xs))).trace(*specs)
-  key = kernel_key(traced.jaxpr)
+  jitted = jax.jit(fn)
+  key = kernel_key(jitted.trace(*specs).jaxpr)
   with _lock:
     hit = _exported.get(key)
   if hit is not None:
     counts["memory"] += 1
     return hit
+  name = f"coda_kernel_{key[:40]}"  # Fingerprint reads it from the call
   folder = cache_dir()
   path = None if folder is None else folder / f"kernel-{key[:40]}{SUFFIX}"
   exp = None if path is None else read_exported(
       path, lambda msg: log.warning("coda_jax: kernel cache: %s", msg))
-  if exp is not None and exp.fun_name == f"coda_kernel_{key[:40]}":
+  if exp is not None and exp.fun_name == name:
     counts["disk"] += 1
   else:
     t0 = time.perf_counter()
-    exp = _export(fn, specs, f"coda_kernel_{key[:40]}")
+    # jit's trace cache hands export the trace above
+    exp = dataclasses.replace(jax.export.export(jitted, platforms=["cuda"])(*specs),
+                              fun_name=name)
     counts["lowered"] += 1
     log.info("coda_jax: kernel cache: lowered kernel %d of this process (arguments %s) "
              "in %.1f s", counts["lowered"], ", ".join(str(jax.typeof(x)) for x in specs),
@@ -340,8 +339,8 @@ def call(fn: Callable, args: Sequence[jax.Array]) -> tuple:
   ``launch``).
 
   Args:
-    fn: a pure function of ``args`` whose body launches one compiled kernel; it may
-      capture constants, not traced values.
+    fn: a pure function of ``args`` whose body launches one compiled kernel, returning a
+      tuple of arrays; it may capture constants, not traced values.
     args: arrays (or tracers).
 
   Returns:
@@ -361,10 +360,9 @@ def launch(fn: Callable, args: Sequence[jax.Array]) -> tuple:
   run = jax.custom_batching.custom_vmap(lambda *xs: call(fn, xs))
 
   @run.def_vmap
-  def _batched(axis_size, in_batched, *xs):
-    xs = [x if batched else jax.numpy.broadcast_to(x, (axis_size, *x.shape))
-          for x, batched in zip(xs, in_batched)]
-    outs = jax.vmap(lambda *v: tuple(fn(*v)))(*xs)
+  def _batched(axis_size, in_batched, *xs):  # unbatched operands stay unbatched
+    outs = jax.vmap(fn, in_axes=tuple(0 if b else None for b in in_batched),
+                    axis_size=axis_size)(*xs)
     return outs, tuple(True for _ in outs)
 
   return run(*args)

@@ -167,3 +167,19 @@ def test_cached_kernels_equal_direct_ones(key, kernel_impl, folder):
     for out in got:
       for nm in want:
         np.testing.assert_array_equal(np.asarray(out[nm]), np.asarray(want[nm]), err_msg=name)
+
+
+def test_a_miss_traces_once(folder):
+  """The trace that gives the key is the one exported: ``fn`` runs once on a miss; a
+  new function of the same kernel (as ``gemm`` makes at each call site) is traced for its
+  key and finds the same copy."""
+  calls = []
+
+  def fn(x):
+    calls.append(1)
+    return (x * 2,)
+
+  spec = [jax.ShapeDtypeStruct((8,), jnp.float32)]
+  exp = KC.exported(fn, spec)
+  assert len(calls) == 1 and KC.counts and exp.fun_name.startswith("coda_kernel_")
+  assert KC.exported(lambda x: fn(x), spec) is exp and len(calls) == 2
