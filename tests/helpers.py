@@ -1,9 +1,34 @@
-"""Error measures and input generators shared by the tests."""
+"""Error measures, input generators and program counts shared by the tests."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import GemmConfig, MatDim, Schedule
+
+# A kernel launched through ``pallas_kernels.kernel_cache`` is a call of its exported
+# copy; the copy's body, one Mosaic GPU custom call, is in the module once however many
+# sites call it.
+_CACHED_CALL = re.compile(r"call @(call_exported_coda_kernel_\w+)")
+
+
+def mosaic_launches(fn, *args, platforms=None) -> int:
+  """How many Mosaic GPU kernel launches ``jax.jit(fn)`` lowers to, whether the kernels
+  come through the kernel cache (calls of an exported copy) or are lowered in place
+  (custom calls in the module), so the count does not change with ``CODA_JAX_KERNEL_CACHE``.
+
+  Args:
+    fn: the function; args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
+    platforms: lower for these (e.g. ``("cuda",)`` on a CPU); default the device's.
+
+  Returns:
+    The number of call sites of cached kernels plus the custom calls outside their copies.
+  """
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=platforms).as_text()
+  cached = _CACHED_CALL.findall(text)
+  return len(cached) + text.count("@mosaic_gpu") - len(set(cached))
+
 
 # Added to every "2x the unfused baseline" bound, so that a baseline that happens to be
 # exact (error 0) doesn't demand bit-exactness from a differently ordered accumulation.

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from bench.lowering_time import pretend_h100
+from helpers import mosaic_launches
 import coda_jax as cj
 import pallas_kernels as pk
 from pallas_kernels import kernel_cache as KC
@@ -61,6 +62,12 @@ def test_lowered_once_then_reused_then_read_back(folder, caplog):
   # the kernel is in the module once, and both sites call it
   assert text.count("mosaic_gpu_v2") == 1
   assert len(re.findall(r"call @call_exported_coda_kernel_", text)) == 2
+
+  # the tests' launch count sees both sites, cached or lowered in place
+  with pretend_h100():
+    assert mosaic_launches(twice, A, B, A, platforms=("cuda",)) == 2
+    with KC.bypassed():
+      assert mosaic_launches(twice, A, B, A, platforms=("cuda",)) == 2
 
   KC.clear_memory()
   _, found = export(gemm(STORE), A, B)
