@@ -6,9 +6,13 @@
 # Workers (pytest-xdist): a pytest process keeps about 1.3 cores busy (the interpreter's
 # warpgroups are Python threads), so the suite runs in CODA_JAX_TEST_WORKERS processes:
 # by default, without a GPU, as many as there are cores and 8 GB of available memory
-# each (the heaviest files peak near 6 GB); with a GPU, up to 8 sharing it. Each test file
-# stays in one worker (--dist loadfile), so a module's fixtures (test_sharding's
-# multi-device subprocess) run once. `-n 0`, or an -n of your own, overrides this.
+# each (the heaviest files peak near 6 GB), each test file kept in one worker (--dist
+# loadfile: a file's tests share the worker's compiled programs); with a GPU, as many as
+# there are cores and 8 GiB of GPU memory each, sharing it, the tests handed out a few at
+# a time (--dist load: compiling dominates there, and the kernels each worker lowers go
+# to one folder all of them read, tests/conftest.py). test_sharding.py's multi-device
+# subprocesses run once per run either way (its _check_once). `-n 0`, or an -n of your
+# own, overrides this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=$(bash scripts/setup.sh)
@@ -34,8 +38,12 @@ done
 extra=()
 if ! $workers_given; then
   cores=$(nproc)
+  dist=loadfile
   if $has_gpu; then
-    workers=$(( cores < 8 ? cores : 8 ))
+    gpu_gb=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    by_gpu=$(( gpu_gb / 8192 > 1 ? gpu_gb / 8192 : 1 ))
+    workers=$(( cores < by_gpu ? cores : by_gpu ))
+    dist=load
   else
     mem_gb=$(awk '/MemAvailable/ {print int($2 / 1048576)}' /proc/meminfo)
     by_mem=$(( mem_gb / 8 > 1 ? mem_gb / 8 : 1 ))
@@ -43,8 +51,8 @@ if ! $workers_given; then
   fi
   workers="${CODA_JAX_TEST_WORKERS:-$workers}"
   if [ "$workers" -gt 1 ]; then
-    extra=(-n "$workers" --dist loadfile)
+    extra=(-n "$workers" --dist "$dist")
   fi
-  echo "test: $workers worker process(es) (CODA_JAX_TEST_WORKERS to change)" >&2
+  echo "test: $workers worker process(es), --dist $dist (CODA_JAX_TEST_WORKERS to change)" >&2
 fi
 exec "$py" -m pytest tests "${extra[@]}" "$@"

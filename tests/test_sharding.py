@@ -4,10 +4,13 @@ and tensor parallel), on explicit and auto mesh axes. The multi-device cases run
 fresh process with 4 fake CPU devices (tests/sharded_check.py): the device count is
 fixed when jax starts."""
 import dataclasses
+import fcntl
+import json
 import os
 import re
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,29 @@ import pytest
 from coda_jax import sharding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _check_once(request, tmp_path_factory, name, args, timeout):
+  """Runs ``tests/sharded_check.py ARGS`` on 4 CPU devices once per pytest run, however
+  many pytest-xdist workers hold this file's tests (``scripts/test.sh`` hands a GPU
+  host's tests out one at a time): the first worker to ask runs it under a lock in the
+  run's shared temporary folder and leaves its output there; the others wait and read it.
+
+  Returns:
+    (returncode, stdout, stderr) of the subprocess.
+  """
+  cmd = [sys.executable, os.path.join(HERE, "sharded_check.py"), *args]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if not hasattr(request.config, "workerinput"):  # no workers: nothing to share
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    return out.returncode, out.stdout, out.stderr
+  path = tmp_path_factory.getbasetemp().parent / f"sharded_check_{name}.json"
+  with open(f"{path}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not path.is_file():
+      out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+      path.write_text(json.dumps([out.returncode, out.stdout, out.stderr]))
+    return tuple(json.loads(path.read_text()))
 
 
 def test_rules_are_identity_outside_shard_map():
@@ -65,18 +91,17 @@ TP = ["tp_rmsnorm_swiglu", "tp_lm_head_loss", "tp_lm_head_loss_exp", "tp_lm_head
 
 
 @pytest.fixture(scope="module")
-def sharded_results():
+def sharded_results(request, tmp_path_factory):
   """name -> (max relative gradient difference from one device, all-gathers,
   all-reduces) for each case of sharded_check.py (XLA path)."""
   # CPU devices even on a GPU host: these check the rule through the XLA programs (the
   # kernels on 2 GPUs: `python tests/sharded_check.py mosaic shard_map jit auto`, with
   # `only=a,b` for the cases whose names hold those words).
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, os.path.join(HERE, "sharded_check.py"), "xla",
-                        "train", "shard_map", "jit", "auto", "errors"], capture_output=True,
-                       text=True, env=env,
-                       timeout=1500)
-  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  returncode, stdout, stderr = _check_once(
+      request, tmp_path_factory, "results",
+      ["xla", "train", "shard_map", "jit", "auto", "errors"], timeout=1500)
+  assert returncode == 0, stdout[-3000:] + stderr[-3000:]
+  out = types.SimpleNamespace(stdout=stdout)
   cases = {}
   for m in re.finditer(r"CASE (\S+) (\S+) (\S+) all-gather=(\d+) all-reduce=(\d+) "
                        r"reduce-scatter=(\d+) all-to-all=(\d+) collective-permute=(\d+) "
@@ -407,15 +432,15 @@ def test_b_column_sums_split_over_k_add_and_over_m_do_not():
 
 
 @pytest.fixture(scope="module")
-def row_terms_results():
+def row_terms_results(request, tmp_path_factory):
   """(axis type, split) -> (max relative difference from one device, all-gathers,
   all-reduces, largest all-reduced elements) of ``layernorm_ops.row_terms_sharded`` in
   XLA form (tests/sharded_check.py ``row_terms``; the kernel on 2 GPUs:
   ``python tests/sharded_check.py mosaic row_terms``)."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, os.path.join(HERE, "sharded_check.py"), "xla",
-                        "row_terms"], capture_output=True, text=True, env=env, timeout=600)
-  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  returncode, stdout, stderr = _check_once(request, tmp_path_factory, "row_terms",
+                                           ["xla", "row_terms"], timeout=600)
+  assert returncode == 0, stdout[-3000:] + stderr[-3000:]
+  out = types.SimpleNamespace(stdout=stdout)
   found = {m.group(1, 2): (float(m.group(3)), *map(int, m.group(4, 5, 6)))
            for m in re.finditer(r"ROWTERMS (\S+) (\S+) diff=(\S+) all-gather=(\d+) "
                                 r"all-reduce=(\d+) .*largest_reduce=(\d+)", out.stdout)}
