@@ -30,13 +30,17 @@ barriers), or a multi-device one with ``coda_jax.partitioning``'s custom partiti
 run as plain ``jax.jit``, and the reason is logged once (``CachedJit.source`` says it too).
 A cache entry that cannot be read is logged, exported again and replaced.
 
-The cache holds one file per program (the 1B training step: about 4 MB) and never deletes
-any: remove the folder to reclaim the space.
+The cache holds one file per program (the 1B training step: about 4-7 MB). After each
+write the folder is held to ``$CODA_JAX_PROGRAM_CACHE_MAX_MB`` (default 4096; ``none``: no
+bound) by deleting the programs least recently used (``kernel_cache.prune``; a load
+refreshes a file's time). Only this cache's files count, so it may share a folder with
+the kernel cache.
 """
 from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -49,6 +53,10 @@ from pallas_kernels import kernel_cache
 
 FORMAT = "coda-jax-program-1"  # bump when what a cache file holds, or the key, changes
 SUFFIX = ".jaxexport"
+MAX_MB_ENV = "CODA_JAX_PROGRAM_CACHE_MAX_MB"
+DEFAULT_MAX_MB = 4096
+# "<function name>-<32 hex digits of the key>.jaxexport" (kernel files have 40)
+_PROGRAM_FILE = re.compile(r".+-[0-9a-f]{32}" + re.escape(SUFFIX))
 _LIBRARY = tuple(Path(__file__).resolve().parents[1] / p for p in ("coda_jax", "pallas_kernels"))
 _LOWERING_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision",
                       "jax_use_shardy_partitioner")
@@ -167,6 +175,12 @@ class CachedJit:
         announce(f"program cache: could not write {path} ({e}); {name} runs without "
                  "being kept")
         source = f"exported, not kept ({type(e).__name__})"
+      else:
+        gone = kernel_cache.prune(self.cache_dir, _PROGRAM_FILE,
+                                  kernel_cache.max_bytes(MAX_MB_ENV, DEFAULT_MAX_MB), keep=path)
+        if gone:
+          announce(f"program cache: deleted the {len(gone)} least recently used programs "
+                   f"of {self.cache_dir} to stay within ${MAX_MB_ENV}")
     out_tree = jax.tree.structure(traced.out_info)
 
     def run(*a):

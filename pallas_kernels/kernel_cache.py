@@ -19,9 +19,12 @@ about a tenth of lowering it.
 
 The folder: ``$CODA_JAX_KERNEL_CACHE`` (a path, or ``none`` for no folder), default
 ``~/.cache/coda_jax/kernels``; ``set_cache_dir`` replaces it in a running process. One
-file per kernel (a few hundred KB); nothing is ever deleted: remove the folder to reclaim
-the space. A file that cannot be read is logged and replaced; a folder that cannot be
-written is logged, and the kernel is kept in memory only.
+file per kernel (60-130 KB; the 1B Llama step's 21 kernels take 2.9 MB). Every change
+to the library's source gives new keys, so after each write the folder is held to
+``$CODA_JAX_KERNEL_CACHE_MAX_MB`` (default 1024; ``none``: no bound) by deleting the
+kernels least recently used (``prune``: a read refreshes a file's time). A file that
+cannot be read is logged and replaced; a folder that cannot be written is logged, and the
+kernel is kept in memory only.
 
 Under ``jax.vmap`` (``plgpu.kernel`` batches a launch) the batched kernel is lowered where
 it is traced, as without this cache: an exported program has no batching rule (the
@@ -40,6 +43,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -56,6 +60,9 @@ log = logging.getLogger("coda_jax")
 FORMAT = "coda-jax-kernel-1"  # bump when what a file holds, or the key, changes
 SUFFIX = ".jaxexport"
 CACHE_ENV = "CODA_JAX_KERNEL_CACHE"
+MAX_MB_ENV = "CODA_JAX_KERNEL_CACHE_MAX_MB"
+DEFAULT_MAX_MB = 1024
+_KERNEL_FILE = re.compile(r"kernel-[0-9a-f]{40}" + re.escape(SUFFIX))
 _PACKAGE = Path(__file__).resolve().parent
 _lock = threading.Lock()
 _exported: dict[str, "jax.export.Exported"] = {}
@@ -189,7 +196,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def read_exported(path: Path, warn: Callable[[str], None]) -> "jax.export.Exported | None":
-  """Reads an exported program (``Exported.call`` checks its argument types again).
+  """Reads an exported program (``Exported.call`` checks its argument types again), and
+  marks the file as just used (its modification time: ``prune`` deletes the oldest).
 
   Args:
     path: the file written from ``Exported.serialize()``.
@@ -200,10 +208,88 @@ def read_exported(path: Path, warn: Callable[[str], None]) -> "jax.export.Export
   if not path.exists():
     return None
   try:
-    return jax.export.deserialize(bytearray(path.read_bytes()))
+    exp = jax.export.deserialize(bytearray(path.read_bytes()))
   except Exception as e:  # noqa: BLE001 (any failure to parse means: make it again)
     warn(f"{path} could not be read ({type(e).__name__}: {e}); making it again")
     return None
+  try:
+    os.utime(path)
+  except OSError:  # a read-only shared cache is still read
+    pass
+  return exp
+
+
+def max_bytes(env: str, default_mb: int) -> int | None:
+  """A cache folder's bound from ``$env``: megabytes (10**6 bytes), or ``none``.
+
+  Args:
+    env: the variable's name; default_mb: the bound where it is unset.
+
+  Returns:
+    The bound in bytes, or None for no bound.
+
+  Raises:
+    ValueError: when the variable is neither a non-negative number nor ``none``."""
+  raw = os.environ.get(env, "").strip()
+  if not raw:
+    return default_mb * 10**6
+  if raw.lower() == "none":
+    return None
+  try:
+    mb = float(raw)
+  except ValueError:
+    mb = -1.0
+  if not mb >= 0:
+    raise ValueError(f"{env}={raw!r}: give the folder's bound in megabytes (e.g. 1024), "
+                     "or 'none' for no bound")
+  return int(mb * 10**6)
+
+
+def prune(folder: Path, entry: "re.Pattern[str]", limit: int | None,
+          keep: Path | None = None) -> list[Path]:
+  """Deletes the least recently used entries of ``folder`` until the rest fit ``limit``.
+
+  Only files whose whole name matches ``entry`` count and are deleted, so other files in
+  the folder (another cache's, a user's) are left alone. Entries another process deletes
+  meanwhile are skipped.
+
+  Args:
+    folder: the cache folder.
+    entry: the pattern of the cache's file names (``re.fullmatch``).
+    limit: the bound in bytes; None for no bound (nothing is deleted).
+    keep: an entry never deleted (the one just written).
+
+  Returns:
+    The deleted files, oldest first."""
+  if limit is None:
+    return []
+  files = []
+  try:
+    for p in folder.iterdir():
+      if entry.fullmatch(p.name):
+        try:
+          st = p.stat()
+        except OSError:
+          continue
+        files.append((st.st_mtime, st.st_size, p))
+  except OSError:
+    return []
+  total = sum(size for _, size, _ in files)
+  deleted = []
+  for _, size, p in sorted(files, key=lambda f: f[:2]):
+    if total <= limit:
+      break
+    if keep is not None and p == keep:
+      continue
+    try:
+      p.unlink()
+    except FileNotFoundError:
+      pass
+    except OSError:
+      continue
+    total -= size
+    deleted.append(p)
+  return deleted
 
 
 # ---- the kernel cache ----------------------------------------------------------------------
@@ -329,6 +415,11 @@ def exported(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> "jax.export
       except OSError as e:  # a read-only or full disk must not stop the program itself
         log.warning("coda_jax: kernel cache: could not write %s (%s); the kernel is kept "
                     "in memory only", path, e)
+      else:
+        gone = prune(folder, _KERNEL_FILE, max_bytes(MAX_MB_ENV, DEFAULT_MAX_MB), keep=path)
+        if gone:
+          log.info("coda_jax: kernel cache: deleted the %d least recently used kernels of "
+                   "%s to stay within $%s", len(gone), folder, MAX_MB_ENV)
   with _lock:
     _exported[key] = exp
   return exp

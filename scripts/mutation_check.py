@@ -1241,6 +1241,25 @@ MUTATIONS = [
         "",
         ("tests/test_kernel_cache.py", "-k", "lowered_once"),
         "a kernel is lowered again at every call site of the process"),
+    Mutation(
+        "cache_read_not_marked_used", "pallas_kernels/kernel_cache.py",
+        "  try:\n    os.utime(path)\n  except OSError:",
+        "  try:\n    pass\n  except OSError:",
+        ("tests/test_kernel_cache.py", "-k", "bound"),
+        "a cache folder over its bound deletes the kernel in use when it is the oldest "
+        "written"),
+    Mutation(
+        "prune_deletes_other_files", "pallas_kernels/kernel_cache.py",
+        "      if entry.fullmatch(p.name):\n",
+        "      if p.name.endswith(SUFFIX):\n",
+        ("tests/test_kernel_cache.py", "tests/test_program_cache.py", "-k", "bound or prune"),
+        "the kernel and program caches delete each other's files when they share a folder"),
+    Mutation(
+        "prune_ignores_the_bound", "pallas_kernels/kernel_cache.py",
+        "    if total <= limit:\n      break\n",
+        "    if total <= 2 * limit:\n      break\n",
+        ("tests/test_kernel_cache.py", "-k", "bound or prune"),
+        "a cache folder grows to twice its bound"),
 ]
 
 

@@ -131,6 +131,68 @@ def test_no_folder_keeps_the_kernel_in_memory(tmp_path, monkeypatch):
   assert KC.cache_dir() == tmp_path
 
 
+def _entries(folder, sizes_and_ages):
+  """Kernel-cache files of the given sizes, each the given seconds old."""
+  import os
+  import time
+  paths = []
+  for i, (size, age) in enumerate(sizes_and_ages):
+    p = folder / f"kernel-{i:040x}{KC.SUFFIX}"
+    p.write_bytes(b"k" * size)
+    os.utime(p, (time.time() - age,) * 2)
+    paths.append(p)
+  return paths
+
+
+def test_prune_deletes_the_least_recently_used(tmp_path):
+  """Oldest first until the rest fit; the entry just written survives even when it is
+  the oldest; files that are not this cache's entries neither count nor go."""
+  old, mid, new, newest = _entries(tmp_path, [(400, 40), (300, 30), (200, 20), (100, 10)])
+  other = tmp_path / f"train_step-{'0' * 32}{KC.SUFFIX}"  # a program cache's file
+  other.write_bytes(b"p" * 5000)
+  assert KC.prune(tmp_path, KC._KERNEL_FILE, None) == []
+  assert KC.prune(tmp_path, KC._KERNEL_FILE, 1000) == []  # 1000 bytes: all fit
+  assert KC.prune(tmp_path, KC._KERNEL_FILE, 500, keep=old) == [mid, new]
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+      p.name for p in (old, newest, other))
+  assert KC.prune(tmp_path, KC._KERNEL_FILE, 0) == [old, newest]
+  assert list(tmp_path.iterdir()) == [other]
+
+
+def test_folder_held_to_its_bound(folder, monkeypatch):
+  """After each write the folder is pruned to ``$CODA_JAX_KERNEL_CACHE_MAX_MB``; a read
+  refreshes a kernel's time, so the kernel in use outlives an older unused one."""
+  import os
+  export(gemm(STORE), A, B)
+  (stored,) = folder.glob(f"*{KC.SUFFIX}")
+  unused = _entries(folder, [(stored.stat().st_size, 3600)])[0]
+  os.utime(stored, (stored.stat().st_mtime - 7200,) * 2)  # older than the unused one
+  KC.clear_memory()
+  assert export(gemm(STORE), A, B)[1]["disk"] == 1  # the read marks it used
+  one = stored.stat().st_size
+  monkeypatch.setenv(KC.MAX_MB_ENV, str(2.5 * one / 1e6))  # room for two kernels
+  export(gemm(SCALED), A, B)
+  left = set(folder.glob(f"*{KC.SUFFIX}"))
+  assert stored in left and unused not in left and len(left) == 2
+  monkeypatch.setenv(KC.MAX_MB_ENV, "none")
+  export(gemm([cj.ScaleConst(3.0), cj.Store("y", jnp.bfloat16)]), A, B)
+  assert len(list(folder.glob(f"*{KC.SUFFIX}"))) == 3
+
+
+@pytest.mark.parametrize("raw,want", [("", KC.DEFAULT_MAX_MB * 10**6), ("none", None),
+                                      ("0", 0), ("2.5", 2_500_000), (" 64 ", 64 * 10**6)])
+def test_bound_setting(monkeypatch, raw, want):
+  monkeypatch.setenv(KC.MAX_MB_ENV, raw)
+  assert KC.max_bytes(KC.MAX_MB_ENV, KC.DEFAULT_MAX_MB) == want
+
+
+@pytest.mark.parametrize("raw", ["-1", "lots", "nan"])
+def test_bad_bound_setting_names_the_fix(monkeypatch, raw):
+  monkeypatch.setenv(KC.MAX_MB_ENV, raw)
+  with pytest.raises(ValueError, match=f"{KC.MAX_MB_ENV}=.*megabytes.*'none'"):
+    KC.max_bytes(KC.MAX_MB_ENV, KC.DEFAULT_MAX_MB)
+
+
 def test_vmap_and_recording_lower_where_traced(folder):
   """Under vmap the batched kernel is lowered where it is traced, as it always was (an
   exported program has no batching rule; the unbatched one is still made when vmap

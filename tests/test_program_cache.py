@@ -145,6 +145,26 @@ def test_damaged_entry_is_exported_again(tmp_path, key, caplog):
   assert PC._read(path) is not None
 
 
+def test_folder_held_to_its_bound(tmp_path, key, monkeypatch):
+  """After a write the folder is pruned to ``$CODA_JAX_PROGRAM_CACHE_MAX_MB``, oldest
+  program first; the kernel cache's files in the same folder are not this cache's to
+  delete."""
+  import os
+  kernel = tmp_path / f"kernel-{'0' * 40}{PC.SUFFIX}"
+  kernel.write_bytes(b"k" * 10**6)
+  os.utime(kernel, (0, 0))
+  first = PC.cached_jit(f, tmp_path)
+  first(*args(key))
+  (old,) = tmp_path.glob(f"f-*{PC.SUFFIX}")
+  os.utime(old, (1, 1))
+  monkeypatch.setenv(PC.MAX_MB_ENV, str(1.5 * old.stat().st_size / 1e6))  # one program
+  wider = args(key, n=24)  # another signature: another program
+  first(*wider)
+  left = set(tmp_path.glob(f"*{PC.SUFFIX}"))
+  assert old not in left and kernel in left and len(left) == 2
+  assert first.source(*wider).startswith("exported to ")
+
+
 def test_unwritable_cache_still_runs(tmp_path, key, caplog):
   """A cache folder that cannot be made (here a file stands at its path) is logged; the
   program runs all the same."""
