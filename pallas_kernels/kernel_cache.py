@@ -239,7 +239,7 @@ def max_bytes(env: str, default_mb: int) -> int | None:
     mb = float(raw)
   except ValueError:
     mb = -1.0
-  if not mb >= 0:
+  if not 0 <= mb < float("inf"):
     raise ValueError(f"{env}={raw!r}: give the folder's bound in megabytes (e.g. 1024), "
                      "or 'none' for no bound")
   return int(mb * 10**6)

@@ -186,7 +186,7 @@ def test_bound_setting(monkeypatch, raw, want):
   assert KC.max_bytes(KC.MAX_MB_ENV, KC.DEFAULT_MAX_MB) == want
 
 
-@pytest.mark.parametrize("raw", ["-1", "lots", "nan"])
+@pytest.mark.parametrize("raw", ["-1", "lots", "nan", "inf"])
 def test_bad_bound_setting_names_the_fix(monkeypatch, raw):
   monkeypatch.setenv(KC.MAX_MB_ENV, raw)
   with pytest.raises(ValueError, match=f"{KC.MAX_MB_ENV}=.*megabytes.*'none'"):
