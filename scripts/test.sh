@@ -40,8 +40,8 @@ if ! $workers_given; then
   cores=$(nproc)
   dist=loadfile
   if $has_gpu; then
-    gpu_gb=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-    by_gpu=$(( gpu_gb / 8192 > 1 ? gpu_gb / 8192 : 1 ))
+    gpu_mib=$(nvidia-smi -i 0 --query-gpu=memory.total --format=csv,noheader,nounits)
+    by_gpu=$(( gpu_mib / 8192 > 1 ? gpu_mib / 8192 : 1 ))
     workers=$(( cores < by_gpu ? cores : by_gpu ))
     dist=load
   else
