@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -25,24 +24,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _check_once(request, tmp_path_factory, name, args, timeout):
   """Runs ``tests/sharded_check.py ARGS`` on 4 CPU devices once per pytest run, however
   many pytest-xdist workers hold this file's tests (``scripts/test.sh`` hands a GPU
-  host's tests out one at a time): the first worker to ask runs it under a lock in the
+  host's tests out a few at a time): the first worker to ask runs it under a lock in the
   run's shared temporary folder and leaves its output there; the others wait and read it.
 
   Returns:
-    (returncode, stdout, stderr) of the subprocess.
+    The subprocess's ``subprocess.CompletedProcess`` (its output as text).
   """
   cmd = [sys.executable, os.path.join(HERE, "sharded_check.py"), *args]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   if not hasattr(request.config, "workerinput"):  # no workers: nothing to share
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    return out.returncode, out.stdout, out.stderr
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
   path = tmp_path_factory.getbasetemp().parent / f"sharded_check_{name}.json"
   with open(f"{path}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not path.is_file():
       out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
       path.write_text(json.dumps([out.returncode, out.stdout, out.stderr]))
-    return tuple(json.loads(path.read_text()))
+    return subprocess.CompletedProcess(cmd, *json.loads(path.read_text()))
 
 
 def test_rules_are_identity_outside_shard_map():
@@ -97,11 +95,9 @@ def sharded_results(request, tmp_path_factory):
   # CPU devices even on a GPU host: these check the rule through the XLA programs (the
   # kernels on 2 GPUs: `python tests/sharded_check.py mosaic shard_map jit auto`, with
   # `only=a,b` for the cases whose names hold those words).
-  returncode, stdout, stderr = _check_once(
-      request, tmp_path_factory, "results",
-      ["xla", "train", "shard_map", "jit", "auto", "errors"], timeout=1500)
-  assert returncode == 0, stdout[-3000:] + stderr[-3000:]
-  out = types.SimpleNamespace(stdout=stdout)
+  out = _check_once(request, tmp_path_factory, "results",
+                    ["xla", "train", "shard_map", "jit", "auto", "errors"], timeout=1500)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   cases = {}
   for m in re.finditer(r"CASE (\S+) (\S+) (\S+) all-gather=(\d+) all-reduce=(\d+) "
                        r"reduce-scatter=(\d+) all-to-all=(\d+) collective-permute=(\d+) "
@@ -437,10 +433,9 @@ def row_terms_results(request, tmp_path_factory):
   all-reduces, largest all-reduced elements) of ``layernorm_ops.row_terms_sharded`` in
   XLA form (tests/sharded_check.py ``row_terms``; the kernel on 2 GPUs:
   ``python tests/sharded_check.py mosaic row_terms``)."""
-  returncode, stdout, stderr = _check_once(request, tmp_path_factory, "row_terms",
-                                           ["xla", "row_terms"], timeout=600)
-  assert returncode == 0, stdout[-3000:] + stderr[-3000:]
-  out = types.SimpleNamespace(stdout=stdout)
+  out = _check_once(request, tmp_path_factory, "row_terms", ["xla", "row_terms"],
+                    timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   found = {m.group(1, 2): (float(m.group(3)), *map(int, m.group(4, 5, 6)))
            for m in re.finditer(r"ROWTERMS (\S+) (\S+) diff=(\S+) all-gather=(\d+) "
                                 r"all-reduce=(\d+) .*largest_reduce=(\d+)", out.stdout)}
