@@ -169,15 +169,14 @@ class CachedJit:
         announce(f"program cache: {name} runs as plain jax.jit, not kept: {reason}")
         return self._jit, f"jit ({reason})"
       try:
-        kernel_cache.write_atomic(path, bytes(data))
+        gone = kernel_cache.write_bounded(path, bytes(data), _PROGRAM_FILE, MAX_MB_ENV,
+                                          DEFAULT_MAX_MB)
         source = f"exported to {path}"
       except OSError as e:  # a read-only or full disk must not stop the program itself
         announce(f"program cache: could not write {path} ({e}); {name} runs without "
                  "being kept")
         source = f"exported, not kept ({type(e).__name__})"
       else:
-        gone = kernel_cache.prune(self.cache_dir, _PROGRAM_FILE,
-                                  kernel_cache.max_bytes(MAX_MB_ENV, DEFAULT_MAX_MB), keep=path)
         if gone:
           announce(f"program cache: deleted the {len(gone)} least recently used programs "
                    f"of {self.cache_dir} to stay within ${MAX_MB_ENV}")

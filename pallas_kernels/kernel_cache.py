@@ -205,10 +205,10 @@ def read_exported(path: Path, warn: Callable[[str], None]) -> "jax.export.Export
 
   Returns:
     The ``jax.export.Exported``, or None when there is no file or it cannot be read."""
-  if not path.exists():
-    return None
   try:
     exp = jax.export.deserialize(bytearray(path.read_bytes()))
+  except (FileNotFoundError, NotADirectoryError):  # none yet, or just pruned elsewhere
+    return None
   except Exception as e:  # noqa: BLE001 (any failure to parse means: make it again)
     warn(f"{path} could not be read ({type(e).__name__}: {e}); making it again")
     return None
@@ -243,6 +243,22 @@ def max_bytes(env: str, default_mb: int) -> int | None:
     raise ValueError(f"{env}={raw!r}: give the folder's bound in megabytes (e.g. 1024), "
                      "or 'none' for no bound")
   return int(mb * 10**6)
+
+
+def write_bounded(path: Path, data: bytes, entry: "re.Pattern[str]", env: str,
+                  default_mb: int) -> list[Path]:
+  """Writes a cache entry (``write_atomic``), then holds its folder to the bound that
+  ``$env`` sets (``max_bytes``), deleting the least recently used entries but this one
+  (``prune``).
+
+  Args:
+    path: the entry; data: its contents.
+    entry: the pattern of the cache's file names; env, default_mb: as ``max_bytes``.
+
+  Returns:
+    The entries deleted, oldest first (OSError where ``path`` cannot be written)."""
+  write_atomic(path, data)
+  return prune(path.parent, entry, max_bytes(env, default_mb), keep=path)
 
 
 def prune(folder: Path, entry: "re.Pattern[str]", limit: int | None,
@@ -411,12 +427,12 @@ def exported(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> "jax.export
              time.perf_counter() - t0)
     if path is not None:
       try:
-        write_atomic(path, bytes(exp.serialize()))
+        gone = write_bounded(path, bytes(exp.serialize()), _KERNEL_FILE, MAX_MB_ENV,
+                             DEFAULT_MAX_MB)
       except OSError as e:  # a read-only or full disk must not stop the program itself
         log.warning("coda_jax: kernel cache: could not write %s (%s); the kernel is kept "
                     "in memory only", path, e)
       else:
-        gone = prune(folder, _KERNEL_FILE, max_bytes(MAX_MB_ENV, DEFAULT_MAX_MB), keep=path)
         if gone:
           log.info("coda_jax: kernel cache: deleted the %d least recently used kernels of "
                    "%s to stay within $%s", len(gone), folder, MAX_MB_ENV)

@@ -4,7 +4,9 @@ them (``bench.lowering_time.pretend_h100``) and exported, nothing runs. On an sm
 last test runs the cached kernels against the same kernels lowered where they are traced,
 bit for bit; every other GPU test runs its kernels through the cache too."""
 import logging
+import os
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -133,8 +135,6 @@ def test_no_folder_keeps_the_kernel_in_memory(tmp_path, monkeypatch):
 
 def _entries(folder, sizes_and_ages):
   """Kernel-cache files of the given sizes, each the given seconds old."""
-  import os
-  import time
   paths = []
   for i, (size, age) in enumerate(sizes_and_ages):
     p = folder / f"kernel-{i:040x}{KC.SUFFIX}"
@@ -162,7 +162,6 @@ def test_prune_deletes_the_least_recently_used(tmp_path):
 def test_folder_held_to_its_bound(folder, monkeypatch):
   """After each write the folder is pruned to ``$CODA_JAX_KERNEL_CACHE_MAX_MB``; a read
   refreshes a kernel's time, so the kernel in use outlives an older unused one."""
-  import os
   export(gemm(STORE), A, B)
   (stored,) = folder.glob(f"*{KC.SUFFIX}")
   unused = _entries(folder, [(stored.stat().st_size, 3600)])[0]

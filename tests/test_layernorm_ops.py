@@ -20,8 +20,7 @@ from coda_jax import jnp_reference as R
 from coda_jax import layernorm_ops as L
 from bench.layernorm_row_terms import reference as row_terms_f64  # float64
 from helpers import (GATED_ACTS, assert_within_baseline, f32_tree, mosaic_launches, normal,
-                     projected,
-                     rel_err, spread_rows, worst_row_err)
+                     projected, rel_err, spread_rows, worst_row_err)
 
 EPS = 1e-5
 M, K, D, N, FF = 128, 256, 192, 320, 384

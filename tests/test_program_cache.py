@@ -4,6 +4,7 @@ everything the lowering reads (kernel bodies and configs, constants, shapes, don
 a damaged entry is replaced; what jax.export refuses runs as plain jit and says so."""
 import dataclasses
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -149,7 +150,6 @@ def test_folder_held_to_its_bound(tmp_path, key, monkeypatch):
   """After a write the folder is pruned to ``$CODA_JAX_PROGRAM_CACHE_MAX_MB``, oldest
   program first; the kernel cache's files in the same folder are not this cache's to
   delete."""
-  import os
   kernel = tmp_path / f"kernel-{'0' * 40}{PC.SUFFIX}"
   kernel.write_bytes(b"k" * 10**6)
   os.utime(kernel, (0, 0))
