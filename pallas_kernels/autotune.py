@@ -8,9 +8,11 @@ outputs, and the column group its epilogue sub-tiles must be a multiple of).
 ``gemm(config=None)`` asks ``lookup`` first: the user's cache
 (``$CODA_JAX_GEMM_CACHE``, default ``~/.cache/coda_jax/gemm_configs.json``), then the
 cache shipped in ``pallas_kernels/tuned/gemm_configs.json``. Where neither has the key,
-the same problem tuned at the nearest row count M within a factor of 2 serves (a
-ragged batch padded to 16128 rows runs the config tuned at 16384), if it tiles this M;
-else ``default_config``'s heuristic. ``tune`` runs the search for one problem:
+the same problem tuned at the nearest row count M (or contraction K) within a factor of
+2 serves (a ragged batch of 16000 rows runs the config tuned at 16384), if it tiles this
+problem; else the same search among the entries of another device kind of the same chip
+(``SAME_CHIP``: an H200 runs the H100's configs where it has none of its own); else
+``default_config``'s heuristic. ``tune`` runs the search for one problem:
 every candidate that the shape tiles and that fits in shared memory is compiled and
 timed with CUPTI; one that fails to compile or run is skipped with its reason logged,
 never chosen. ``bench/tune_gemm.py`` is the front end that fills the cache.
@@ -185,21 +187,30 @@ def _nearby(key: ProblemKey, other: ProblemKey) -> tuple[float, int, int, str] |
   return None
 
 
-def lookup_with_source(key: ProblemKey, clip_m: bool = False
-                       ) -> tuple[g.GemmConfig | None, str | None]:
-  """The cached config for this problem and where it came from.
+# Device kinds that are one chip: the same SMs (132), shared memory and tensor cores, so
+# a config fits and schedules the same on each; they differ only in memory (the H200's
+# 141 GB of HBM3e at 4.8 TB/s against the H100's 80 GB of HBM3 at 3.35). A device kind's
+# own entries serve first; a sibling's (exact, then at a nearby M or K) only where it has
+# none. Measured on an H200 over the 15 GEMMs of the 1B train step tuned there: the H100's
+# configs ran within 1% of the H200's own best on 11 and at most 1.10x slower (the
+# 0.08 ms RoPE-backward pass), where the heuristic was up to 1.09x slower on problems the
+# H100 had tuned (bench/NOTES.md, thirty-seventh session). Another kind of the same chip
+# (an H800, a GH200) joins a group here once measured so.
+SAME_CHIP = (("NVIDIA H100 80GB HBM3", "NVIDIA H200"),)
 
-  Args:
-    key: the problem.
-    clip_m: ``gemm``'s: M need not be a multiple of the config's cluster tile.
 
-  Returns:
-    ``(config, "tuned")`` for this key; else ``(config, "tuned at M=<m>")`` or
-    ``(config, "tuned at K=<k>")``: the same problem at the nearest cached M, or K,
-    within a factor ``NEARBY_FACTOR`` whose config tiles this problem (the larger size
-    on a tie, M before K); else ``(None, None)``. The first cache in ``cache_paths``
-    that has the key wins; nearby sizes are looked for only where no cache has it.
-  """
+def same_chip_kinds(device_kind: str) -> tuple[str, ...]:
+  """The other device kinds whose tuned configs may serve ``device_kind``
+  (``SAME_CHIP``), in the group's order; () for a kind in no group."""
+  for group in SAME_CHIP:
+    if device_kind in group:
+      return tuple(kind for kind in group if kind != device_kind)
+  return ()
+
+
+def _lookup_one_kind(key: ProblemKey, clip_m: bool
+                     ) -> tuple[g.GemmConfig | None, str | None]:
+  """``lookup_with_source`` among the entries of ``key.device_kind`` alone."""
   text = key.text()
   for path in cache_paths():
     entry = _entries(path).get(text)
@@ -218,6 +229,34 @@ def lookup_with_source(key: ProblemKey, clip_m: bool = False
     except ValueError:
       continue  # e.g. M not a multiple of that config's cluster tile, or K of its tile_k
     return cfg, source
+  return None, None
+
+
+def lookup_with_source(key: ProblemKey, clip_m: bool = False
+                       ) -> tuple[g.GemmConfig | None, str | None]:
+  """The cached config for this problem and where it came from.
+
+  Args:
+    key: the problem.
+    clip_m: ``gemm``'s: M need not be a multiple of the config's cluster tile.
+
+  Returns:
+    ``(config, "tuned")`` for this key; else ``(config, "tuned at M=<m>")`` or
+    ``(config, "tuned at K=<k>")``: the same problem at the nearest cached M, or K,
+    within a factor ``NEARBY_FACTOR`` whose config tiles this problem (the larger size
+    on a tie, M before K); else the same search among the entries of another device
+    kind of the same chip (``same_chip_kinds``), its source ending " on <that kind>"
+    (e.g. ``"tuned on NVIDIA H100 80GB HBM3"``); else ``(None, None)``. The first cache
+    in ``cache_paths`` that has the key wins; nearby sizes are looked for only where no
+    cache has it.
+  """
+  cfg, source = _lookup_one_kind(key, clip_m)
+  if cfg is not None:
+    return cfg, source
+  for kind in same_chip_kinds(key.device_kind):
+    cfg, source = _lookup_one_kind(dataclasses.replace(key, device_kind=kind), clip_m)
+    if cfg is not None:
+      return cfg, f"{source} on {kind}"
   return None, None
 
 
@@ -361,7 +400,8 @@ def record(problem: Problem) -> None:
 
 def chosen_config(problem: Problem) -> tuple[g.GemmConfig, str]:
   """What ``gemm(config=None)`` runs for a recorded problem, and where it came from
-  ("tuned", "tuned at M=<m>", "tuned at K=<k>" or "default"): for benchmark tables."""
+  ("tuned", "tuned at M=<m>", "tuned at K=<k>", any of those ending " on <another
+  device kind of the same chip>", or "default"): for benchmark tables."""
   tuned, source = lookup_with_source(problem.key, problem.clip_m)
   if tuned is not None:
     return tuned, source
@@ -610,5 +650,5 @@ def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] =
 __all__ = ["CACHE_ENV", "Problem", "ProblemKey", "SHIPPED_CACHE", "candidates",
            "chosen_config", "describe_workload",
            "config_from_dict", "config_to_dict", "lookup", "lookup_with_source", "measure_ms",
-           "pick_best", "plain_problem", "problem_key",
+           "SAME_CHIP", "pick_best", "plain_problem", "problem_key", "same_chip_kinds",
            "record", "recording", "signature", "store", "tune", "user_cache_path"]

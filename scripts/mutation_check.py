@@ -831,6 +831,30 @@ MUTATIONS = [
         ("tests/test_autotune.py", "-k", "nearby"),
         "a config tuned at a nearby M is used where it does not tile this M"),
     Mutation(
+        "same_chip_before_own_nearby", "pallas_kernels/autotune.py",
+        "  for kind in same_chip_kinds(key.device_kind):",
+        "  for kind in (key.device_kind, *same_chip_kinds(key.device_kind)):\n"
+        "    exact = dataclasses.replace(key, device_kind=kind).text()\n"
+        "    for path in cache_paths():\n"
+        "      if exact in _entries(path):\n"
+        "        return config_from_dict(_entries(path)[exact][\"config\"]), \"tuned\"\n"
+        "  for kind in same_chip_kinds(key.device_kind):",
+        ("tests/test_autotune.py", "-k", "same_chip"),
+        "another chip-mate's exact entry wins over the device's own entry at a nearby M"),
+    Mutation(
+        "same_chip_any_device", "pallas_kernels/autotune.py",
+        "      return tuple(kind for kind in group if kind != device_kind)\n  return ()",
+        "      return tuple(kind for kind in group if kind != device_kind)\n"
+        "  return SAME_CHIP[0]",
+        ("tests/test_autotune.py", "-k", "same_chip"),
+        "a device of another chip runs the H100's and H200's configs"),
+    Mutation(
+        "same_chip_not_looked_for", "pallas_kernels/autotune.py",
+        "    cfg, source = _lookup_one_kind(dataclasses.replace(key, device_kind=kind), clip_m)",
+        "    cfg, source = _lookup_one_kind(key, clip_m)",
+        ("tests/test_autotune.py", "-k", "same_chip"),
+        "an H200 with no entry of its own gets the heuristic, not the H100's config"),
+    Mutation(
         "nearby_m_any_distance", "pallas_kernels/autotune.py",
         "        and mine <= theirs * NEARBY_FACTOR and theirs <= mine * NEARBY_FACTOR):",
         "        ):",

@@ -114,6 +114,33 @@ def test_lookup_at_nearby_k(cache):
   assert autotune.lookup_with_source(_key(m=512, k=512)) == (PINGPONG, "tuned at M=1024")
 
 
+def test_lookup_on_a_device_of_the_same_chip(cache):
+  """An H200 runs the H100's config where it has none of its own (exact, then at a
+  nearby M), and the other way round; its own entry, even one at a nearby M, comes
+  first; a device kind of another chip, or in no group, gets none."""
+  h100 = _key()
+  h200 = dataclasses.replace(h100, device_kind="NVIDIA H200")
+  assert autotune.same_chip_kinds("NVIDIA H200") == ("NVIDIA H100 80GB HBM3",)
+  assert autotune.same_chip_kinds("NVIDIA H100 80GB HBM3") == ("NVIDIA H200",)
+  assert autotune.same_chip_kinds("NVIDIA A100-SXM4-80GB") == ()
+  autotune.store(h100, {"config": autotune.config_to_dict(PINGPONG)})
+  assert autotune.lookup_with_source(h200) == (PINGPONG, "tuned on NVIDIA H100 80GB HBM3")
+  assert autotune.lookup_with_source(dataclasses.replace(h200, m=384)) == (
+      PINGPONG, "tuned at M=256 on NVIDIA H100 80GB HBM3")
+  for other in ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 PCIe", "cpu"):
+    assert autotune.lookup_with_source(
+        dataclasses.replace(h100, device_kind=other)) == (None, None), other
+  # the H200's own entry at a nearby M wins over the H100's exact one
+  own = GemmConfig(tile_m=64, tile_n=64, cluster_dim=None, epi_tile_n=32)
+  autotune.store(dataclasses.replace(h200, m=512), {"config": autotune.config_to_dict(own)})
+  assert autotune.lookup_with_source(h200) == (own, "tuned at M=512")
+  assert autotune.lookup_with_source(h100) == (PINGPONG, "tuned")
+  # and the other way round
+  autotune.store(dataclasses.replace(h200, n=512), {"config": autotune.config_to_dict(own)})
+  assert autotune.lookup_with_source(dataclasses.replace(h100, n=512)) == (
+      own, "tuned on NVIDIA H200")
+
+
 def test_chosen_config_names_a_nearby_m(cache):
   autotune.store(_key(m=1024), {"config": autotune.config_to_dict(PINGPONG)})
   a = jax.ShapeDtypeStruct((768, 128), jnp.bfloat16)
