@@ -855,6 +855,18 @@ MUTATIONS = [
         ("tests/test_autotune.py", "-k", "same_chip"),
         "an H200 with no entry of its own gets the heuristic, not the H100's config"),
     Mutation(
+        "check_env_pin_not_compared", "scripts/check_env.py",
+        '  if op == "==" and have != want:',
+        '  if op == "==" and False:',
+        ("tests/test_check_env.py",),
+        "an environment with another jax than the pinned one passes the check"),
+    Mutation(
+        "check_env_cuda_not_checked", "scripts/check_env.py",
+        '  if "cuda" in extras and not errors:',
+        '  if False:',
+        ("tests/test_check_env.py",),
+        "a CPU-only jaxlib passes where the CUDA build is asked for"),
+    Mutation(
         "nearby_m_any_distance", "pallas_kernels/autotune.py",
         "        and mine <= theirs * NEARBY_FACTOR and theirs <= mine * NEARBY_FACTOR):",
         "        ):",

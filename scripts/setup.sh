@@ -2,7 +2,7 @@
 # Creates .venv with Python >= 3.12 and installs coda-jax with its test and bench extras
 # (jax/jaxlib pinned to 0.11.2, the GPU host's version), plus the "cuda" extra (jax's
 # CUDA 13 plugin of the same version) when nvidia-smi sees a GPU. Idempotent; prints the
-# python.
+# python. With CODA_JAX_PYTHON set, uses that python instead and installs nothing (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 find_python() {
@@ -21,6 +21,21 @@ find_python() {
   fi
   return 1
 }
+extras="test,bench"
+has_gpu=false
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  has_gpu=true
+  extras="test,bench,cuda"
+fi
+# An environment of your own (an offline GPU host, a container with jax installed):
+# CODA_JAX_PYTHON names its python. Nothing is installed; scripts/check_env.py checks the
+# pinned and needed packages (and, with a GPU, that jax sees it) and names what is missing.
+if [ -n "${CODA_JAX_PYTHON:-}" ]; then
+  py=$(command -v "$CODA_JAX_PYTHON") || { echo "setup: CODA_JAX_PYTHON=$CODA_JAX_PYTHON is not an executable" >&2; exit 1; }
+  "$py" scripts/check_env.py "$extras" >&2
+  echo "$py"
+  exit 0
+fi
 if [ ! -x .venv/bin/python ]; then
   py=$(find_python) || { echo "setup: need Python >= 3.12 (jax 0.11 requires it)" >&2; exit 1; }
   echo "setup: creating .venv with $py ($("$py" --version))" >&2
@@ -28,9 +43,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # An NVIDIA GPU gets the CUDA build of the pinned jax (the "cuda" extra); without it pip
 # would install a CPU-only jaxlib, and everything would quietly run the XLA fallback.
-extras="test,bench"
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  extras="test,bench,cuda"
+if $has_gpu; then
   echo "setup: NVIDIA GPU found ($(nvidia-smi -L | head -1)): installing jax with CUDA 13" >&2
 else
   echo "setup: no NVIDIA GPU: installing the CPU jax (kernels run through the interpreter in tests)" >&2
