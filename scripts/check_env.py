@@ -6,8 +6,10 @@ For an environment of your own (an offline GPU host, a container with jax instal
 scripts/setup.sh runs this with $CODA_JAX_PYTHON instead of creating .venv. The
 project's dependencies must be installed at the versions pinned; so must pytest and
 pytest-xdist (scripts/test.sh runs them) and tqdm (the main job's progress bar). The
-other extras are named where missing, with what goes without them: the tests that need
-transformers skip with that reason, and without matplotlib the benchmarks write no PNG. With "cuda", jax must also see a GPU: a CPU-only jaxlib would run every kernel
+other extras are named where missing or at another version, with what follows: a missing
+transformers skips the tests that need it, a missing matplotlib leaves the benchmarks
+without PNGs, and another version is used as installed (the interop tests read
+transformers 4.x and 5.x). With "cuda", jax must also see a GPU: a CPU-only jaxlib would run every kernel
 through the XLA fallback. Exits 1, naming each problem and the fix; else prints one line
 saying what was checked.
 """
@@ -103,8 +105,9 @@ def main(argv=None) -> int:
           file=sys.stderr)
     return 1
   for why in missing_optional:
-    print(f"check_env: optional: {why}; the tests that need it skip, the benchmarks "
-          "that plot write no PNG", file=sys.stderr)
+    then = ("the tests that need it skip, and the benchmarks that plot write no PNG"
+            if "not installed" in why else "it is used as installed")
+    print(f"check_env: optional: {why}; {then}", file=sys.stderr)
   print(f"check_env: {python} has coda-jax's requirements ({args.extras}); nothing "
         "installed", file=sys.stderr)
   return 0

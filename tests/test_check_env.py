@@ -74,6 +74,13 @@ def test_what_is_missing_is_named(tmp_path):
   run = _run("docs", pyproject=fine)
   assert run.returncode == 0, run.stderr
   assert "optional: another-missing-pkg-xyz is not installed" in run.stderr
+  assert "the tests that need it skip" in run.stderr
+  import jax
+  other = _pyproject(tmp_path, [], {"docs": ["jax==0.0.1"]})
+  run = _run("docs", pyproject=other)
+  assert run.returncode == 0, run.stderr
+  assert (f"optional: jax {jax.__version__} is installed, jax==0.0.1 is pinned; it is "
+          "used as installed") in run.stderr
   run = _run("nosuch", pyproject=fine)
   assert run.returncode == 1 and "has no extra 'nosuch'" in run.stderr
   run = _run("docs", pyproject=_pyproject(tmp_path, [], {"docs": []}, python=">=3.99"))
