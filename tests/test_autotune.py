@@ -501,3 +501,21 @@ def test_heuristic_carries_column_sums_down_the_tile_where_cheap():
                                   min_epi_tile_n=128)
   assert wide.epi_tile_n == 128 and not wide.epi_column_sums_per_tile
   assert gemm_mgpu.carried_column_registers(wide, (col,)) == 64
+
+
+def test_shipped_entries_are_live():
+  """Every shipped entry can serve: its config loads (and so checks itself), tiles its
+  own problem (M clipped where the op allows it), is keyed by this jax's version (a
+  version bump would leave the whole cache unread), and is for a device kind in a
+  ``SAME_CHIP`` group (a new kind is named there, with its measurement)."""
+  entries = json.loads(autotune.SHIPPED_CACHE.read_text())["entries"]
+  kinds = {kind for group in autotune.SAME_CHIP for kind in group}
+  assert len(entries) > 100
+  for text, entry in entries.items():
+    key = autotune.ProblemKey.from_text(text)
+    assert key.text() == text
+    assert key.jax_version == jax.__version__, text
+    assert key.device_kind in kinds, text
+    cfg = autotune.config_from_dict(entry["config"])
+    gemm_mgpu._check_tiling(key.m, key.n, key.k, cfg, key.trans_a, key.trans_b,
+                            clip_m=True)
