@@ -24,6 +24,9 @@ from pathlib import Path
 
 # Without these, scripts/test.sh or scripts/main.sh cannot run.
 NEEDED_FROM_EXTRAS = {"pytest", "pytest-xdist", "tqdm"}
+# What goes without an optional package (any other: what needs it skips or says so).
+WITHOUT = {"transformers": "the interop tests skip (tests/test_hf_interop.py)",
+           "matplotlib": "the benchmarks write no PNG (bench/plot.py draws one later)"}
 REQUIREMENT = re.compile(
     r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*(?:(==|>=)\s*([0-9][0-9A-Za-z.]*))?\s*$")
 
@@ -87,14 +90,17 @@ def main(argv=None) -> int:
         continue
       if extra == "cuda" or name in NEEDED_FROM_EXTRAS:
         errors.append(why)
+      elif "not installed" in why:
+        missing_optional.append(f"{why}; {WITHOUT.get(name, 'what needs it skips or says so')}")
       else:
-        missing_optional.append(why)
+        missing_optional.append(f"{why}; it is used as installed")
   if "cuda" in extras and not errors:
     import jax  # only now: the versions above are right
     backend = jax.default_backend()
     if backend != "gpu":
+      cuda = " ".join(f'"{r}"' for r in project["optional-dependencies"]["cuda"])
       errors.append(f"jax sees no GPU (default backend {backend!r}) though nvidia-smi "
-                    "does: install the CUDA build, pip install \"jax[cuda13]==0.11.2\"")
+                    f"does: install the CUDA build, pip install {cuda}")
   python = sys.executable
   if errors:
     print(f"check_env: {python} lacks what coda-jax needs:", file=sys.stderr)
@@ -105,9 +111,7 @@ def main(argv=None) -> int:
           file=sys.stderr)
     return 1
   for why in missing_optional:
-    then = ("the tests that need it skip, and the benchmarks that plot write no PNG"
-            if "not installed" in why else "it is used as installed")
-    print(f"check_env: optional: {why}; {then}", file=sys.stderr)
+    print(f"check_env: optional: {why}", file=sys.stderr)
   print(f"check_env: {python} has coda-jax's requirements ({args.extras}); nothing "
         "installed", file=sys.stderr)
   return 0

@@ -74,7 +74,10 @@ def test_what_is_missing_is_named(tmp_path):
   run = _run("docs", pyproject=fine)
   assert run.returncode == 0, run.stderr
   assert "optional: another-missing-pkg-xyz is not installed" in run.stderr
-  assert "the tests that need it skip" in run.stderr
+  assert "another-missing-pkg-xyz is not installed (want another-missing-pkg-xyz); what " \
+      "needs it skips or says so" in run.stderr
+  run = _run("docs", pyproject=_pyproject(tmp_path, [], {"docs": ["matplotlib>=99"]}))
+  assert run.returncode == 0 and "the benchmarks write no PNG" not in run.stderr
   import jax
   other = _pyproject(tmp_path, [], {"docs": ["jax==0.0.1"]})
   run = _run("docs", pyproject=other)
