@@ -13,8 +13,8 @@ GPT-2 and Qwen3 shifted blocks of bench/family_blocks.py (``family-gpt2_1b``,
 ``family-qwen3_1.7b``), and the main job's fused train step (``train-llama-3-8b:4``:
 config, layers, batch rows). ``--list`` says where each one's config would come from: tuned
 at its shape, tuned at a nearby M or K, either on another device kind of the same chip
-(``autotune.SAME_CHIP``: "tuned on NVIDIA H100 80GB HBM3"), or NOT TUNED (the heuristic). Each problem
-is then tuned (``autotune.tune``: both schedules, tiles, clusters, grid orders, epilogue
+(``autotune.SAME_CHIP``: "tuned on NVIDIA H100 80GB HBM3"), or NOT TUNED (the
+heuristic). Each problem is then tuned (``autotune.tune``: both schedules, tiles, clusters, grid orders, epilogue
 widths, the deepest pipeline that fits) and written into ``--out``, by default the
 cache shipped with the library, ``pallas_kernels/tuned/gemm_configs.json``. Every
 candidate's time and every skipped candidate's reason is printed; the table printed

@@ -9,57 +9,55 @@ pytest-xdist (scripts/test.sh runs them) and tqdm (the main job's progress bar).
 other extras are named where missing or at another version, with what follows: a missing
 transformers skips the tests that need it, a missing matplotlib leaves the benchmarks
 without PNGs, and another version is used as installed (the interop tests read
-transformers 4.x and 5.x). With "cuda", jax must also see a GPU: a CPU-only jaxlib would run every kernel
-through the XLA fallback. Exits 1, naming each problem and the fix; else prints one line
+transformers 4.x and 5.x). With "cuda", jax must also see a GPU: a CPU-only jaxlib would
+run every kernel through the XLA fallback. Requirements are read with ``packaging``
+(pytest's dependency). Exits 1, naming each problem and the fix; else prints one line
 saying what was checked.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
-import re
+import platform
 import sys
 import tomllib
 from pathlib import Path
+
+try:  # pytest's own dependency, so any environment that can run the tests has it
+  from packaging.requirements import Requirement
+  from packaging.specifiers import SpecifierSet
+  from packaging.utils import canonicalize_name
+except ImportError:
+  sys.exit("check_env: the 'packaging' library is missing, and so is pytest, which needs "
+           "it: pip install -e \".[test,bench]\" into that environment, or unset "
+           "CODA_JAX_PYTHON and let scripts/setup.sh create .venv")
 
 # Without these, scripts/test.sh or scripts/main.sh cannot run.
 NEEDED_FROM_EXTRAS = {"pytest", "pytest-xdist", "tqdm"}
 # What goes without an optional package (any other: what needs it skips or says so).
 WITHOUT = {"transformers": "the interop tests skip (tests/test_hf_interop.py)",
            "matplotlib": "the benchmarks write no PNG (bench/plot.py draws one later)"}
-REQUIREMENT = re.compile(
-    r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*(?:(==|>=)\s*([0-9][0-9A-Za-z.]*))?\s*$")
 
 
-def _release(version: str) -> tuple[int, ...]:
-  """The leading numeric release of a version string: "0.12.1rc1" -> (0, 12, 1)."""
-  parts = []
-  for piece in version.split("."):
-    digits = re.match(r"\d+", piece)
-    if not digits:
-      break
-    parts.append(int(digits.group()))
-    if digits.group() != piece:
-      break
-  return tuple(parts)
+def installed_version(name: str) -> str | None:
+  """The installed version of distribution ``name``, or None where it is not installed."""
+  try:
+    return md.version(name)
+  except md.PackageNotFoundError:
+    return None
 
 
 def problem_with(requirement: str) -> str | None:
-  """Why this Python does not meet ``requirement`` ("name", "name==v" or "name>=v",
-  extras in brackets ignored), or None where it does."""
-  m = REQUIREMENT.match(requirement)
-  if m is None:
-    raise ValueError(f"pyproject.toml requirement {requirement!r}: this checker reads "
-                     "only 'name', 'name==version' and 'name>=version'")
-  name, _, op, want = m.groups()
-  try:
-    have = md.version(name)
-  except md.PackageNotFoundError:
-    return f"{name} is not installed (want {requirement.strip()})"
-  if op == "==" and have != want:
-    return f"{name} {have} is installed, {requirement.strip()} is pinned"
-  if op == ">=" and _release(have) < _release(want):
-    return f"{name} {have} is installed, {requirement.strip()} is needed"
+  """Why this Python does not meet ``requirement`` (a PEP 508 string; its extras in
+  brackets are not checked), or None where it does."""
+  req = Requirement(requirement)
+  have = installed_version(req.name)
+  if have is None:
+    return f"{req.name} is not installed (want {requirement.strip()})"
+  if not req.specifier.contains(have, prereleases=True):
+    pinned = any(spec.operator == "==" for spec in req.specifier)
+    return (f"{req.name} {have} is installed, {requirement.strip()} is "
+            f"{'pinned' if pinned else 'needed'}")
   return None
 
 
@@ -72,9 +70,8 @@ def main(argv=None) -> int:
   project = tomllib.loads(args.pyproject.read_text())["project"]
   extras = [e for e in args.extras.split(",") if e]
   errors, missing_optional = [], []
-  want_python = _release(project["requires-python"].removeprefix(">="))
-  if sys.version_info[:len(want_python)] < want_python:
-    errors.append(f"Python {sys.version.split()[0]}, the project requires "
+  if not SpecifierSet(project["requires-python"]).contains(platform.python_version()):
+    errors.append(f"Python {platform.python_version()}, the project requires "
                   f"{project['requires-python']}")
   for req in project["dependencies"]:
     if (why := problem_with(req)) is not None:
@@ -85,12 +82,12 @@ def main(argv=None) -> int:
       continue
     for req in project["optional-dependencies"][extra]:
       why = problem_with(req)
-      name = REQUIREMENT.match(req).group(1).lower()
+      name = canonicalize_name(Requirement(req).name)
       if why is None:
         continue
       if extra == "cuda" or name in NEEDED_FROM_EXTRAS:
         errors.append(why)
-      elif "not installed" in why:
+      elif installed_version(name) is None:
         missing_optional.append(f"{why}; {WITHOUT.get(name, 'what needs it skips or says so')}")
       else:
         missing_optional.append(f"{why}; it is used as installed")
