@@ -11,14 +11,15 @@ at its shapes (``bench``), and the fused Llama block forward, forward+backward a
 post-block forward+backward of bench/block.py (``block-1b``, ``block-8b``), and the
 GPT-2 and Qwen3 shifted blocks of bench/family_blocks.py (``family-gpt2_1b``,
 ``family-qwen3_1.7b``), and the main job's fused train step (``train-llama-3-8b:4``:
-config, layers, batch rows). ``--list`` says where each one's config would come from: tuned
-at its shape, tuned at a nearby M or K, either on another device kind of the same chip
-(``autotune.SAME_CHIP``: "tuned on NVIDIA H100 80GB HBM3"), or NOT TUNED (the
-heuristic). Each problem is then tuned (``autotune.tune``: both schedules, tiles, clusters, grid orders, epilogue
-widths, the deepest pipeline that fits) and written into ``--out``, by default the
-cache shipped with the library, ``pallas_kernels/tuned/gemm_configs.json``. Every
-candidate's time and every skipped candidate's reason is printed; the table printed
-last has the winner against the heuristic default for each problem.
+config, layers, batch rows). ``--list`` says where each one's config would come from:
+tuned at its shape, tuned at a nearby M or K, either on another device kind of the same
+chip (``autotune.SAME_CHIP``: "tuned on NVIDIA H100 80GB HBM3"), or NOT TUNED (the
+heuristic). Each problem is then tuned (``autotune.tune``: both schedules, tiles,
+clusters, grid orders, epilogue widths, the deepest pipeline that fits) and written into
+``--out``, by default the cache shipped with the library,
+``pallas_kernels/tuned/gemm_configs.json``. Every candidate's time and every skipped
+candidate's reason is printed; the table printed last has the winner against the
+heuristic default for each problem.
 ``--challenge-tile-m 192`` times each problem's current config against the search's
 192-row candidates only, and keeps the current one unless another is more than 1%
 faster (a new tile height, without a whole search). ``--challenge-variant

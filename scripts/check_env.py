@@ -81,10 +81,9 @@ def main(argv=None) -> int:
       errors.append(f"pyproject.toml has no extra {extra!r}")
       continue
     for req in project["optional-dependencies"][extra]:
-      why = problem_with(req)
-      name = canonicalize_name(Requirement(req).name)
-      if why is None:
+      if (why := problem_with(req)) is None:
         continue
+      name = canonicalize_name(Requirement(req).name)
       if extra == "cuda" or name in NEEDED_FROM_EXTRAS:
         errors.append(why)
       elif installed_version(name) is None:

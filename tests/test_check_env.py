@@ -56,7 +56,8 @@ def test_requirements_read():
   assert check_env.problem_with("jax[cuda13]>=0.1") is None  # extras are not checked here
   assert check_env.problem_with("jax==0.0.1") == (
       f"jax {jax.__version__} is installed, jax==0.0.1 is pinned")
-  assert check_env.problem_with("jax>=99") == f"jax {jax.__version__} is installed, jax>=99 is needed"
+  assert check_env.problem_with("jax>=99") == (
+      f"jax {jax.__version__} is installed, jax>=99 is needed")
   assert "is not installed" in check_env.problem_with("surely-not-a-package-xyz")
   assert check_env.problem_with("jax<99") is None
   with pytest.raises(ValueError, match="jax<<<0.12"):  # packaging's InvalidRequirement
