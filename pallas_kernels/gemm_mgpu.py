@@ -276,6 +276,45 @@ def epilogue_bytes_per_element(input_kinds: dict, input_dtypes: dict,
                      if o.kind == epi.OutputKind.TILE)
 
 
+# The heuristic's tall ping-pong tiles (``_tall_tiles_pay``): 192 x 128 warpgroup tiles
+# for GEMMs with a light epilogue and K up to TALL_TILE_MAX_K (0 turns them off), when
+# at least TALL_TILE_MIN_STAGES pipeline stages of 64 fit, the output has at least
+# TALL_TILE_MIN_OUTPUT elements, the rows the last row of tiles wastes (M clipped) are
+# at most TALL_TILE_MAX_WASTE of M, and column partials carried down the tile take at
+# most TALL_TILE_MAX_CARRIED_REGISTERS a thread.
+TALL_TILE_M = 192
+TALL_TILE_MAX_K = 2048
+TALL_TILE_MIN_STAGES = 4
+TALL_TILE_MIN_OUTPUT = 1 << 25
+TALL_TILE_MAX_WASTE = 1 / 32
+TALL_TILE_MAX_CARRIED_REGISTERS = 16
+
+
+def _tall_tiles_pay(m: int, n: int, k: int, trans_a: bool, clip_m: bool, outputs) -> bool:
+  """Whether the heuristic tries 192 x 128 ping-pong tiles before the cooperative ones.
+
+  From every tuning log that timed both (bench/results/*/tune*.log; bench/NOTES.md,
+  thirty-ninth session), against the cooperative config the heuristic chose otherwise:
+  with 4 or more stages, A stored (M, K), K <= 2048 and an output of at least 2^25
+  elements, 0.946x the time in geometric mean over 22 problems, 0.89x to 0.997x, on the
+  H100 (11) and the H200 (11). At K = 4096 they ran 0.89x to 1.11x (0.992x in geometric
+  mean over 10), with 3 stages 1.06x to 1.87x, as weight gradients (A stored (K, M))
+  1.08x, and where the heuristic already picks 128 x 128 ping-pong (a heavy epilogue)
+  level. Column partials carried down a 192-row tile take registers that its 192
+  accumulators a thread leave 40 of: ``default_config`` allows at most
+  TALL_TILE_MAX_CARRIED_REGISTERS of them (one 32-wide partial: GPT-2's GELU backward,
+  16384 x 8192 x 2048, ran 0.892x on the H200). B's column sums have no measurement
+  and are left out."""
+  if trans_a or k > TALL_TILE_MAX_K or m * n < TALL_TILE_MIN_OUTPUT:
+    return False
+  if any(o.kind == epi.OutputKind.B_COLUMN_SUM for o in outputs):
+    return False
+  if m % TALL_TILE_M == 0:
+    return True
+  padded = -(-m // TALL_TILE_M) * TALL_TILE_M
+  return clip_m and (padded - m) <= TALL_TILE_MAX_WASTE * m
+
+
 def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=None,
                    input_dtypes=None, outputs=(), min_epi_tile_n: int = 1,
                    trans_a: bool = False, trans_b: bool = False,
@@ -286,7 +325,9 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
   warpgroups split M) in clusters of two along N that multicast A and N-minor order in
   bands of 16 were best or within 1% of best at every benchmark shape for the plain GEMM
   and light epilogues. Epilogues that move many bytes per element for their K (see
-  ``epilogue_bytes_per_element``) get the ping-pong schedule first. Programs with
+  ``epilogue_bytes_per_element``) get the ping-pong schedule first; large problems with
+  a light epilogue and K up to 2048 get tall 192 x 128 ping-pong tiles first where 4
+  stages fit (``_tall_tiles_pay``, measured on the H100 and H200). Programs with
   column partials carry them down the warpgroup tile (``epi_column_sums_per_tile``)
   where that takes few registers (``COLUMN_SUMS_PER_TILE_MAX_REGISTERS``). The tuning
   cache (``autotune``) overrides all of this where it has the problem.
@@ -325,6 +366,8 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
     # (measured on the H100: bench/NOTES.md, issue 10). Deep rings before wide
     # epilogue sub-tiles, as below.
     candidates.insert(0, (Schedule.PINGPONG, 128, 128, MatDim.M, MatDim.N))
+  elif _tall_tiles_pay(m, n, k, trans_a, clip_m, outputs):
+    candidates.insert(0, (Schedule.PINGPONG, TALL_TILE_M, 128, MatDim.M, MatDim.N))
   # (tile_k, stages), deepest K in flight first: with a large epilogue, 5 stages of 32
   # beat 2 of 64 by 10% (bench/NOTES.md, the SwiGLU backward GEMM).
   depths = [(64, 4), (64, 3), (32, 6), (32, 5), (32, 4), (64, 2), (32, 3), (16, 6), (16, 4),
@@ -335,6 +378,8 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
     stage_depths = depths
     if schedule == Schedule.PINGPONG:  # its stages hold half as much: more of them
       stage_depths = [(64, st) for st in (5, 4, 3)]
+    if tm == TALL_TILE_M:  # fewer than TALL_TILE_MIN_STAGES lost (_tall_tiles_pay)
+      stage_depths = [(64, st) for st in range(5, TALL_TILE_MIN_STAGES - 1, -1)]
     for tk, stages in stage_depths:
       probe = GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, wg_dim=wg, cluster_dim=cl,
                          epi_tile_n=min(64, tn), schedule=schedule)
@@ -351,6 +396,9 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
           continue
         for store_n in store_widths(en):
           cfg = dataclasses.replace(probe, epi_tile_n=en, stages=stages, epi_store_n=store_n)
+          if tm == TALL_TILE_M and (carried_column_registers(cfg, outputs)
+                                    > TALL_TILE_MAX_CARRIED_REGISTERS):
+            continue
           if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs) <= SMEM_LIMIT_BYTES:
             return _column_sums_per_tile_if_cheap(cfg, outputs)
   raise ValueError(f"no GEMM tiling divides (M, N, K)=({m}, {n}, {k}) with an epilogue "

@@ -1296,6 +1296,26 @@ MUTATIONS = [
         "    if total <= 2 * limit:\n      break\n",
         ("tests/test_kernel_cache.py", "-k", "bound or prune"),
         "a cache folder grows to twice its bound"),
+    # ---- the heuristic's tall ping-pong tiles (thirty-ninth session) ----------------------
+    Mutation(
+        "tall_tiles_waste_unchecked", "pallas_kernels/gemm_mgpu.py",
+        "  return clip_m and (padded - m) <= TALL_TILE_MAX_WASTE * m\n",
+        "  return clip_m\n",
+        ("tests/test_autotune.py", "-k", "heuristic_tall"),
+        "192-row tiles at any clipped M: a sixth of the last row of tiles' work wasted at "
+        "M = 1088"),
+    Mutation(
+        "tall_tiles_three_stages", "pallas_kernels/gemm_mgpu.py",
+        "range(5, TALL_TILE_MIN_STAGES - 1, -1)",
+        "range(5, TALL_TILE_MIN_STAGES - 2, -1)",
+        ("tests/test_autotune.py", "-k", "heuristic_tall"),
+        "the heuristic takes tall tiles with 3 stages (up to 1.9x slower)"),
+    Mutation(
+        "tall_tiles_carry_any_column_sums", "pallas_kernels/gemm_mgpu.py",
+        "> TALL_TILE_MAX_CARRIED_REGISTERS):",
+        "> 2 * TALL_TILE_MAX_CARRIED_REGISTERS):",
+        ("tests/test_autotune.py", "-k", "heuristic_tall"),
+        "two column partials carried down a 192-row tile: 32 of the 40 registers left"),
 ]
 
 

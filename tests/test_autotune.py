@@ -503,6 +503,63 @@ def test_heuristic_carries_column_sums_down_the_tile_where_cheap():
   assert gemm_mgpu.carried_column_registers(wide, (col,)) == 64
 
 
+@pytest.mark.parametrize("m,n,k,trans_a,clip_m,col_partials,tall", [
+    (16384, 2048, 2048, False, True, 0, True),     # clipped: 0.8% of a row wasted
+    (12288, 4096, 1024, False, False, 0, True),    # M a multiple of 192
+    (2048, 128256, 2048, False, True, 0, True),    # an LM head's logits
+    (16384, 2048, 2048, False, False, 0, False),   # 192 does not divide M, no clip
+    (16384, 2048, 4096, False, True, 0, False),    # K past TALL_TILE_MAX_K
+    (16384, 2048, 2048, True, True, 0, False),     # a weight gradient (A is (K, M))
+    (4096, 4096, 2048, False, True, 0, False),     # fewer outputs than 2^25
+    (1088, 32768, 2048, False, True, 0, False),    # 1152 rows for 1088: 5.9% waste
+    (16384, 2048, 2048, False, True, 1, True),     # one column partial: 16 registers
+    (16384, 2048, 2048, False, True, 2, False),    # two: 32 registers carried
+])
+def test_heuristic_tall_tiles(m, n, k, trans_a, clip_m, col_partials, tall):
+  """The heuristic picks 192 x 128 ping-pong tiles (4 or more stages) for large
+  problems with a light epilogue, K <= TALL_TILE_MAX_K and A stored (M, K), where 192
+  divides M or clipping wastes little of it, with at most one column partial carried
+  down the tile (``gemm_mgpu._tall_tiles_pay``); a heavy epilogue keeps 128 x 128
+  ping-pong, everything else the cooperative tiles."""
+  outs = (EpilogueOutput("out"),) + tuple(
+      EpilogueOutput(f"cs{i}", OutputKind.COL_PARTIAL, jnp.float32)
+      for i in range(col_partials))
+  cfg = gemm_mgpu.default_config(m, n, k, outputs=outs, trans_a=trans_a, clip_m=clip_m)
+  got = (cfg.schedule, cfg.tile_m) == (Schedule.PINGPONG, gemm_mgpu.TALL_TILE_M)
+  assert got == tall, cfg.describe()
+  if tall:
+    assert cfg.stages >= gemm_mgpu.TALL_TILE_MIN_STAGES and cfg.cluster_dim == MatDim.N
+    assert (gemm_mgpu.carried_column_registers(cfg, outs)
+            <= gemm_mgpu.TALL_TILE_MAX_CARRIED_REGISTERS)
+    assert cfg.epi_column_sums_per_tile == bool(col_partials), cfg.describe()
+  # a heavy epilogue (two tile operands, two tile outputs) keeps 128 x 128 ping-pong
+  kinds = {"x0": InputKind.TILE, "x1": InputKind.TILE}
+  dtypes = {"x0": jnp.float32, "x1": jnp.float32}
+  heavy = gemm_mgpu.default_config(m, n, k, input_kinds=kinds, input_dtypes=dtypes,
+                                   outputs=(EpilogueOutput("out"), EpilogueOutput("o2")),
+                                   trans_a=trans_a, clip_m=clip_m)
+  assert heavy.tile_m == 128, heavy.describe()
+
+
+def test_heuristic_tall_tiles_need_four_stages(monkeypatch):
+  """Where only 3 stages of 64 fit beside the epilogue's buffers (a bf16 tile operand
+  in 128-wide sub-tiles), the heuristic passes over the tall tiles: 3 stages ran up to
+  1.9x slower than cooperative tiles. TALL_TILE_MIN_STAGES is what decides."""
+  kinds, dtypes, outs = {"t": InputKind.TILE}, {"t": jnp.bfloat16}, (EpilogueOutput("out"),)
+
+  def heuristic():
+    return gemm_mgpu.default_config(16384, 4096, 2048, input_kinds=kinds,
+                                    input_dtypes=dtypes, outputs=outs, min_epi_tile_n=128,
+                                    clip_m=True)
+
+  assert gemm_mgpu.epilogue_bytes_per_element(kinds, dtypes, outs) * 2048 / 2048 <= 4
+  cfg = heuristic()
+  assert cfg.tile_m == 128 and cfg.schedule == Schedule.COOPERATIVE, cfg.describe()
+  monkeypatch.setattr(gemm_mgpu, "TALL_TILE_MIN_STAGES", 3)
+  relaxed = heuristic()
+  assert (relaxed.tile_m, relaxed.stages) == (192, 3), relaxed.describe()
+
+
 def test_shipped_entries_are_live():
   """Every shipped entry can serve: its config loads (and so checks itself), tiles its
   own problem (M clipped where the op allows it), is keyed by this jax's version (a

@@ -187,6 +187,40 @@ def test_tune_gemm_lists_a_workloads_gemms_without_a_gpu(monkeypatch, capsys):
     tune_gemm.main()
 
 
+def test_heuristic_ab_constants_and_output_totals():
+  """``bench.heuristic_ab``: knobs parse to gemm_mgpu's constants' types and are put
+  back; outputs whose partials differ in count between configs compare as totals (an
+  LSE's as the row's log-sum-exp); off the GPU it refuses to run."""
+  import numpy as np
+  from bench import heuristic_ab as H
+  from pallas_kernels import gemm_mgpu
+  knobs = H.parse_constants("TALL_TILE_MAX_K=0,TALL_TILE_MAX_WASTE=0.5")
+  assert knobs == {"TALL_TILE_MAX_K": 0, "TALL_TILE_MAX_WASTE": 0.5}
+  assert type(knobs["TALL_TILE_MAX_K"]) is int
+  with pytest.raises(SystemExit, match="CONST=VALUE"):
+    H.parse_constants("NO_SUCH_KNOB=1")
+  before = gemm_mgpu.TALL_TILE_MAX_K
+  with H.constants({"TALL_TILE_MAX_K": 0}):
+    assert gemm_mgpu.default_config(12288, 4096, 1024).tile_m == 128
+  assert gemm_mgpu.TALL_TILE_MAX_K == before
+  assert gemm_mgpu.default_config(12288, 4096, 1024).tile_m == 192
+  x = np.random.default_rng(0).normal(size=(64, 10)) * 5  # 64 columns, 10 rows
+
+  def partials(parts, scale=1.0):
+    xs = np.split(x * scale, parts, axis=0)
+    return {"lse_max": np.stack([p.max(0) for p in xs]),
+            "lse_sumexp": np.stack([np.exp(p - p.max(0)).sum(0) for p in xs]),
+            "c": np.stack([p.sum(0) for p in xs])}
+
+  assert H.max_rel_diff(partials(2), partials(4)) < 1e-12
+  assert H.max_rel_diff(partials(2, 1.01), partials(4)) > 1e-3
+  lse = H.totals(partials(4), whole=True)["lse_sumexp"]
+  want = np.log(np.exp(x - x.max(0)).sum(0)) + x.max(0)
+  np.testing.assert_allclose(lse, want, rtol=1e-12)
+  with pytest.raises(SystemExit, match="run it on the GPU host"):
+    H.main(["--base", "TALL_TILE_MAX_K=0"])
+
+
 def test_tune_gemm_lists_the_train_steps_gemms(monkeypatch, capsys):
   """The ``train-CONFIG:LAYERS:BATCH`` workload traces the main job's fused step (its
   weight gradients accumulated in fp32, which the block workloads do not trace), and

@@ -145,6 +145,20 @@ def test_tall_pingpong_tiles_clip_m(key, interpret, m):
   check_gemm(a, b, interpret, config=TALL["tall_cluster_n"], num_sms=2, clip_m=True)
 
 
+@pytest.mark.parametrize("m,clip_m", [(12288, False), (16000, True)])
+def test_default_tall_tiles(key, interpret, m, clip_m):
+  """The heuristic's own 192 x 128 ping-pong tiles (``gemm_mgpu._tall_tiles_pay``) at a
+  size it picks them for: M a multiple of 192, and M = 16000 clipped."""
+  if interpret is not None:
+    pytest.skip("the heuristic picks tall tiles for outputs of 2^25 elements and more, "
+                "hours in the interpreter; test_tall_pingpong_tiles runs them small")
+  n, k = 4096, 256
+  cfg = pk.default_config(m, n, k, clip_m=clip_m)
+  assert (cfg.schedule, cfg.tile_m) == (Schedule.PINGPONG, 192), cfg.describe()
+  a, b = gemm_inputs(key, m, n, k, jnp.bfloat16)
+  check_gemm(a, b, interpret, config=cfg, clip_m=clip_m)  # not a tuned nearby entry
+
+
 # ---- B's sums over K from the mainloop (OutputKind.B_COLUMN_SUM) ------------------------
 B_SUM_OUTPUTS = (pk.EpilogueOutput("out", dtype=jnp.bfloat16),
                  pk.EpilogueOutput("db", pk.OutputKind.B_COLUMN_SUM, jnp.float32))

@@ -482,6 +482,10 @@ PER_TILE_CONFIGS = {
     "pingpong": GemmConfig(tile_m=128, tile_n=64, tile_k=64, stages=2, epi_tile_n=32,
                            cluster_dim=None, schedule=Schedule.PINGPONG,
                            epi_column_sums_per_tile=True),
+    # the heuristic's tall tiles (gemm_mgpu._tall_tiles_pay): three rows of sub-tiles
+    "pingpong192": GemmConfig(tile_m=192, tile_n=64, tile_k=64, stages=2, epi_tile_n=32,
+                              cluster_dim=None, schedule=Schedule.PINGPONG,
+                              epi_column_sums_per_tile=True),
     # the warpgroups split M and take turns around each sum (column_sum_turns)
     "cooperative_wgM": GemmConfig(tile_m=128, tile_n=64, tile_k=64, stages=2,
                                   epi_tile_n=32, wg_dim=MatDim.M, cluster_dim=None,
@@ -499,11 +503,12 @@ def test_column_sums_per_tile_raw_partials(key, interpret, races_checked, config
   """The raw partials at the kernel's contract: one row per warpgroup tile, each the
   sum of that tile's rows, for a sum stored through ``store_column_sum`` (carried
   before the sum) and one through ``store`` (carried after), beside a tile output and a
-  tile operand; under the race detector when interpreted. M = 512: several tiles per
-  SM. Every true partial is nonzero, so an unwritten row shows."""
+  tile operand; under the race detector when interpreted. M = 512 (384 for 192-row
+  tiles): several tiles per SM. Every true partial is nonzero, so an unwritten row
+  shows."""
   cfg = PER_TILE_CONFIGS[config]
   assert "colT" in cfg.describe() and cfg.column_partial_rows == cfg.tile_m
-  m, n = 512, 128
+  m, n = 2 * cfg.tile_m if cfg.tile_m == 192 else 512, 128
   if k:
     a, b = gemm_inputs(key, m, n, k, jnp.bfloat16)
   else:  # a pass: unclustered cooperative configs only
