@@ -300,11 +300,15 @@ def _tall_tiles_pay(m: int, n: int, k: int, trans_a: bool, clip_m: bool, outputs
   H100 (11) and the H200 (11). At K = 4096 they ran 0.89x to 1.11x (0.992x in geometric
   mean over 10), with 3 stages 1.06x to 1.87x, as weight gradients (A stored (K, M))
   1.08x, and where the heuristic already picks 128 x 128 ping-pong (a heavy epilogue)
-  level. Column partials carried down a 192-row tile take registers that its 192
+  level. Checked on the H200 with ``bench.heuristic_ab``: 0.875x to 0.995x on the 20
+  problems of GPT-2's block and of the benchmark programs at untuned shapes where the
+  choice changed (bench/results/nvidia_h200/heuristic_tall_tiles_a239d26.md); at K =
+  3072 they would have run 0.88x to 0.98x there, which the H100 logs do not bear out
+  at K = 4096. Column partials carried down a 192-row tile take registers that its 192
   accumulators a thread leave 40 of: ``default_config`` allows at most
   TALL_TILE_MAX_CARRIED_REGISTERS of them (one 32-wide partial: GPT-2's GELU backward,
-  16384 x 8192 x 2048, ran 0.892x on the H200). B's column sums have no measurement
-  and are left out."""
+  16384 x 8192 x 2048, ran 0.86x to 0.90x in three runs on the H200). B's column sums
+  have no measurement and are left out."""
   if trans_a or k > TALL_TILE_MAX_K or m * n < TALL_TILE_MIN_OUTPUT:
     return False
   if any(o.kind == epi.OutputKind.B_COLUMN_SUM for o in outputs):
