@@ -3,16 +3,18 @@
 # the kernels run through Mosaic GPU's CPU interpreter; on an H100/H200 they run compiled.
 # Extra arguments go to pytest.
 #
-# Workers (pytest-xdist): a pytest process keeps about 1.3 cores busy (the interpreter's
-# warpgroups are Python threads), so the suite runs in CODA_JAX_TEST_WORKERS processes:
-# by default, without a GPU, as many as there are cores and 8 GB of available memory
-# each (the heaviest files peak near 6 GB), each test file kept in one worker (--dist
-# loadfile: a file's tests share the worker's compiled programs); with a GPU, as many as
-# there are cores and 8 GiB of GPU memory each, sharing it, the tests handed out a few at
-# a time (--dist load: compiling dominates there, and the kernels each worker lowers go
-# to one folder all of them read, tests/conftest.py). test_sharding.py's multi-device
-# subprocesses run once per run either way (its _check_once). `-n 0`, or an -n of your
-# own, overrides this.
+# Workers (pytest-xdist): the suite runs in CODA_JAX_TEST_WORKERS processes: by default,
+# without a GPU, one more than there are cores, at most one per 6 GB of available memory
+# (the heaviest files peak near 6 GB), each test file kept in one worker (--dist
+# loadfile: a file's tests share the worker's compiled programs). A worker keeps only
+# ~0.7 of a core busy on average (the interpreter's warpgroups are Python threads that
+# wait on each other and on XLA): on 2 cores and 23 GB, 3 workers ran the suite in
+# 45m34s against 57m45s for 2, at most 12 GB in use (bench/NOTES.md, thirty-ninth
+# session). With a GPU, as many as there are cores and 8 GiB of GPU memory each, sharing
+# it, the tests handed out a few at a time (--dist load: compiling dominates there, and
+# the kernels each worker lowers go to one folder all of them read, tests/conftest.py).
+# test_sharding.py's multi-device subprocesses run once per run either way (its
+# _check_once). `-n 0`, or an -n of your own, overrides this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=$(bash scripts/setup.sh)
@@ -46,8 +48,9 @@ if ! $workers_given; then
     dist=load
   else
     mem_gb=$(awk '/MemAvailable/ {print int($2 / 1048576)}' /proc/meminfo)
-    by_mem=$(( mem_gb / 8 > 1 ? mem_gb / 8 : 1 ))
-    workers=$(( cores < by_mem ? cores : by_mem ))
+    by_mem=$(( mem_gb / 6 > 1 ? mem_gb / 6 : 1 ))
+    by_cores=$(( cores + 1 ))
+    workers=$(( by_cores < by_mem ? by_cores : by_mem ))
   fi
   workers="${CODA_JAX_TEST_WORKERS:-$workers}"
   if [ "$workers" -gt 1 ]; then
