@@ -219,8 +219,7 @@ def main():
       result = row.get("error") or ("ran" if ms is None else f"{ms:.4f}")
       ratio = f"{row['vs_base']:.3f}" if "vs_base" in row else "-"
       variant = row["variant"] + (f" ({source})" if row["variant"] == "base" else "")
-      line = (f"| {where}: {program} | {k.m}x{k.n}x{k.k} | "
-              f"{'t' if k.trans_a else 'n'}{'t' if k.trans_b else 'n'} | {variant} | "
+      line = (f"| {where}: {program} | {k.m}x{k.n}x{k.k} | {k.order} | {variant} | "
               f"{row.get('config', '-')} | {result} | {ratio} | {power_cells(row)} |")
       print(line, flush=True)
       table.append(line)

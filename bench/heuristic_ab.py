@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from bench import common, tune_gemm
+from coda_jax import primitives
 from pallas_kernels import autotune
 from pallas_kernels import gemm_mgpu as g
 
@@ -62,18 +63,20 @@ def constants(values: dict):
 
 def totals(outputs: dict, whole: bool) -> dict:
   """Each output as float64; with ``whole``, partials per sub-tile (axis 0) as their
-  totals: sums, maxima, and a log-sum-exp's sum of exp(x - max) as the row's LSE."""
+  totals: sums, maxima, and a ``RowLogSumExp``'s sums of exp(x - max) as the row's LSE
+  (``primitives.finish_lse``, run in float64)."""
   res = {}
   for nm, v in outputs.items():
     v = np.asarray(v, np.float64)
+    lse_max = nm.removesuffix("_sumexp") + "_max"
     if not whole:
       res[nm] = v
     elif nm.endswith("_max"):
       res[nm] = v.max(axis=0)
-    elif nm.endswith("_sumexp") and nm[:-len("_sumexp")] + "_max" in outputs:
-      mx = np.asarray(outputs[nm[:-len("_sumexp")] + "_max"], np.float64)
-      top = mx.max(axis=0)
-      res[nm] = top + np.log((v * np.exp(mx - top)).sum(axis=0))
+    elif nm.endswith("_sumexp") and lse_max in outputs:
+      with jax.enable_x64(True):
+        res[nm] = np.asarray(primitives.finish_lse(
+            np.asarray(outputs[lse_max], np.float64), v))
     else:
       res[nm] = v.sum(axis=0)
   return res
@@ -116,8 +119,7 @@ def main(argv=None):
             "not run", flush=True)
       break
     k = problem.key
-    label = (f"{where} {k.m}x{k.n}x{k.k} {'t' if k.trans_a else 'n'}"
-             f"{'t' if k.trans_b else 'n'}{' clip' if problem.clip_m else ''}")
+    label = f"{where} {k.m}x{k.n}x{k.k} {k.order}{' clip' if problem.clip_m else ''}"
     configs = {}
     for name, values in settings.items():
       with constants(values):

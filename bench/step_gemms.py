@@ -54,7 +54,7 @@ def time_problem(problem: autotune.Problem, iterations: int) -> dict:
   plain = lambda a, b: plain_jit(a, b, {})
   xla = jax.jit(lambda a, b: xla_dot(a, b, key.trans_a, key.trans_b))
   row = dict(m=key.m, n=key.n, k=key.k,
-             order=("t" if key.trans_a else "n") + ("t" if key.trans_b else "n"),
+             order=key.order,
              program=problem.key.signature.split(";")[0], config=cfg.describe(),
              config_source=source, plain_config=plain_cfg.describe(),
              plain_config_source=plain_source)

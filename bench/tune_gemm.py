@@ -239,8 +239,7 @@ def main():
             "untuned (rerun to continue; tuned ones are kept)", flush=True)
       break
     k = problem.key
-    print(f"[{i + 1}/{len(problems)}] {where}: {k.m}x{k.n}x{k.k} "
-          f"{'t' if k.trans_a else 'n'}{'t' if k.trans_b else 'n'} "
+    print(f"[{i + 1}/{len(problems)}] {where}: {k.m}x{k.n}x{k.k} {k.order} "
           f"{k.signature[:120]}", flush=True)
     try:
       configs = None
@@ -272,8 +271,7 @@ def main():
   print("|---|---|---|---|---|---|---|")
   for where, k, rec in rows:
     d = rec["default_ms"]
-    print(f"| {where} | {k.m}x{k.n}x{k.k} | {'t' if k.trans_a else 'n'}"
-          f"{'t' if k.trans_b else 'n'} | {rec['describe']} | {rec['ms']:.4f} | "
+    print(f"| {where} | {k.m}x{k.n}x{k.k} | {k.order} | {rec['describe']} | {rec['ms']:.4f} | "
           f"{d if d is None else f'{d:.4f}'} | {'-' if d is None else f'{d / rec['ms']:.3f}'} |")
 
 

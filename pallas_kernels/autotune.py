@@ -77,11 +77,16 @@ class ProblemKey:
     return cls(device_kind, jax_version, m, n, k, order[0] == "t", order[1] == "t", dtype,
                sig)
 
+  @property
+  def order(self) -> str:
+    """The operands' storage orders as the key spells them: "nn", "nt", "tn" or "tt"
+    (A then B; "t" where the operand is stored transposed)."""
+    return ("t" if self.trans_a else "n") + ("t" if self.trans_b else "n")
+
   def text(self) -> str:
     """The cache's key for this problem."""
     return "|".join([self.device_kind, self.jax_version, f"{self.m}x{self.n}x{self.k}",
-                     ("t" if self.trans_a else "n") + ("t" if self.trans_b else "n"),
-                     self.dtype, self.signature])
+                     self.order, self.dtype, self.signature])
 
 
 def signature(program_id: str | None, input_kinds: dict, input_dtypes: dict,
@@ -418,8 +423,7 @@ def describe_workload(fn: Callable, *args) -> list[str]:
   out = []
   for p in rec.values():
     cfg, source = chosen_config(p)
-    order = ("t" if p.key.trans_a else "n") + ("t" if p.key.trans_b else "n")
-    out.append(f"{p.key.m}x{p.key.n}x{p.key.k} {order} {p.program_id or ''}"[:90]
+    out.append(f"{p.key.m}x{p.key.n}x{p.key.k} {p.key.order} {p.program_id or ''}"[:90]
                + f": {cfg.describe()} ({source})")
   return out
 
