@@ -43,7 +43,7 @@ def parse_constants(text: str) -> dict:
     name, sep, value = item.partition("=")
     if not sep or not hasattr(g, name):
       sys.exit(f"{item!r}: expected CONST=VALUE with CONST a pallas_kernels."
-                       "gemm_mgpu constant, e.g. TALL_TILE_MAX_K=0")
+               "gemm_mgpu constant, e.g. TALL_TILE_MAX_K=0")
     kind = type(getattr(g, name))
     out[name] = kind(float(value)) if kind is int else kind(value)
   return out
@@ -51,6 +51,7 @@ def parse_constants(text: str) -> dict:
 
 @contextlib.contextmanager
 def constants(values: dict):
+  """``gemm_mgpu``'s constants set to ``values`` inside, put back after."""
   old = {k: getattr(g, k) for k in values}
   for k, v in values.items():
     setattr(g, k, v)
