@@ -475,7 +475,9 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   ``gemm_mgpu.store_widths``) and the deepest pipeline that fits
   in shared memory, with tile operands staged 2 sub-tiles ahead or 1 (one slot frees
   shared memory for a deeper pipeline: the SwiGLU backward at 8B shapes gets 3 stages
-  of 64 instead of 5 of 32, 4.6% faster); ``extra`` adds bands of 8, tile_k 32 and
+  of 64 instead of 5 of 32, 4.6% faster), and each also with one staging slot per
+  output where that frees room for one more stage (``_deeper_with_one_output_slot``);
+  ``extra`` adds bands of 8, tile_k 32 and
   tile operands staged 4 sub-tiles ahead or all of them during the mainloop. A pass
   (K = 0) also tries sub-tiles as tall as its 128-row warpgroup tiles, and each config
   loading the next tile's operands under the current one
@@ -548,6 +550,10 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
           why = str(e)
       if best is not None:
         these = [best]
+        deeper = _deeper_with_one_output_slot(best, dtype, input_kinds, input_dtypes,
+                                              outputs, max_stages) if k else None
+        if deeper is not None:
+          these.append(deeper)
         if k == 0:  # a pass: also with the next tile's operands loaded under this one
           nxt = _prefetching_next_tile(best, dtype, input_kinds, input_dtypes, outputs)
           if nxt is not None:
@@ -559,6 +565,26 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
       else:
         skipped.append((name, why or "no stage count fits in shared memory"))
   return found, skipped
+
+
+def _deeper_with_one_output_slot(cfg, dtype, input_kinds, input_dtypes, outputs,
+                                 max_stages):
+  """``cfg`` with one staging slot per whole-stored output (``epi_out_slots=1``) and the
+  deepest pipeline that then fits, or None where that buys no stage. At the same depth
+  one slot ran within 1% of two (bench/NOTES.md, fifteenth session), so it is only worth
+  a candidate where the shared memory it frees buys a stage: the SwiGLU backward ran
+  0.905x and 0.934x (1B, Qwen3-1.7B) and the LM head's in-place fp32 weight gradient
+  0.94-0.96x on the H200 with the stage (fortieth session), while GPT-2's GELU backward
+  ran 1.017x and the 17 programs with no tile operand 0.97-1.04x, so the tuner times
+  both."""
+  if cfg.epi_out_slots == 1:
+    return None
+  try:
+    one = dataclasses.replace(cfg, epi_out_slots=1, stages=max_stages)
+  except ValueError:
+    return None
+  deeper = g.deepest_fitting(one, dtype, input_kinds, input_dtypes, outputs)
+  return deeper if deeper is not None and deeper.stages > cfg.stages else None
 
 
 def _prefetching_next_tile(cfg, dtype, input_kinds, input_dtypes, outputs):

@@ -94,7 +94,9 @@ class GemmConfig:
   # at a time. Sub-tile s writes slot s % epi_out_slots once the TMA store that last
   # read it (epi_out_slots groups back) is done, so more slots let more stores drain
   # behind the epilogue; as many as a warpgroup tile has sub-tiles never wait within a
-  # tile (on the H100 more than 2 never paid: bench/NOTES.md, fifteenth session).
+  # tile (on the H100 more than 2 never paid: bench/NOTES.md, fifteenth session). One
+  # slot pays only where the memory it frees buys a pipeline stage (the tuner tries
+  # that: autotune._deeper_with_one_output_slot; fortieth session).
   # Outputs stored in parts (epi_store_n) alternate their own two slots.
   epi_out_slots: int = 2
   # When the next load into a tile operand's slot is issued: True (default), as soon as

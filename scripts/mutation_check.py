@@ -1316,6 +1316,12 @@ MUTATIONS = [
         "> 2 * TALL_TILE_MAX_CARRIED_REGISTERS):",
         ("tests/test_autotune.py", "-k", "heuristic_tall"),
         "two column partials carried down a 192-row tile: 32 of the 40 registers left"),
+    Mutation(
+        "one_output_slot_at_any_depth", "pallas_kernels/autotune.py",
+        "deeper.stages > cfg.stages else None",
+        "deeper.stages >= cfg.stages else None",
+        ("tests/test_autotune.py", "-k", "one_output_slot"),
+        "one output slot offered where it buys no stage (level at best, fifteenth session)"),
 ]
 
 

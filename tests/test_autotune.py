@@ -292,6 +292,39 @@ def test_candidates_stage_tile_operands_one_or_two_ahead():
   assert {c.epi_operand_slots for c in found} == {2}
 
 
+def test_candidates_one_output_slot_where_it_buys_a_stage():
+  """Each candidate also comes with one staging slot per output (``epi_out_slots=1``)
+  exactly where the shared memory that frees buys a deeper pipeline: the SwiGLU
+  backward's program (a wide tile operand z, tile outputs y and dz, a row partial) gets
+  five stages of ping-pong 128 x 128 instead of four; a pass (no pipeline) and a
+  program whose outputs are all stored in parts (their slots are fixed) never do."""
+  kinds, dtypes = {"z": InputKind.WIDE_TILE}, {"z": jnp.bfloat16}
+  outs = (EpilogueOutput("y"), EpilogueOutput("zdz", OutputKind.ROW_PARTIAL, jnp.float32),
+          EpilogueOutput("dz", width=2))
+  found, _ = autotune.candidates(1024, 1024, 256, jnp.bfloat16, kinds, dtypes, outs,
+                                 trans_a=False, trans_b=True)
+  one = [c for c in found if c.epi_out_slots == 1]
+  assert one and {c.epi_out_slots for c in found} == {1, 2}
+  for c in one:
+    two = dataclasses.replace(c, epi_out_slots=2)
+    twin = [t for t in found if dataclasses.replace(t, stages=c.stages) == two]
+    assert len(twin) == 1 and twin[0].stages < c.stages, c.describe()
+    assert gemm_mgpu.smem_bytes(c, jnp.bfloat16, kinds, dtypes, outs) <= \
+        gemm_mgpu.SMEM_LIMIT_BYTES
+  described = {c.describe() for c in one}
+  assert "pingpong 128x128x64 s5 e64x32 clN N16 in1 out1" in described
+  assert "pingpong 128x128x64 s4 e64x32 clN N16 in1" in {c.describe() for c in found}
+  # a pass has no pipeline to deepen
+  found, _ = autotune.candidates(1024, 1024, 0, jnp.bfloat16, kinds, dtypes, outs,
+                                 trans_a=False, trans_b=False)
+  assert found and {c.epi_out_slots for c in found} == {2}
+  # 128-wide sub-tiles stored in 64-wide parts: epi_out_slots sizes nothing
+  found, _ = autotune.candidates(4096, 4096, 2048, jnp.bfloat16, {}, {},
+                                 (EpilogueOutput("u"), EpilogueOutput("qkv")),
+                                 trans_a=False, trans_b=False, min_epi_tile_n=128)
+  assert all(c.epi_out_slots == 2 for c in found if c.epi_store_n == 64)
+
+
 def _abstract_gemm(program_id=None, k=128, **kw):
   a = jax.ShapeDtypeStruct((256, k), jnp.bfloat16)
   b = jax.ShapeDtypeStruct((k, 512), jnp.bfloat16)
