@@ -25,6 +25,10 @@ call allows (bench/NOTES.md, twenty-second session). nvidia-smi is sampled every
 meanwhile (``common.PowerLog``), and the table gives each variant's mean SM clock, power
 and energy per call over its windows.
 
+``--deeper-only`` keeps the problems where some variant gets a deeper pipeline than the
+chosen config (``deepens``): one output slot, for example, pays only where the shared
+memory it frees buys a stage (bench/NOTES.md, fortieth session).
+
 ``--xla-dot`` adds a row per problem: the plain product at its shape and operand order
 through ``lax.dot_general`` (cuBLAS, nothing fused), the yardstick for our mainloop and
 for what an epilogue costs in time and, sustained, in energy.
@@ -103,6 +107,19 @@ def sustained_ms(calls: dict, seconds: float, *, sync=jax.block_until_ready,
     spent[name].append(common.back_to_back_ms(calls[name], seconds, sync=sync,
                                               clock=clock, power=power))
   return {name: common.mean_sustained(w) for name, w in spent.items()}
+
+
+def deepens(problem: autotune.Problem, overrides: dict) -> bool:
+  """Whether a variant (``overrides``: GemmConfig fields, stages lowered until it fits)
+  gives ``problem`` a deeper pipeline than its chosen config: ``--deeper-only``'s test,
+  e.g. for a variant that frees shared memory ('out1=epi_out_slots=1,stages=7')."""
+  base, _ = autotune.chosen_config(problem)
+  fields = {k: v for k, v in overrides.items() if k != "clip_m"}
+  try:
+    cfg = problem.deepest_fitting(dataclasses.replace(base, **fields))
+  except ValueError:  # the variant is not a valid config for this base
+    return False
+  return cfg is not None and cfg.stages > base.stages
 
 
 XLA_DOT = "xla dot"
@@ -187,6 +204,10 @@ def main():
   p.add_argument("--sustained-s", type=float, default=None,
                  help="time by wall clock over back-to-back calls for this many seconds "
                  "per window (two windows each, ABBA) instead of a short CUPTI run")
+  p.add_argument("--deeper-only", action="store_true",
+                 help="time only the problems where some variant runs a deeper pipeline "
+                 "than the chosen config (e.g. --variant 'out1=epi_out_slots=1,stages=7': "
+                 "where one output slot frees room for a stage)")
   args = p.parse_args()
   if args.sustained_s is not None and (args.sustained_s <= 0 or args.ncu):
     sys.exit(f"--sustained-s {args.sustained_s}: a positive number of seconds, "
@@ -196,6 +217,8 @@ def main():
     problems = [plain_problem(s) for s in args.plain]
   except ValueError as e:
     sys.exit(str(e))
+  if args.deeper_only and not variants:
+    sys.exit("--deeper-only: pass the --variant to compare depths with")
   if jax.devices()[0].platform != "gpu":
     sys.exit("compare_configs measures on the device: run it on the GPU host")
   if args.workloads:
@@ -203,6 +226,11 @@ def main():
         workloads=args.workloads, shapes=None, programs="all"))
     problems += [(where, pr) for k, (where, pr) in found.items()
                  if args.match is None or re.search(args.match, k)]
+  if args.deeper_only:
+    kept = [(w, pr) for w, pr in problems if any(deepens(pr, o) for _, o, _ in variants)]
+    print(f"--deeper-only: {len(kept)} of {len(problems)} problems get a deeper pipeline "
+          "from a variant", flush=True)
+    problems = kept
   print(common.provenance(), flush=True)
   print(f"timing: wall clock, back-to-back calls, two {args.sustained_s} s windows per "
         "variant (ABBA)" if args.sustained_s else

@@ -1322,6 +1322,12 @@ MUTATIONS = [
         "deeper.stages >= cfg.stages else None",
         ("tests/test_autotune.py", "-k", "one_output_slot"),
         "one output slot offered where it buys no stage (level at best, fifteenth session)"),
+    Mutation(
+        "deeper_only_counts_equal_depth", "bench/compare_configs.py",
+        "return cfg is not None and cfg.stages > base.stages",
+        "return cfg is not None and cfg.stages >= base.stages",
+        ("tests/test_bench_harness.py", "-k", "deeper_only"),
+        "--deeper-only times variants that run no deeper than the chosen config"),
 ]
 
 

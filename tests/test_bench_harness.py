@@ -301,6 +301,26 @@ def test_compare_configs_variants_and_plain_problems():
     cc.plain_problem("512x256:nn")
 
 
+def test_compare_configs_deeper_only(monkeypatch):
+  """``--deeper-only``'s test: a variant counts where, stages lowered until it fits, it
+  runs more stages than the chosen config; one slot per output does not, at the stages
+  the config has or where the deepest pipeline is already as deep as one slot allows."""
+  import dataclasses
+  from bench import compare_configs as cc
+  from pallas_kernels import GemmConfig, Schedule
+  _, problem = cc.plain_problem("4096x4096x2048:nt")
+  pp = GemmConfig(schedule=Schedule.PINGPONG, tile_n=128, epi_tile_n=32, stages=4)
+  chosen = [pp]
+  monkeypatch.setattr(autotune, "chosen_config", lambda pr: (chosen[0], "tuned"))
+  assert cc.deepens(problem, {"stages": 7})  # 4 of a possible 6
+  assert cc.deepens(problem, {"stages": 7, "clip_m": True})  # clip_m is the problem's
+  assert not cc.deepens(problem, {"epi_out_slots": 1})  # still 4
+  assert not cc.deepens(problem, {"epi_out_slots": 0})  # not a config: not deeper
+  deepest = problem.deepest_fitting(dataclasses.replace(pp, stages=7))
+  chosen[0] = deepest
+  assert deepest.stages == 6 and not cc.deepens(problem, {"epi_out_slots": 1, "stages": 7})
+
+
 def test_compare_configs_sustained_windows():
   """``--sustained-s``: each call sized from its first run, windows in the order given
   then reversed, each window's time per call averaged; a call's time is what the fake
