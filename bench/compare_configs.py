@@ -109,14 +109,22 @@ def sustained_ms(calls: dict, seconds: float, *, sync=jax.block_until_ready,
   return {name: common.mean_sustained(w) for name, w in spent.items()}
 
 
+def variant_config(problem: autotune.Problem, base, overrides: dict):
+  """(``base`` with a variant's ``overrides``, stages lowered until it fits, or None
+  where none fits; the ``clip_m`` to run it with: the variant's, else the problem's).
+  Raises ValueError where the fields make no valid config."""
+  fields = dict(overrides)
+  clip_m = fields.pop("clip_m", problem.clip_m)
+  return problem.deepest_fitting(dataclasses.replace(base, **fields)), clip_m
+
+
 def deepens(problem: autotune.Problem, overrides: dict) -> bool:
   """Whether a variant (``overrides``: GemmConfig fields, stages lowered until it fits)
   gives ``problem`` a deeper pipeline than its chosen config: ``--deeper-only``'s test,
   e.g. for a variant that frees shared memory ('out1=epi_out_slots=1,stages=7')."""
   base, _ = autotune.chosen_config(problem)
-  fields = {k: v for k, v in overrides.items() if k != "clip_m"}
   try:
-    cfg = problem.deepest_fitting(dataclasses.replace(base, **fields))
+    cfg, _ = variant_config(problem, base, overrides)
   except ValueError:  # the variant is not a valid config for this base
     return False
   return cfg is not None and cfg.stages > base.stages
@@ -145,9 +153,7 @@ def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
         only = None
         row["config"] = "lax.dot_general (cuBLAS), product only"
       else:
-        overrides = dict(overrides)
-        clip_m = overrides.pop("clip_m", problem.clip_m)
-        cfg = problem.deepest_fitting(dataclasses.replace(base, **overrides))
+        cfg, clip_m = variant_config(problem, base, overrides)
         if cfg is None:
           raise ValueError("no stage count fits in shared memory")
         fn, only = dataclasses.replace(problem, clip_m=clip_m).jitted(cfg, num_sms), "coda_gemm"

@@ -17,9 +17,10 @@ chip (``autotune.SAME_CHIP``: "tuned on NVIDIA H100 80GB HBM3"), or NOT TUNED (t
 heuristic). Each problem is then tuned (``autotune.tune``: both schedules, tiles,
 clusters, grid orders, epilogue widths, the deepest pipeline that fits) and written into
 ``--out``, by default the cache shipped with the library,
-``pallas_kernels/tuned/gemm_configs.json``. Every candidate's time and every skipped
-candidate's reason is printed; the table printed last has the winner against the
-heuristic default for each problem.
+``pallas_kernels/tuned/gemm_configs.json``, unless the caches already serve the winner
+from a nearby size or a same-chip sibling's entry (``already_served``). Every
+candidate's time and every skipped candidate's reason is printed; the table printed
+last has the winner against the heuristic default for each problem.
 ``--challenge-tile-m 192`` times each problem's current config against the search's
 192-row candidates only, and keeps the current one unless another is more than 1%
 faster (a new tile height, without a whole search). ``--challenge-variant
@@ -146,6 +147,17 @@ def variant_challenger(problem: autotune.Problem, overrides: dict):
   return [current, variant]
 
 
+def already_served(problem: autotune.Problem, config) -> str | None:
+  """Where the caches already serve ``config`` for ``problem`` from ("tuned", "tuned at
+  M=...", "tuned on <a same-chip kind>", ...), or None where they serve another config
+  or none. A search or challenge whose winner is already served from a nearby size or
+  a same-chip sibling's entry writes none: it would change nothing ``gemm`` runs (and
+  would shadow a later sibling or nearby entry). One served by the problem's own entry
+  is rewritten with the new timings."""
+  served, source = autotune.lookup_with_source(problem.key, problem.clip_m)
+  return source if served == config else None
+
+
 def find_problems(args) -> dict:
   """key text -> (where, problem) of every GEMM the ``--workloads`` trace."""
   from bench import gemm_epilogue as ge
@@ -260,12 +272,16 @@ def main():
     except Exception as e:  # noqa: BLE001  one problem failing does not stop the run
       print(f"  FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
-    rec.update(where=where, commit=prov["commit"],
-               measured=datetime.date.today().isoformat())
-    autotune.store(k, rec, args.out)
     rows.append((where, k, rec))
     print(f"  best {rec['describe']}: {rec['ms']:.4f} ms (default {rec['default_ms']}) "
           f"in {rec['search_s']} s", flush=True)
+    source = already_served(problem, autotune.config_from_dict(rec["config"]))
+    if source is not None and source != "tuned":
+      print(f"  already served ({source}): no entry written", flush=True)
+      continue
+    rec.update(where=where, commit=prov["commit"],
+               measured=datetime.date.today().isoformat())
+    autotune.store(k, rec, args.out)
   print(f"\nwritten to {args.out}\n")
   print("| where | M x N x K | order | best | ms | default ms | default/best |")
   print("|---|---|---|---|---|---|---|")

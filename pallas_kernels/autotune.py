@@ -577,13 +577,8 @@ def _deeper_with_one_output_slot(cfg, dtype, input_kinds, input_dtypes, outputs,
   0.94-0.96x on the H200 with the stage (fortieth session), while GPT-2's GELU backward
   ran 1.017x and the 17 programs with no tile operand 0.97-1.04x, so the tuner times
   both."""
-  if cfg.epi_out_slots == 1:
-    return None
-  try:
-    one = dataclasses.replace(cfg, epi_out_slots=1, stages=max_stages)
-  except ValueError:
-    return None
-  deeper = g.deepest_fitting(one, dtype, input_kinds, input_dtypes, outputs)
+  deeper = g.deepest_fitting(dataclasses.replace(cfg, epi_out_slots=1, stages=max_stages),
+                             dtype, input_kinds, input_dtypes, outputs)
   return deeper if deeper is not None and deeper.stages > cfg.stages else None
 
 

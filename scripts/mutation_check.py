@@ -1328,6 +1328,12 @@ MUTATIONS = [
         "return cfg is not None and cfg.stages >= base.stages",
         ("tests/test_bench_harness.py", "-k", "deeper_only"),
         "--deeper-only times variants that run no deeper than the chosen config"),
+    Mutation(
+        "tune_gemm_served_any_config", "bench/tune_gemm.py",
+        "return source if served == config else None",
+        "return source",
+        ("tests/test_bench_harness.py", "-k", "already_served"),
+        "a winner the caches do not serve is taken as served and never written"),
 ]
 
 

@@ -494,6 +494,23 @@ def test_tune_gemm_variant_challenger(monkeypatch):
       tune_gemm.main()
 
 
+def test_tune_gemm_already_served(monkeypatch):
+  """A tuned winner that the caches already serve for the problem (here a same-chip
+  sibling's entry) is named with its source, so tune_gemm writes no entry repeating
+  it; another config, or nothing served, gives None."""
+  import dataclasses
+  from bench import tune_gemm
+  problem = autotune.plain_problem(768, 512, 256, trans_b=True)
+  cfg = problem.default_config()
+  other = dataclasses.replace(cfg, epi_tile_n=16)
+  served = [(cfg, "tuned on NVIDIA H100 80GB HBM3")]
+  monkeypatch.setattr(autotune, "lookup_with_source", lambda key, clip_m=False: served[0])
+  assert tune_gemm.already_served(problem, cfg) == "tuned on NVIDIA H100 80GB HBM3"
+  assert tune_gemm.already_served(problem, other) is None
+  served[0] = (None, None)
+  assert tune_gemm.already_served(problem, cfg) is None
+
+
 def test_ncu_source_summary(tmp_path):
   """bench.ncu_source: samples per opcode with the guard predicate stripped, shares of
   the total, and the top instruction with its main stall reason (a CSV laid out as
