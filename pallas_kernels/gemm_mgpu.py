@@ -97,7 +97,8 @@ class GemmConfig:
   # tile (on the H100 more than 2 never paid: bench/NOTES.md, fifteenth session). One
   # slot pays only where the memory it frees buys a pipeline stage (the tuner tries
   # that: autotune._deeper_with_one_output_slot; fortieth session).
-  # Outputs stored in parts (epi_store_n) alternate their own two slots.
+  # Outputs stored in parts (epi_store_n) share one ring of two slots per dtype and
+  # part shape (_part_rings; forty-first session).
   epi_out_slots: int = 2
   # When the next load into a tile operand's slot is issued: True (default), as soon as
   # every warp has read the sub-tile's operands into registers (one more warpgroup
@@ -651,9 +652,35 @@ def _vec_slots(cfg) -> int:
   return 2 if cfg.epi_prefetch_next_tile else 1
 
 
-# Staging slots of an output stored in parts (``GemmConfig.epi_store_n``): its parts
-# alternate between two, an even part count apart (``_Epilogue._store_in_parts``).
+# Staging slots of the ring that outputs stored in parts (``GemmConfig.epi_store_n``)
+# take turns through: their parts alternate between two (``_Epilogue._store_in_parts``).
 _PART_SLOTS = 2
+
+
+def _part_rings(cfg: GemmConfig, outputs) -> dict[str, tuple]:
+  """Output name -> the key of the staging ring its parts go through, for each output
+  stored in parts (``GemmConfig.epi_store_n``); the key is the parts' (dtype, shape).
+
+  Outputs whose parts have one dtype and shape share one ring of ``_PART_SLOTS``
+  slots per warpgroup. That is safe because every part store is its own store group
+  and every output has an even number of parts: part h of any output takes slot
+  h % 2, which the store two groups back took, whichever output that was, and the
+  store waits until at most one group is in flight. Qwen3's QKV projection (two bf16
+  outputs in 64-wide halves) frees 16 KiB a warpgroup this way: one pipeline stage.
+  """
+  em = cfg.epi_tile_m
+  rings = {}
+  for o in outputs:
+    width = _stored_width(cfg, o)
+    if o.kind == epi.OutputKind.TILE and width != cfg.epi_tile_n:
+      rings[o.name] = (jnp.dtype(o.dtype).name, tuple(o.subtile_shape(em, width)))
+  return rings
+
+
+def _ring_scratch_name(key: tuple) -> str:
+  """The scratch name of the part ring with this (dtype, shape) key."""
+  dtype, shape = key
+  return "parts_" + dtype + "_" + "x".join(map(str, shape))
 
 # Columns of the ones operand that B's tiles are multiplied with for a b_column_sum output:
 # wgmma's narrowest N. The kernel gets the ones as an extra operand under this name.
@@ -695,6 +722,7 @@ class _Epilogue:
     # inside ``tile.store``.
     self.whole = [o for o in outputs if _stored_width(cfg, o) == cfg.epi_tile_n
                   and o.kind not in (epi.OutputKind.B_COLUMN_SUM, epi.OutputKind.ROW_TOTAL)]
+    self.rings = _part_rings(cfg, outputs)
     # Row totals (row_total outputs): the first pass's partials, carried across the
     # tile's columns by (name, row of sub-tiles); the tiles across N per row block; the
     # semaphore per row block; the totals read back, by (name, row of sub-tiles).
@@ -728,6 +756,7 @@ class _Epilogue:
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     out = {}
     totals = [o for o in outputs if o.kind == epi.OutputKind.ROW_TOTAL]
+    rings = _part_rings(cfg, outputs)
     for o in totals:
       # This tile's partials, staged for their TMA store: one buffer per warpgroup (the
       # exchange's publish runs outside the ping-pong turn). The row block's, loaded
@@ -756,14 +785,19 @@ class _Epilogue:
                                    transforms=_swizzle_transforms(cfg.tile_k, operand_dtype))
         out["b_ones_bar"] = plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WARPGROUPS)
         continue
-      # [warpgroup, slot, *sub-tile (or the part of it one store takes)]
+      # [warpgroup, slot, *sub-tile]; outputs stored in parts: one ring per dtype and
+      # part shape, [warpgroup, slot, *part] (``_part_rings``)
+      ring = rings.get(o.name)
+      if ring is not None and _ring_scratch_name(ring) in out:
+        continue
       width = _stored_width(cfg, o)
       shape = o.subtile_shape(em, width)
-      slots = cfg.epi_out_slots if width == en else _PART_SLOTS
+      slots = cfg.epi_out_slots if ring is None else _PART_SLOTS
       # 2-D tiles are TMA-stored through swizzled SMEM; 1-D partials need no swizzle.
       transforms = _swizzle_transforms(shape[-1], o.dtype) if len(shape) == 2 else ()
-      out["o_" + o.name] = plgpu.SMEM((_COMPUTE_WARPGROUPS, slots, *shape), o.dtype,
-                                      transforms=transforms)
+      name = "o_" + o.name if ring is None else _ring_scratch_name(ring)
+      out[name] = plgpu.SMEM((_COMPUTE_WARPGROUPS, slots, *shape), o.dtype,
+                             transforms=transforms)
     tiles = [nm for nm, kd in input_kinds.items() if kd in _TILE_KINDS]
     vecs = [nm for nm, kd in input_kinds.items() if kd not in _TILE_KINDS]
     for nm in tiles:
@@ -1065,14 +1099,17 @@ class _Epilogue:
 
   def _store_in_parts(self, o, value, r0, c0):
     """Stores one tile output's sub-tile value in ``store_parts`` TMA stores, each from
-    its own staging slot, alternating between the two. Every store is its own group, so
-    waiting until at most one is in flight frees the slot this one takes: its last
-    store is at least two groups back (the part count is even)."""
+    a slot of the ring it shares with the other outputs whose parts have its dtype and
+    shape (``_part_rings``), alternating between the two. Every store is its own group,
+    so waiting until at most one is in flight frees the slot this one takes: its last
+    store, of this output or another, is at least two groups back (every output's part
+    count is even, so each starts at slot 0)."""
     parts = self.cfg.store_parts
     width = value.shape[1] // parts
+    ring = self.smem[_ring_scratch_name(self.rings[o.name])]
     for h in range(parts):
       plgpu.wait_smem_to_gmem(_PART_SLOTS - 1, wait_read_only=True)
-      buf = self.smem["o_" + o.name].at[self.wg, h % _PART_SLOTS]
+      buf = ring.at[self.wg, h % _PART_SLOTS]
       buf[...] = value[:, h * width:(h + 1) * width]
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(buf, self._window(o, r0, c0, part=h),

@@ -286,10 +286,24 @@ MUTATIONS = [
             "sub-tile's load waits for the previous sub-tile's read)"),
     Mutation(
         "split_store_reuses_one_slot", "pallas_kernels/gemm_mgpu.py",
-        "      buf = self.smem[\"o_\" + o.name].at[self.wg, h % _PART_SLOTS]\n",
-        "      buf = self.smem[\"o_\" + o.name].at[self.wg, 0]\n",
+        "      buf = ring.at[self.wg, h % _PART_SLOTS]\n",
+        "      buf = ring.at[self.wg, 0]\n",
         ("tests/test_primitives.py", "-k", "stores_in_parts"),
         why="a part staged in the slot the previous part's store may still be reading"),
+    Mutation(
+        "part_ring_outputs_start_apart", "pallas_kernels/gemm_mgpu.py",
+        "      buf = ring.at[self.wg, h % _PART_SLOTS]\n",
+        "      buf = ring.at[self.wg, (h + list(self.rings).index(o.name)) % _PART_SLOTS]\n",
+        ("tests/test_primitives.py", "-k", "stores_in_parts"),
+        why="outputs sharing a ring each start at slot 0: a second output starting at "
+            "slot 1 takes the slot the previous store, still in flight, reads"),
+    Mutation(
+        "part_rings_one_per_output", "pallas_kernels/gemm_mgpu.py",
+        "      rings[o.name] = (jnp.dtype(o.dtype).name, tuple(o.subtile_shape(em, width)))\n",
+        "      rings[o.name] = (o.name, tuple(o.subtile_shape(em, width)))\n",
+        ("tests/test_autotune.py", "-k", "share_one_ring"),
+        why="outputs whose parts have one dtype and shape share a ring: two slots each "
+            "cost Qwen3's QKV projection a pipeline stage"),
     Mutation(
         "split_store_waits_too_little", "pallas_kernels/gemm_mgpu.py",
         "      plgpu.wait_smem_to_gmem(_PART_SLOTS - 1, wait_read_only=True)\n      buf =",

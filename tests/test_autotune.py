@@ -453,6 +453,36 @@ def test_deepest_fitting_lowers_stages_until_the_config_fits():
                                    {}, {}, wide) is None
 
 
+def test_parts_of_one_dtype_and_shape_share_one_ring():
+  """Outputs stored in parts (epi_store_n) stage them through one ring of two slots per
+  warpgroup for each part dtype and shape, not two slots each. Qwen3's QKV projection
+  (u and qkv, bf16, 128-wide sub-tiles stored in 64-wide halves) frees 16 KiB a
+  warpgroup: its ping-pong 128x128 tiles get 5 stages instead of 4."""
+  kinds = {"r": InputKind.ROW, "pos": InputKind.ROW, "freqs": InputKind.COL,
+           "qk_w": InputKind.COL, "qk_sel": InputKind.COL}
+  dtypes = {"r": jnp.float32, "pos": jnp.int32, "freqs": jnp.float32,
+            "qk_w": jnp.float32, "qk_sel": jnp.float32}
+  two = (EpilogueOutput("u"), EpilogueOutput("qkv"))
+  cfg = GemmConfig(tile_m=128, tile_n=128, tile_k=64, stages=7, epi_tile_n=128,
+                   epi_store_n=64, cluster_dim=None, schedule=Schedule.PINGPONG)
+  scratch = gemm_mgpu._Epilogue.scratch(cfg, kinds, dtypes, two)
+  rings = [nm for nm in scratch if nm.startswith("parts_")]
+  assert len(rings) == 1 and not any(nm.startswith("o_") for nm in scratch), scratch
+  assert scratch[rings[0]].shape == (2, 2, 64, 64)
+  one = gemm_mgpu.smem_bytes(cfg, jnp.bfloat16, kinds, dtypes, two[:1])
+  assert gemm_mgpu.smem_bytes(cfg, jnp.bfloat16, kinds, dtypes, two) == one
+  assert gemm_mgpu.deepest_fitting(cfg, jnp.bfloat16, kinds, dtypes, two).stages == 5
+  # a part of another dtype (or shape) gets a ring of its own; whole outputs keep theirs
+  mixed = two + (EpilogueOutput("f", dtype=jnp.float32),
+                 EpilogueOutput("s", OutputKind.ROW_PARTIAL, jnp.float32))
+  scratch = gemm_mgpu._Epilogue.scratch(cfg, kinds, dtypes, mixed)
+  assert sorted(nm for nm in scratch if nm.startswith(("parts_", "o_"))) == [
+      "o_s", "parts_bfloat16_64x64", "parts_float32_64x64"]
+  whole = dataclasses.replace(cfg, epi_store_n=None)
+  assert {nm for nm in gemm_mgpu._Epilogue.scratch(whole, kinds, dtypes, two)
+          if nm.startswith(("parts_", "o_"))} == {"o_u", "o_qkv"}
+
+
 def test_no_product_configs():
   """K = 0 (an epilogue pass): the heuristic and the search offer only unclustered
   cooperative configs, sized without a pipeline ring. The QK-norm backward's buffers

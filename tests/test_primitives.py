@@ -296,7 +296,8 @@ def test_race_free(key, race_detector, name, schedule):
 
 SPLIT_STORE_PROGRAMS = {
     # 128-wide RoPE heads (one sub-tile each) with tile outputs stored in halves, beside
-    # a tile operand and row and column partials, which stay whole
+    # a tile operand and row and column partials, which stay whole; the two bf16 tile
+    # outputs (x1, q) take turns through one ring of staging slots
     "mixed": [cj.AddTile("x0"), cj.Store("x1"), cj.RowSum("ss", square=True), cj.ColSum("c"),
               cj.ScaleRow("r"), cj.Rotate("pos", "fr64", P64), cj.Store("q")],
     # a gated pair halves the output: 64-wide sub-tiles stored in 32-wide parts
