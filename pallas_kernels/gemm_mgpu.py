@@ -666,7 +666,9 @@ def _part_rings(cfg: GemmConfig, outputs) -> dict[str, tuple]:
   and every output has an even number of parts: part h of any output takes slot
   h % 2, which the store two groups back took, whichever output that was, and the
   store waits until at most one group is in flight. Qwen3's QKV projection (two bf16
-  outputs in 64-wide halves) frees 16 KiB a warpgroup this way: one pipeline stage.
+  outputs in 64-wide halves) frees 16 KiB a warpgroup this way, which fits 192x128
+  ping-pong tiles at 4 stages: 0.369 ms against 0.384 at 128x128 on the H200, whose 5th
+  stage did not pay (bench/NOTES.md, forty-first session).
   """
   em = cfg.epi_tile_m
   rings = {}
