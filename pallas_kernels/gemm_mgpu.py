@@ -657,9 +657,10 @@ def _vec_slots(cfg) -> int:
 _PART_SLOTS = 2
 
 
-def _part_rings(cfg: GemmConfig, outputs) -> dict[str, tuple]:
-  """Output name -> the key of the staging ring its parts go through, for each output
-  stored in parts (``GemmConfig.epi_store_n``); the key is the parts' (dtype, shape).
+def _part_rings(cfg: GemmConfig, outputs) -> dict[str, str]:
+  """Output name -> the scratch name of the staging ring its parts go through, for each
+  output stored in parts (``GemmConfig.epi_store_n``): one ring per parts' dtype and
+  shape, ``parts_<dtype>_<rows>x<columns>``.
 
   Outputs whose parts have one dtype and shape share one ring of ``_PART_SLOTS``
   slots per warpgroup. That is safe because every part store is its own store group
@@ -670,19 +671,14 @@ def _part_rings(cfg: GemmConfig, outputs) -> dict[str, tuple]:
   ping-pong tiles at 4 stages: 0.369 ms against 0.384 at 128x128 on the H200, whose 5th
   stage did not pay (bench/NOTES.md, forty-first session).
   """
-  em = cfg.epi_tile_m
   rings = {}
   for o in outputs:
     width = _stored_width(cfg, o)
-    if o.kind == epi.OutputKind.TILE and width != cfg.epi_tile_n:
-      rings[o.name] = (jnp.dtype(o.dtype).name, tuple(o.subtile_shape(em, width)))
+    if width != cfg.epi_tile_n:
+      shape = o.subtile_shape(cfg.epi_tile_m, width)
+      rings[o.name] = f"parts_{jnp.dtype(o.dtype).name}_{'x'.join(map(str, shape))}"
   return rings
 
-
-def _ring_scratch_name(key: tuple) -> str:
-  """The scratch name of the part ring with this (dtype, shape) key."""
-  dtype, shape = key
-  return "parts_" + dtype + "_" + "x".join(map(str, shape))
 
 # Columns of the ones operand that B's tiles are multiplied with for a b_column_sum output:
 # wgmma's narrowest N. The kernel gets the ones as an extra operand under this name.
@@ -721,10 +717,10 @@ class _Epilogue:
     self.vec_slot = 0
     # Outputs staged whole, one sub-tile per slot and one store group per sub-tile; the
     # rest (tile outputs, when the config splits stores) are stored part by part from
-    # inside ``tile.store``.
-    self.whole = [o for o in outputs if _stored_width(cfg, o) == cfg.epi_tile_n
-                  and o.kind not in (epi.OutputKind.B_COLUMN_SUM, epi.OutputKind.ROW_TOTAL)]
+    # inside ``tile.store``, through their ring (``rings``: output name -> scratch name).
     self.rings = _part_rings(cfg, outputs)
+    self.whole = [o for o in outputs if o.name not in self.rings
+                  and o.kind not in (epi.OutputKind.B_COLUMN_SUM, epi.OutputKind.ROW_TOTAL)]
     # Row totals (row_total outputs): the first pass's partials, carried across the
     # tile's columns by (name, row of sub-tiles); the tiles across N per row block; the
     # semaphore per row block; the totals read back, by (name, row of sub-tiles).
@@ -789,15 +785,13 @@ class _Epilogue:
         continue
       # [warpgroup, slot, *sub-tile]; outputs stored in parts: one ring per dtype and
       # part shape, [warpgroup, slot, *part] (``_part_rings``)
-      ring = rings.get(o.name)
-      if ring is not None and _ring_scratch_name(ring) in out:
-        continue
-      width = _stored_width(cfg, o)
-      shape = o.subtile_shape(em, width)
-      slots = cfg.epi_out_slots if ring is None else _PART_SLOTS
+      name = rings.get(o.name, "o_" + o.name)
+      if name in out:
+        continue  # a ring that an earlier output's parts go through too
+      shape = o.subtile_shape(em, _stored_width(cfg, o))
+      slots = _PART_SLOTS if o.name in rings else cfg.epi_out_slots
       # 2-D tiles are TMA-stored through swizzled SMEM; 1-D partials need no swizzle.
       transforms = _swizzle_transforms(shape[-1], o.dtype) if len(shape) == 2 else ()
-      name = "o_" + o.name if ring is None else _ring_scratch_name(ring)
       out[name] = plgpu.SMEM((_COMPUTE_WARPGROUPS, slots, *shape), o.dtype,
                              transforms=transforms)
     tiles = [nm for nm, kd in input_kinds.items() if kd in _TILE_KINDS]
@@ -1108,7 +1102,7 @@ class _Epilogue:
     count is even, so each starts at slot 0)."""
     parts = self.cfg.store_parts
     width = value.shape[1] // parts
-    ring = self.smem[_ring_scratch_name(self.rings[o.name])]
+    ring = self.smem[self.rings[o.name]]
     for h in range(parts):
       plgpu.wait_smem_to_gmem(_PART_SLOTS - 1, wait_read_only=True)
       buf = ring.at[self.wg, h % _PART_SLOTS]

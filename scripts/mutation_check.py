@@ -299,8 +299,8 @@ MUTATIONS = [
             "slot 1 takes the slot the previous store, still in flight, reads"),
     Mutation(
         "part_rings_one_per_output", "pallas_kernels/gemm_mgpu.py",
-        "      rings[o.name] = (jnp.dtype(o.dtype).name, tuple(o.subtile_shape(em, width)))\n",
-        "      rings[o.name] = (o.name, tuple(o.subtile_shape(em, width)))\n",
+        "      rings[o.name] = f\"parts_{jnp.dtype(o.dtype).name}_{'x'.join(map(str, shape))}\"\n",
+        "      rings[o.name] = f\"parts_{o.name}_{'x'.join(map(str, shape))}\"\n",
         ("tests/test_autotune.py", "-k", "share_one_ring"),
         why="outputs whose parts have one dtype and shape share a ring: two slots each "
             "cost Qwen3's QKV projection a pipeline stage"),
