@@ -476,7 +476,9 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   in shared memory, with tile operands staged 2 sub-tiles ahead or 1 (one slot frees
   shared memory for a deeper pipeline: the SwiGLU backward at 8B shapes gets 3 stages
   of 64 instead of 5 of 32, 4.6% faster), and each also with one staging slot per
-  output where that frees room for one more stage (``_deeper_with_one_output_slot``);
+  output where that frees room for one more stage (``_deeper_with_one_output_slot``),
+  and 64-wide sub-tiles with their tile outputs stored in 32-wide halves where that does
+  (``_deeper_in_halves``);
   ``extra`` adds bands of 8, tile_k 32 and
   tile operands staged 4 sub-tiles ahead or all of them during the mainloop. A pass
   (K = 0) also tries sub-tiles as tall as its 128-row warpgroup tiles, and each config
@@ -554,6 +556,10 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
                                               outputs, max_stages) if k else None
         if deeper is not None:
           these.append(deeper)
+        halves = _deeper_in_halves(best, dtype, input_kinds, input_dtypes, outputs,
+                                   max_stages) if k else None
+        if halves is not None:
+          these.append(halves)
         if k == 0:  # a pass: also with the next tile's operands loaded under this one
           nxt = _prefetching_next_tile(best, dtype, input_kinds, input_dtypes, outputs)
           if nxt is not None:
@@ -580,6 +586,26 @@ def _deeper_with_one_output_slot(cfg, dtype, input_kinds, input_dtypes, outputs,
   deeper = g.deepest_fitting(dataclasses.replace(cfg, epi_out_slots=1, stages=max_stages),
                              dtype, input_kinds, input_dtypes, outputs)
   return deeper if deeper is not None and deeper.stages > cfg.stages else None
+
+
+def _deeper_in_halves(cfg, dtype, input_kinds, input_dtypes, outputs, max_stages):
+  """``cfg``'s 64-wide sub-tiles with their tile outputs stored in 32-wide halves
+  (``epi_store_n=32``) and the deepest pipeline that then fits, or None where that buys
+  no stage. Halves of one dtype share one staging ring (``gemm_mgpu._part_rings``), so a
+  program writing two tile outputs stages 2 halves instead of 2 x 2 whole sub-tiles.
+  ``gemm_mgpu.store_widths`` offers halves only for sub-tiles wider than 64 (a 128-wide
+  head); here they are a candidate where they deepen the pipeline. On the H200
+  (bench/NOTES.md, forty-second session) issue 13's QK-norm + RoPE at head_dim 64 ran
+  0.983x in ping-pong 128x128 tiles at 6 stages instead of 4 (16384 x 3072 x 2048), but
+  1.010-1.037x in cooperative tiles at 4 stages instead of 3 (five shapes), so the
+  tuner times both."""
+  if cfg.epi_store_n is not None or cfg.epi_tile_n != 64:
+    return None
+  halves = dataclasses.replace(cfg, epi_store_n=32, stages=max_stages)
+  deeper = g.deepest_fitting(halves, dtype, input_kinds, input_dtypes, outputs)
+  if deeper is None or deeper.stages <= cfg.stages:
+    return None  # halves at the same depth: the whole sub-tile's stores are fewer
+  return deeper
 
 
 def _prefetching_next_tile(cfg, dtype, input_kinds, input_dtypes, outputs):

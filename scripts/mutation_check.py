@@ -1348,6 +1348,26 @@ MUTATIONS = [
         "return source",
         ("tests/test_bench_harness.py", "-k", "already_served"),
         "a winner the caches do not serve is taken as served and never written"),
+    # ---- halves of 64-wide sub-tiles; long checks started early (forty-second session) --
+    Mutation(
+        "halves_where_no_stage_is_gained", "pallas_kernels/autotune.py",
+        "  if deeper is None or deeper.stages <= cfg.stages:\n",
+        "  if deeper is None:\n",
+        ("tests/test_autotune.py", "-k", "store_in_halves"),
+        "32-wide halves offered at the depth the whole sub-tiles have (more stores, no "
+        "stage gained)"),
+    Mutation(
+        "background_check_started_twice", "tests/background_checks.py",
+        "    if out.is_file() or started.is_file():\n      return False\n",
+        "",
+        ("tests/test_background_checks.py", "-k", "started_once"),
+        "every worker starts its own copy of a minutes-long check"),
+    Mutation(
+        "background_check_outlives_its_run", "tests/background_checks.py",
+        "      if not _alive(int(watch_pid)):",
+        "      if False:",
+        ("tests/test_background_checks.py", "-k", "ends_with_its_run"),
+        "after -x or Ctrl-C the check runs on, up to its 25-minute timeout"),
 ]
 
 

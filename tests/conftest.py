@@ -1,6 +1,7 @@
 """Shared fixtures: backend selection (compiled Mosaic GPU kernel on Hopper, the Mosaic GPU
 interpreter elsewhere), the interpreter's race detector, per-test random keys,
-jax.checkpoint over interpreted kernels, and interpreter-state cleanup."""
+jax.checkpoint over interpreted kernels, interpreter-state cleanup, and the long
+subprocess checks started at a process's first test (tests/background_checks.py)."""
 import os
 import sys
 import types
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+import background_checks  # noqa: E402  (tests/, this file's folder)
 import pallas_kernels  # noqa: E402
 
 _IMPLS = ("mosaic", "interpret")
@@ -104,6 +106,20 @@ def races_checked(kernel_impl, monkeypatch):
   if kernel_impl != "interpret":
     return types.SimpleNamespace(races_found=lambda: False)
   return _detect_races(monkeypatch)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _long_checks_started_early(request, tmp_path_factory):
+  """Starts, at this process's first test, the subprocess checks that some selected test
+  reads (``tests/background_checks.py``: ``sharded_check.py``'s runs, minutes each), so
+  that they run beside the rest of the suite instead of holding its end."""
+  needed = sorted({f for item in request.session.items
+                   for f in getattr(item, "fixturenames", ())
+                   if f in background_checks.SHARDED_CHECKS})
+  folder = background_checks.shared_folder(request.config, tmp_path_factory)
+  for fixture in needed:
+    background_checks.start(folder, *background_checks.sharded_check(fixture),
+                            watch_pid=background_checks.run_owner_pid(request.config))
 
 
 @pytest.fixture

@@ -262,10 +262,29 @@ def test_wide_column_groups_store_in_halves():
   cfg = gemm_mgpu.default_config(4096, 4096, 2048, jnp.bfloat16, input_kinds=kinds,
                                  input_dtypes=dtypes, outputs=outs, min_epi_tile_n=128)
   assert (cfg.tile_m, cfg.tile_n, cfg.epi_tile_n, cfg.epi_store_n) == (128, 128, 128, 64)
-  # narrower groups: nothing to split
+  # 64-wide groups (head_dim 64): 32-wide halves only where they buy a stage, the two
+  # outputs' halves sharing one ring of 2 x 64x32 instead of 2 x 2 x 64x64 whole ones
   found, _ = autotune.candidates(4096, 4096, 2048, jnp.bfloat16, kinds, dtypes, outs,
                                  trans_a=False, trans_b=False, min_epi_tile_n=64)
-  assert {c.epi_store_n for c in found} == {None}
+  halves = [c for c in found if c.epi_store_n is not None]
+  assert halves and all((c.epi_tile_n, c.epi_store_n) == (64, 32) for c in halves)
+  for c in halves:
+    twin = [t for t in found if t.epi_store_n is None
+            and dataclasses.replace(t, stages=c.stages, epi_store_n=32) == c]
+    assert len(twin) == 1 and twin[0].stages < c.stages, c.describe()
+    assert gemm_mgpu.smem_bytes(c, jnp.bfloat16, kinds, dtypes, outs) <= \
+        gemm_mgpu.SMEM_LIMIT_BYTES
+  described = {c.describe() for c in found}
+  assert {"pingpong 128x128x64 s4 e64x64 clN M16",
+          "pingpong 128x128x64 s6 e64x64/32 clN M16"} <= described
+  # a pass has no pipeline to deepen; a program with no tile output has nothing to halve
+  found, _ = autotune.candidates(4096, 4096, 0, jnp.bfloat16, kinds, dtypes, outs,
+                                 trans_a=False, trans_b=False, min_epi_tile_n=64)
+  assert found and {c.epi_store_n for c in found} == {None}
+  lse = (EpilogueOutput("lse", OutputKind.ROW_PARTIAL, jnp.float32),)
+  found, _ = autotune.candidates(4096, 4096, 2048, jnp.bfloat16, kinds, dtypes, lse,
+                                 trans_a=False, trans_b=False, min_epi_tile_n=64)
+  assert found and {c.epi_store_n for c in found} == {None}
 
 
 def test_candidates_stage_tile_operands_one_or_two_ahead():

@@ -190,7 +190,7 @@ def test_tune_gemm_lists_a_workloads_gemms_without_a_gpu(monkeypatch, capsys):
 def test_heuristic_ab_constants_and_output_totals():
   """``bench.heuristic_ab``: knobs parse to gemm_mgpu's constants' types and are put
   back; outputs whose partials differ in count between configs compare as totals (an
-  LSE's as the row's log-sum-exp); off the GPU it refuses to run."""
+  LSE's as the row's log-sum-exp)."""
   import numpy as np
   from bench import heuristic_ab as H
   from pallas_kernels import gemm_mgpu
@@ -217,6 +217,16 @@ def test_heuristic_ab_constants_and_output_totals():
   lse = H.totals(partials(4), whole=True)["lse_sumexp"]
   want = np.log(np.exp(x - x.max(0)).sum(0)) + x.max(0)
   np.testing.assert_allclose(lse, want, rtol=1e-12)
+
+
+def test_heuristic_ab_refuses_off_the_gpu():
+  """``bench.heuristic_ab`` off the GPU refuses to run, naming where to run it. On the GPU
+  host its ``main`` would run the whole A/B (minutes of kernels): there this case is
+  skipped, with the reason printed."""
+  from bench import heuristic_ab as H
+  if jax.devices()[0].platform == "gpu":
+    pytest.skip("this checks the refusal off the GPU; on the GPU host heuristic_ab's main "
+                "runs its whole A/B")
   with pytest.raises(SystemExit, match="run it on the GPU host"):
     H.main(["--base", "TALL_TILE_MAX_K=0"])
 

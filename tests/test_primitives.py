@@ -302,21 +302,28 @@ SPLIT_STORE_PROGRAMS = {
               cj.ScaleRow("r"), cj.Rotate("pos", "fr64", P64), cj.Store("q")],
     # a gated pair halves the output: 64-wide sub-tiles stored in 32-wide parts
     "silu64": PROGRAMS["silu64"],
+    # two bf16 tile outputs of 64-wide sub-tiles (a head_dim 64 QKV projection's u and
+    # qkv) in 32-wide halves through one ring (autotune._deeper_in_halves)
+    "two_outputs_in_32": [cj.ScaleRow("r"), cj.Store("x1"), cj.RowSum("ss", square=True),
+                          cj.Rotate("pos", "fr32", P32), cj.Store("q")],
 }
+# name -> (epi_tile_n, epi_store_n)
+SPLIT_STORE_WIDTHS = {"mixed": (128, 64), "silu64": (128, 64), "two_outputs_in_32": (64, 32)}
 
 
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
 @pytest.mark.parametrize("name", SPLIT_STORE_PROGRAMS)
 def test_stores_in_parts(key, kernel_impl, races_checked, name, schedule):
-  """``epi_store_n``: 128-wide epilogue sub-tiles whose tile outputs are staged and
-  stored in 64-wide halves, over several tiles per SM; under the race detector when
-  interpreted."""
+  """``epi_store_n``: epilogue sub-tiles whose tile outputs are staged and stored in
+  halves (128-wide in 64-wide ones, 64-wide in 32-wide ones), over several tiles per SM;
+  under the race detector when interpreted."""
   program = SPLIT_STORE_PROGRAMS[name]
   m, n = 512, 256
   a, b = gemm_inputs(key, m, n, K, jnp.bfloat16)
   ops = make_operands(jax.random.fold_in(key, 1), program, m, n, a.dtype)
-  config = GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=2, epi_tile_n=128,
-                      epi_store_n=64, cluster_dim=None, schedule=schedule)
+  epi_n, store_n = SPLIT_STORE_WIDTHS[name]
+  config = GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=2, epi_tile_n=epi_n,
+                      epi_store_n=store_n, cluster_dim=None, schedule=schedule)
   check_program(a, b, program, ops, kernel_impl, config=config)
   assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 

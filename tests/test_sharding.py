@@ -4,43 +4,30 @@ and tensor parallel), on explicit and auto mesh axes. The multi-device cases run
 fresh process with 4 fake CPU devices (tests/sharded_check.py): the device count is
 fixed when jax starts."""
 import dataclasses
-import fcntl
-import json
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import background_checks
 from coda_jax import sharding
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
-
-def _check_once(request, tmp_path_factory, name, args, timeout):
-  """Runs ``tests/sharded_check.py ARGS`` on 4 CPU devices once per pytest run, however
-  many pytest-xdist workers hold this file's tests (``scripts/test.sh`` hands a GPU
-  host's tests out a few at a time): the first worker to ask runs it under a lock in the
-  run's shared temporary folder and leaves its output there; the others wait and read it.
+def _check_once(request, tmp_path_factory, fixture):
+  """Runs the ``tests/sharded_check.py`` check behind ``fixture`` (``background_checks.
+  SHARDED_CHECKS``) once per pytest run, however many pytest-xdist workers hold this
+  file's tests (``scripts/test.sh`` hands a GPU host's tests out a few at a time): every
+  process starts it in the background at its first test (``tests/conftest.py``) unless
+  another has, and this waits for its output (or runs it, where nobody is).
 
   Returns:
     The subprocess's ``subprocess.CompletedProcess`` (its output as text).
   """
-  cmd = [sys.executable, os.path.join(HERE, "sharded_check.py"), *args]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  if not hasattr(request.config, "workerinput"):  # no workers: nothing to share
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-  path = tmp_path_factory.getbasetemp().parent / f"sharded_check_{name}.json"
-  with open(f"{path}.lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    if not path.is_file():
-      out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-      path.write_text(json.dumps([out.returncode, out.stdout, out.stderr]))
-    return subprocess.CompletedProcess(cmd, *json.loads(path.read_text()))
+  return background_checks.result(
+      background_checks.shared_folder(request.config, tmp_path_factory),
+      *background_checks.sharded_check(fixture))
 
 
 def test_rules_are_identity_outside_shard_map():
@@ -95,8 +82,7 @@ def sharded_results(request, tmp_path_factory):
   # CPU devices even on a GPU host: these check the rule through the XLA programs (the
   # kernels on 2 GPUs: `python tests/sharded_check.py mosaic shard_map jit auto`, with
   # `only=a,b` for the cases whose names hold those words).
-  out = _check_once(request, tmp_path_factory, "results",
-                    ["xla", "train", "shard_map", "jit", "auto", "errors"], timeout=1500)
+  out = _check_once(request, tmp_path_factory, "sharded_results")
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   cases = {}
   for m in re.finditer(r"CASE (\S+) (\S+) (\S+) all-gather=(\d+) all-reduce=(\d+) "
@@ -433,8 +419,7 @@ def row_terms_results(request, tmp_path_factory):
   all-reduces, largest all-reduced elements) of ``layernorm_ops.row_terms_sharded`` in
   XLA form (tests/sharded_check.py ``row_terms``; the kernel on 2 GPUs:
   ``python tests/sharded_check.py mosaic row_terms``)."""
-  out = _check_once(request, tmp_path_factory, "row_terms", ["xla", "row_terms"],
-                    timeout=600)
+  out = _check_once(request, tmp_path_factory, "row_terms_results")
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   found = {m.group(1, 2): (float(m.group(3)), *map(int, m.group(4, 5, 6)))
            for m in re.finditer(r"ROWTERMS (\S+) (\S+) diff=(\S+) all-gather=(\d+) "
