@@ -13,9 +13,9 @@
 # session). With a GPU, as many as there are cores and 8 GiB of GPU memory each, sharing
 # it, the tests handed out a few at a time (--dist load: compiling dominates there, and
 # the kernels each worker lowers go to one folder all of them read, tests/conftest.py).
-# test_sharding.py's multi-device subprocesses run once per run either way, started in
-# the background at the first test (tests/background_checks.py). `-n 0`, or an -n of
-# your own, overrides this.
+# test_sharding.py's multi-device subprocesses run once per run either way; with a GPU
+# they start in the background at the first test (tests/background_checks.py). `-n 0`,
+# or an -n of your own, overrides this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=$(bash scripts/setup.sh)

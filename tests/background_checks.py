@@ -7,11 +7,13 @@ run held every pytest-xdist worker that then picked up a sharding test: on a GPU
 where the tests are handed out a few at a time and ``test_sharding.py`` sorts near the
 end, the suite's last minutes were 16 workers waiting on one CPU process.
 
-So each process of the run, at its first test (``tests/conftest.py``), starts in the
-background every check that some selected test needs (``start``); the first to ask
-starts it, under a lock in the run's shared temporary folder, and the others see that it
-is started. A test that needs the output waits for it (``result``), or runs the check
-itself where nobody is running it (a runner that died, or a test run alone).
+So on a GPU host each process of the run, at its first test (``tests/conftest.py``),
+starts in the background every check that some selected test needs (``start``); the
+first to ask starts it, under a lock in the run's shared temporary folder, and the
+others see that it is started. A test that needs the output waits for it (``result``),
+or runs the check itself where nobody is running it (a runner that died, a test run
+alone, or a CPU machine, where the check is not started early: there it slowed the
+interpreted tests beside it more than it saved).
 
 The background runner is this file run as a script: it runs the check, writes its
 return code and output to a JSON file (atomically), and kills the check and writes

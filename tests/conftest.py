@@ -110,9 +110,16 @@ def races_checked(kernel_impl, monkeypatch):
 
 @pytest.fixture(scope="session", autouse=True)
 def _long_checks_started_early(request, tmp_path_factory):
-  """Starts, at this process's first test, the subprocess checks that some selected test
-  reads (``tests/background_checks.py``: ``sharded_check.py``'s runs, minutes each), so
-  that they run beside the rest of the suite instead of holding its end."""
+  """On a GPU host, starts at this process's first test the subprocess checks that some
+  selected test reads (``tests/background_checks.py``: ``sharded_check.py``'s runs,
+  minutes each), so that they run beside the rest of the suite instead of holding its
+  end. Where the kernels are interpreted (a CPU machine) the first test that reads one
+  runs it, as before: there the interpreter's warpgroup threads wait on each other, and
+  a fourth busy process on 2 cores left them idle longer. CI's suite ran 39m07s with the
+  checks started early against 34m49s without, the same CPU time (66 minutes) in both
+  (bench/NOTES.md, forty-second session)."""
+  if _kernel_impl() != "mosaic":
+    return
   needed = sorted({f for item in request.session.items
                    for f in getattr(item, "fixturenames", ())
                    if f in background_checks.SHARDED_CHECKS})
