@@ -18,9 +18,11 @@ from coda_jax import sharding
 def _check_once(request, tmp_path_factory, fixture):
   """Runs the ``tests/sharded_check.py`` check behind ``fixture`` (``background_checks.
   SHARDED_CHECKS``) once per pytest run, however many pytest-xdist workers hold this
-  file's tests (``scripts/test.sh`` hands a GPU host's tests out a few at a time): every
-  process starts it in the background at its first test (``tests/conftest.py``) unless
-  another has, and this waits for its output (or runs it, where nobody is).
+  file's tests (``scripts/test.sh`` hands a GPU host's tests out a few at a time): on a
+  GPU host every process starts it in the background at its first test
+  (``tests/conftest.py``) unless another has, and this waits for its output; where
+  nobody is running it (a CPU machine, a test run alone) this runs it, under a lock that
+  the other workers wait on.
 
   Returns:
     The subprocess's ``subprocess.CompletedProcess`` (its output as text).
