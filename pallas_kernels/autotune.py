@@ -583,7 +583,15 @@ def _deeper_with_one_output_slot(cfg, dtype, input_kinds, input_dtypes, outputs,
   0.94-0.96x on the H200 with the stage (fortieth session), while GPT-2's GELU backward
   ran 1.017x and the 17 programs with no tile operand 0.97-1.04x, so the tuner times
   both."""
-  deeper = g.deepest_fitting(dataclasses.replace(cfg, epi_out_slots=1, stages=max_stages),
+  return _deeper_with(cfg, dtype, input_kinds, input_dtypes, outputs, max_stages,
+                      epi_out_slots=1)
+
+
+def _deeper_with(cfg, dtype, input_kinds, input_dtypes, outputs, max_stages, **changes):
+  """``cfg`` with ``changes`` and the deepest pipeline that then fits, or None where the
+  changes buy no stage (the variants that free shared memory are only worth timing
+  where they deepen the pipeline)."""
+  deeper = g.deepest_fitting(dataclasses.replace(cfg, **changes, stages=max_stages),
                              dtype, input_kinds, input_dtypes, outputs)
   return deeper if deeper is not None and deeper.stages > cfg.stages else None
 
@@ -601,11 +609,8 @@ def _deeper_in_halves(cfg, dtype, input_kinds, input_dtypes, outputs, max_stages
   tuner times both."""
   if cfg.epi_store_n is not None or cfg.epi_tile_n != 64:
     return None
-  halves = dataclasses.replace(cfg, epi_store_n=32, stages=max_stages)
-  deeper = g.deepest_fitting(halves, dtype, input_kinds, input_dtypes, outputs)
-  if deeper is None or deeper.stages <= cfg.stages:
-    return None  # halves at the same depth: the whole sub-tile's stores are fewer
-  return deeper
+  return _deeper_with(cfg, dtype, input_kinds, input_dtypes, outputs, max_stages,
+                      epi_store_n=32)
 
 
 def _prefetching_next_tile(cfg, dtype, input_kinds, input_dtypes, outputs):

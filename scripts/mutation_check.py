@@ -1337,6 +1337,13 @@ MUTATIONS = [
         ("tests/test_autotune.py", "-k", "one_output_slot"),
         "one output slot offered where it buys no stage (level at best, fifteenth session)"),
     Mutation(
+        "halves_where_no_stage_is_gained", "pallas_kernels/autotune.py",
+        "                      epi_store_n=32)\n",
+        "                      epi_store_n=32) or dataclasses.replace(cfg, epi_store_n=32)\n",
+        ("tests/test_autotune.py", "-k", "store_in_halves"),
+        "32-wide halves offered at the depth the whole sub-tiles have (more stores, no "
+        "stage gained)"),
+    Mutation(
         "deeper_only_counts_equal_depth", "bench/compare_configs.py",
         "return cfg is not None and cfg.stages > base.stages",
         "return cfg is not None and cfg.stages >= base.stages",
@@ -1350,13 +1357,6 @@ MUTATIONS = [
         "a winner the caches do not serve is taken as served and never written"),
     # ---- halves of 64-wide sub-tiles; long checks started early (forty-second session) --
     Mutation(
-        "halves_where_no_stage_is_gained", "pallas_kernels/autotune.py",
-        "  if deeper is None or deeper.stages <= cfg.stages:\n",
-        "  if deeper is None:\n",
-        ("tests/test_autotune.py", "-k", "store_in_halves"),
-        "32-wide halves offered at the depth the whole sub-tiles have (more stores, no "
-        "stage gained)"),
-    Mutation(
         "background_check_started_twice", "tests/background_checks.py",
         "    if out.is_file() or started.is_file():\n      return False\n",
         "",
@@ -1364,7 +1364,7 @@ MUTATIONS = [
         "every worker starts its own copy of a minutes-long check"),
     Mutation(
         "background_check_outlives_its_run", "tests/background_checks.py",
-        "      if not _alive(int(watch_pid)):",
+        "      if not _alive(watch_pid):",
         "      if False:",
         ("tests/test_background_checks.py", "-k", "ends_with_its_run"),
         "after -x or Ctrl-C the check runs on, up to its 25-minute timeout"),

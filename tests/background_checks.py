@@ -132,7 +132,7 @@ def start(folder: Path, name: str, cmd: list[str], env: dict[str, str], timeout:
     if out.is_file() or started.is_file():
       return False
     runner = subprocess.Popen(
-        [sys.executable, __file__, str(out), str(timeout), str(watch_pid), *cmd], env=env,
+        [sys.executable, __file__, str(out), name, str(timeout), str(watch_pid), *cmd], env=env,
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _started.append(runner)
     started.write_text(str(runner.pid))
@@ -158,12 +158,7 @@ def result(folder: Path, name: str, cmd: list[str], env: dict[str, str], timeout
       runner = int(started.read_text()) if started.is_file() else None
       if runner is None or not _alive(runner):
         started.write_text(str(os.getpid()))
-        try:
-          done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-          _write(out, done.returncode, done.stdout, done.stderr)
-        except subprocess.TimeoutExpired as e:
-          _write(out, -9, _text(e.stdout), _text(e.stderr) + f"\n[{name}: timed out after "
-                 f"{timeout:.0f} s]")
+        _run(out, name, timeout, os.getpid(), cmd, env)
         return _read(cmd, out)
     if time.monotonic() > deadline:
       return subprocess.CompletedProcess(
@@ -172,14 +167,11 @@ def result(folder: Path, name: str, cmd: list[str], env: dict[str, str], timeout
     time.sleep(poll_s)
 
 
-def _text(b) -> str:
-  return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-
-
-def _run_in_background(out: str, timeout: str, watch_pid: str, *cmd: str):
-  """The runner: ``cmd``'s return code and output into ``out``, unless ``watch_pid``
-  ends first."""
-  check = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+def _run(out: Path, name: str, timeout: float, watch_pid: int, cmd, env=None):
+  """Runs check ``name``: its return code and output into ``out``, a nonzero code past
+  ``timeout``, nothing written if ``watch_pid`` ends first. The background runner, and
+  a reader that runs the check itself (watching its own process)."""
+  check = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
   t0 = time.monotonic()
   while True:
@@ -188,17 +180,18 @@ def _run_in_background(out: str, timeout: str, watch_pid: str, *cmd: str):
       code = check.returncode
       break
     except subprocess.TimeoutExpired:
-      if not _alive(int(watch_pid)):  # the run is over: nobody will read it
+      if not _alive(watch_pid):  # the run is over: nobody will read it
         check.kill()
         check.communicate()
         return
-      if time.monotonic() - t0 > float(timeout):
+      if time.monotonic() - t0 > timeout:
         check.kill()
         stdout, stderr = check.communicate()
-        code, stderr = -9, f"{stderr}\n[timed out after {float(timeout):.0f} s]"
+        code, stderr = -9, f"{stderr}\n[{name}: timed out after {timeout:.0f} s]"
         break
-  _write(Path(out), code, stdout, stderr)
+  _write(out, code, stdout, stderr)
 
 
-if __name__ == "__main__":
-  _run_in_background(*sys.argv[1:])
+if __name__ == "__main__":  # the background runner: OUT NAME TIMEOUT WATCH_PID CMD...
+  _out, _name, _timeout, _watch, *_cmd = sys.argv[1:]
+  _run(Path(_out), _name, float(_timeout), int(_watch), _cmd)

@@ -294,21 +294,21 @@ def test_race_free(key, race_detector, name, schedule):
   assert not race_detector.races_found(), "data race in the kernel (see stdout)"
 
 
+# name -> (program, epi_tile_n, epi_store_n)
 SPLIT_STORE_PROGRAMS = {
     # 128-wide RoPE heads (one sub-tile each) with tile outputs stored in halves, beside
     # a tile operand and row and column partials, which stay whole; the two bf16 tile
     # outputs (x1, q) take turns through one ring of staging slots
-    "mixed": [cj.AddTile("x0"), cj.Store("x1"), cj.RowSum("ss", square=True), cj.ColSum("c"),
-              cj.ScaleRow("r"), cj.Rotate("pos", "fr64", P64), cj.Store("q")],
+    "mixed": ([cj.AddTile("x0"), cj.Store("x1"), cj.RowSum("ss", square=True),
+               cj.ColSum("c"), cj.ScaleRow("r"), cj.Rotate("pos", "fr64", P64), cj.Store("q")],
+              128, 64),
     # a gated pair halves the output: 64-wide sub-tiles stored in 32-wide parts
-    "silu64": PROGRAMS["silu64"],
+    "silu64": (PROGRAMS["silu64"], 128, 64),
     # two bf16 tile outputs of 64-wide sub-tiles (a head_dim 64 QKV projection's u and
     # qkv) in 32-wide halves through one ring (autotune._deeper_in_halves)
-    "two_outputs_in_32": [cj.ScaleRow("r"), cj.Store("x1"), cj.RowSum("ss", square=True),
-                          cj.Rotate("pos", "fr32", P32), cj.Store("q")],
+    "two_outputs_in_32": ([cj.ScaleRow("r"), cj.Store("x1"), cj.RowSum("ss", square=True),
+                           cj.Rotate("pos", "fr32", P32), cj.Store("q")], 64, 32),
 }
-# name -> (epi_tile_n, epi_store_n)
-SPLIT_STORE_WIDTHS = {"mixed": (128, 64), "silu64": (128, 64), "two_outputs_in_32": (64, 32)}
 
 
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
@@ -317,11 +317,10 @@ def test_stores_in_parts(key, kernel_impl, races_checked, name, schedule):
   """``epi_store_n``: epilogue sub-tiles whose tile outputs are staged and stored in
   halves (128-wide in 64-wide ones, 64-wide in 32-wide ones), over several tiles per SM;
   under the race detector when interpreted."""
-  program = SPLIT_STORE_PROGRAMS[name]
+  program, epi_n, store_n = SPLIT_STORE_PROGRAMS[name]
   m, n = 512, 256
   a, b = gemm_inputs(key, m, n, K, jnp.bfloat16)
   ops = make_operands(jax.random.fold_in(key, 1), program, m, n, a.dtype)
-  epi_n, store_n = SPLIT_STORE_WIDTHS[name]
   config = GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=2, epi_tile_n=epi_n,
                       epi_store_n=store_n, cluster_dim=None, schedule=schedule)
   check_program(a, b, program, ops, kernel_impl, config=config)
@@ -333,7 +332,7 @@ def test_stores_in_parts_beside_whole_stores(key, kernel_impl, races_checked, sc
   """Two 128-wide sub-tiles per warpgroup tile: the tile outputs stored in halves, the
   partials (stored whole) through one slot, so each sub-tile's whole stores wait for
   the last ones while the parts' store groups come between them."""
-  program = SPLIT_STORE_PROGRAMS["mixed"]
+  program = SPLIT_STORE_PROGRAMS["mixed"][0]
   m, n = 512, 256
   a, b = gemm_inputs(key, m, n, K, jnp.bfloat16)
   ops = make_operands(jax.random.fold_in(key, 1), program, m, n, a.dtype)
