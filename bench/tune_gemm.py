@@ -18,7 +18,11 @@ heuristic). Each problem is then tuned (``autotune.tune``: both schedules, tiles
 clusters, grid orders, epilogue widths, the deepest pipeline that fits) and written into
 ``--out``, by default the cache shipped with the library,
 ``pallas_kernels/tuned/gemm_configs.json``, unless the caches already serve the winner
-from a nearby size or a same-chip sibling's entry (``already_served``). Every
+from a nearby size or a same-chip sibling's entry (``already_served``). The config that
+serves a problem now (``incumbent``: its ``--out`` entry on ``--retune``, else what the
+caches serve) is timed with the candidates and kept unless another is more than 1%
+faster on settled times (``autotune.final_round``), so an entry does not change on noise.
+Every
 candidate's time and every skipped candidate's reason is printed; the table printed
 last has the winner against the heuristic default for each problem.
 ``--challenge-tile-m 192`` times each problem's current config against the search's
@@ -43,6 +47,7 @@ from pathlib import Path
 import jax
 
 from pallas_kernels import autotune
+from pallas_kernels.gemm_mgpu import GemmConfig
 from bench import common, lowering_time
 
 
@@ -116,10 +121,11 @@ def train_problems(spec: str):
   return {k: (f"train {spec}", problem) for k, problem in rec.items()}
 
 
-# A challenger replaces the current config only when faster by more than this: repeated
-# timings of one config in one process differ by up to ~1% (the eighteenth session's
-# challenge logs: the heuristic default and an equal-but-for-grid-order config 0.2-1%
-# apart), and a cache entry should not change on noise.
+# A challenger, or a search's winner (``incumbent``), replaces the config serving a
+# problem only when faster by more than this: repeated timings of one config in one
+# process differ by up to ~1% (the eighteenth session's challenge logs: the heuristic
+# default and an equal-but-for-grid-order config 0.2-1% apart), and a cache entry should
+# not change on noise.
 CHALLENGE_MARGIN = 0.01
 
 
@@ -145,6 +151,26 @@ def variant_challenger(problem: autotune.Problem, overrides: dict):
   if variant is None or variant == current:
     return None
   return [current, variant]
+
+
+def incumbent(problem: autotune.Problem, entries: dict) -> GemmConfig | None:
+  """The config that serves ``problem`` now, which a search keeps unless a candidate
+  is faster by more than ``CHALLENGE_MARGIN``: its entry in ``entries`` (the ``--out``
+  file's, which ``--retune`` searches again), else what the caches serve
+  (``autotune.lookup_with_source``: tuned, at a nearby size, on a same-chip sibling), else
+  None (the heuristic default, which every search times anyway, wins only as fastest).
+
+  Args:
+    problem: the tuning problem.
+    entries: key text -> cache record, of the file the search writes into.
+
+  Returns:
+    The config, or None.
+  """
+  record = entries.get(problem.key.text())
+  if record is not None:
+    return autotune.config_from_dict(record["config"])
+  return autotune.lookup_with_source(problem.key, problem.clip_m)[0]
 
 
 def already_served(problem: autotune.Problem, config) -> str | None:
@@ -239,7 +265,8 @@ def main():
       print(f"{where} [{source}]: {k}")
     return
   out = Path(args.out)
-  have = set(json.loads(out.read_text())["entries"]) if out.exists() else set()
+  entries = json.loads(out.read_text())["entries"] if out.exists() else {}
+  have = set(entries)
   if not args.retune and not challenge and have & set(problems):
     print(f"{len(have & set(problems))} problems already in {out}: skipped (--retune to "
           "redo them)", flush=True)
@@ -265,16 +292,21 @@ def main():
         if configs is None:
           print("  the variant is the current config, or does not fit: kept", flush=True)
           continue
-      # a challenge keeps the current config (its first) within the margin
+      # a challenge keeps the current config (its first), a search the incumbent, within
+      # the margin
+      keep = configs[0] if configs else incumbent(problem, entries)
       rec = autotune.tune(problem, iterations=args.iterations, extra=args.extra,
-                          configs=configs, keep=configs[0] if configs else None,
-                          keep_within=CHALLENGE_MARGIN, log=lambda s: print(s, flush=True))
+                          configs=configs, keep=keep, keep_within=CHALLENGE_MARGIN,
+                          log=lambda s: print(s, flush=True))
     except Exception as e:  # noqa: BLE001  one problem failing does not stop the run
       print(f"  FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
     rows.append((where, k, rec))
     print(f"  best {rec['describe']}: {rec['ms']:.4f} ms (default {rec['default_ms']}) "
           f"in {rec['search_s']} s", flush=True)
+    if keep is not None and autotune.config_from_dict(rec["config"]) == keep:
+      print("  the current config is kept: no candidate was faster by more than "
+            f"{CHALLENGE_MARGIN:.0%}", flush=True)
     source = already_served(problem, autotune.config_from_dict(rec["config"]))
     if source is not None and source != "tuned":
       print(f"  already served ({source}): no entry written", flush=True)

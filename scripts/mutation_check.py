@@ -1344,6 +1344,25 @@ MUTATIONS = [
         "32-wide halves offered at the depth the whole sub-tiles have (more stores, no "
         "stage gained)"),
     Mutation(
+        "final_round_not_in_turn", "pallas_kernels/autotune.py",
+        "    for _ in range(rounds):\n      for c in leaders:\n",
+        "    for c in leaders:\n      for _ in range(rounds):\n",
+        ("tests/test_autotune.py", "-k", "final_round"),
+        "the tuner's final round times each finalist its rounds back to back, so a drift "
+        "in clock or temperature falls on some finalists and not others"),
+    Mutation(
+        "final_round_keeps_one_outside_the_window", "pallas_kernels/autotune.py",
+        "  if keep in near and keep not in leaders:\n",
+        "  if keep in times and keep not in leaders:\n",
+        ("tests/test_autotune.py", "-k", "final_round"),
+        "the config to keep is re-timed even where its first time is far from the fastest"),
+    Mutation(
+        "incumbent_ignores_the_out_entry", "bench/tune_gemm.py",
+        "  record = entries.get(problem.key.text())\n",
+        "  record = None\n",
+        ("tests/test_bench_harness.py", "-k", "incumbent"),
+        "a --retune keeps what the other caches serve, not the --out file's own entry"),
+    Mutation(
         "deeper_only_counts_equal_depth", "bench/compare_configs.py",
         "return cfg is not None and cfg.stages > base.stages",
         "return cfg is not None and cfg.stages >= base.stages",

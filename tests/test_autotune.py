@@ -238,6 +238,47 @@ def test_pick_best_keeps_the_incumbent_within_the_margin():
   assert autotune.pick_best({b: 0.980}, keep=a, keep_within=0.01) == b  # a never ran
 
 
+def test_final_round_settles_the_leaders():
+  """The leaders of the first pass (within the window of the fastest, at most
+  ``finalists``, plus the config to keep) are timed again in turn, and the choice is
+  made among them on their medians: a config whose first time was lucky does not win."""
+  cfgs = {name: dataclasses.replace(GemmConfig(), stages=s, epi_tile_n=n)
+          for name, s, n in [("a", 3, 32), ("b", 4, 32), ("c", 3, 64), ("d", 4, 64),
+                             ("e", 2, 32), ("f", 2, 64), ("g", 3, 16)]}
+  first = dict(a=1.000, b=0.990, c=1.020, d=1.100, e=1.005, f=1.010, g=1.012)
+  true = dict(a=1.000, b=1.008, c=1.020, d=1.100, e=1.006, f=1.010, g=1.012)
+  name_of = {c: n for n, c in cfgs.items()}
+  times = {cfgs[n]: t for n, t in first.items()}
+  calls = []
+
+  def time_fn(cfg):
+    calls.append(name_of[cfg])
+    return true[name_of[cfg]]
+
+  logs = []
+  settled = autotune.final_round(times, time_fn, finalists=4, rounds=2, window=0.03,
+                                 log=logs.append)
+  # b (0.990) is the fastest; c is 3.03% slower, outside the window; g is the fifth
+  assert calls == ["b", "a", "e", "f"] * 2
+  assert {name_of[c]: t for c, t in settled.items()} == dict(
+      b=1.008, a=1.000, e=1.006, f=1.010)
+  assert autotune.pick_best(settled) == cfgs["a"]
+  assert autotune.pick_best(times) == cfgs["b"]  # what one pass would have chosen
+  assert "median of 3" in logs[0] and len(logs) == 5
+  # the config to keep is a finalist where it is within the window, not outside it
+  calls.clear()
+  settled = autotune.final_round(times, time_fn, keep=cfgs["g"], finalists=4, rounds=1)
+  assert calls == ["b", "a", "e", "f", "g"] and cfgs["g"] in settled
+  calls.clear()
+  settled = autotune.final_round(times, time_fn, keep=cfgs["d"], finalists=4, rounds=1)
+  assert calls == ["b", "a", "e", "f"] and cfgs["d"] not in settled
+  # a lone leader is not timed again
+  calls.clear()
+  alone = {cfgs["a"]: 1.0, cfgs["d"]: 1.1}
+  assert autotune.final_round(alone, time_fn, log=logs.append) == {cfgs["a"]: 1.0}
+  assert calls == []
+
+
 def test_candidates_respect_the_column_group():
   found, _ = autotune.candidates(512, 512, 128, jnp.bfloat16, {}, {}, (EpilogueOutput("out"),),
                                  trans_a=False, trans_b=False, min_epi_tile_n=64)

@@ -521,6 +521,24 @@ def test_tune_gemm_already_served(monkeypatch):
   assert tune_gemm.already_served(problem, cfg) is None
 
 
+def test_tune_gemm_incumbent(monkeypatch):
+  """The config a search keeps within the margin: the ``--out`` file's entry for the
+  problem, else what the caches serve, else None."""
+  import dataclasses
+  from bench import tune_gemm
+  problem = autotune.plain_problem(768, 512, 256, trans_b=True)
+  cfg = problem.default_config()
+  stored, served = dataclasses.replace(cfg, epi_tile_n=16), dataclasses.replace(cfg, stages=2)
+  entries = {problem.key.text(): {"config": autotune.config_to_dict(stored), "ms": 0.1},
+             "another key": {"config": autotune.config_to_dict(cfg), "ms": 0.1}}
+  found = [(served, "tuned at K=512")]
+  monkeypatch.setattr(autotune, "lookup_with_source", lambda key, clip_m=False: found[0])
+  assert tune_gemm.incumbent(problem, entries) == stored
+  assert tune_gemm.incumbent(problem, {"another key": entries["another key"]}) == served
+  found[0] = (None, None)
+  assert tune_gemm.incumbent(problem, {}) is None
+
+
 def test_ncu_source_summary(tmp_path):
   """bench.ncu_source: samples per opcode with the guard predicate stripped, shares of
   the total, and the top instruction with its main stall reason (a CSV laid out as
