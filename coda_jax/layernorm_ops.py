@@ -111,7 +111,15 @@ SLOPE_CODE_STEP = 0.005
 def slope_code(s: jax.Array) -> jax.Array:
   """fp32 slopes -> (s - lo) / step + 1/2, kept in [0, 255.5]: what ``Gelu`` stores for
   a uint8 slope. The store's conversion truncates it (toward zero) to round((s - lo) /
-  step); a value past the range takes its end."""
+  step); a value past the range takes its end.
+
+  Args:
+    s: gelu'(z) values, any shape (``Gelu`` passes its (M, N) tile in fp32).
+
+  Returns:
+    fp32, s's shape: (s - SLOPE_CODE_LO) / SLOPE_CODE_STEP + 1/2 clipped to [0, 255.5],
+    not yet rounded (the uint8 store truncates it).
+  """
   return jnp.clip(s * jnp.float32(1 / SLOPE_CODE_STEP)
                   + jnp.float32(0.5 - SLOPE_CODE_LO / SLOPE_CODE_STEP), 0.0, 255.5)
 
@@ -120,12 +128,29 @@ def slope_dtype_for(dtype) -> Any:
   """The dtype GPT-2's MLP stores gelu'(z) in for activations of ``dtype``: uint8 (the
   code above; half bf16's bytes, and its error is below bf16's own rounding of the
   slope's larger values) for bfloat16; the activations' own dtype otherwise (float16's
-  2^-11 rounding is finer than the code's step)."""
+  2^-11 rounding is finer than the code's step).
+
+  Args:
+    dtype: the activations' dtype (anything ``jnp.dtype`` accepts).
+
+  Returns:
+    A numpy dtype: uint8 for bfloat16, else ``jnp.dtype(dtype)``.
+  """
   return jnp.dtype(jnp.uint8) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
 
 
 def slope_multiplier(name: str, dtype) -> MulTile:
-  """The step that multiplies by a slope ``Gelu(slope=name, slope_dtype=dtype)`` stored."""
+  """The step that multiplies by a slope ``Gelu(slope=name, slope_dtype=dtype)`` stored.
+
+  Args:
+    name: the (M, N) tile operand that holds the stored slope.
+    dtype: the dtype it was stored in (``slope_dtype_for``'s).
+
+  Returns:
+    For uint8, ``MulTile(name, scale=SLOPE_CODE_STEP, offset=SLOPE_CODE_LO)``, which
+    multiplies by the decoded slope SLOPE_CODE_LO + SLOPE_CODE_STEP * q of each code q;
+    for any other dtype, ``MulTile(name)``, which multiplies by the stored value.
+  """
   if jnp.dtype(dtype) == jnp.uint8:
     return MulTile(name, scale=SLOPE_CODE_STEP, offset=SLOPE_CODE_LO)
   return MulTile(name)
@@ -334,7 +359,18 @@ def _f32(v):
 # ---- GEMM-epilogue calls -----------------------------------------------------------------
 def stats_from_sums(s1, s2, d, eps):
   """(mu, r) per row from the row sums of x and x^2 over d columns (fp32; var clamped at
-  0 against rounding; ``docs/layernorm_math.md`` section 4 on cancellation)."""
+  0 against rounding; ``docs/layernorm_math.md`` section 4 on cancellation).
+
+  Args:
+    s1: (M,) fp32 sums of each row of x.
+    s2: (M,) fp32 sums of each row of x^2.
+    d: the number of columns summed (the rows' length).
+    eps: LayerNorm's epsilon, added to the variance.
+
+  Returns:
+    (mu, r), each of s1's shape and dtype: the mean mu = s1 / d and
+    r = 1/sqrt(var + eps), with var = max(s2 / d - mu^2, 0).
+  """
   mu = s1 / d
   var = jnp.maximum(s2 / d - mu * mu, 0.0)
   return mu, jax.lax.rsqrt(var + eps)
@@ -372,6 +408,16 @@ def norm_columns(g, beta, w, bias=None):
   parts' results are summed. This reads w once at its own width, where an fp32 product
   at HIGHEST precision converted it first (47.6 against 9.0 us at GPT-2 1B's w1 on the
   H100). A float32 w takes that fp32 product.
+
+  Args:
+    g: (D,) LayerNorm weight, any float dtype (taken in fp32).
+    beta: (D,) LayerNorm bias, any float dtype (taken in fp32).
+    w: (D, N) the weight as the GEMM reads it: bfloat16 or float16 for the split
+      product; any other dtype is converted to fp32 for a HIGHEST-precision product.
+    bias: optional (N,) bias of the GEMM, added to beta @ w in fp32.
+
+  Returns:
+    (gw, cw), each (N,) fp32: gw = g @ w and cw = beta @ w (+ bias).
   """
   v = jnp.stack([g, beta]).astype(_F32)
   if w.dtype in (jnp.bfloat16, jnp.float16):
@@ -771,7 +817,24 @@ def residual_stats_program(head, dt):
 
 def residual_stats(y, w, residual, g, head, operands, eps, impl):
   """x = y @ w + head + residual with (x, h, mu, r) from one GEMM (``residual_stats_program``;
-  ``operands`` are ``head``'s)."""
+  ``operands`` are ``head``'s).
+
+  Args:
+    y: (M, K) activations, bfloat16 or float16 (float32 runs the XLA path).
+    w: (K, D) weight in y's dtype.
+    residual: (M, D) in y's dtype, added after ``head``.
+    g: (D,) LayerNorm weight (taken in fp32).
+    head: the epilogue steps applied to the fp32 accumulator y @ w before the residual
+      is added (a bias: ``[AddBias("b")]``; ``[]`` for none).
+    operands: name -> array, the operands ``head`` reads.
+    eps: LayerNorm's epsilon.
+    impl: as ``coda_jax.gemm_epilogue``.
+
+  Returns:
+    (x, h, mu, r): x and h = x * g, (M, D) in y's dtype (h from x's fp32 value before
+    rounding); mu, r (M,) fp32, the mean and 1/sqrt(var + eps) of each row of x, from
+    the fp32 row sums of x and x^2 (``stats_from_sums``).
+  """
   dt = y.dtype
   out = gemm_epilogue(y, w, residual_stats_program(head, dt),
                       {**operands, "res": residual, "g": g.astype(_F32)}, impl=impl)
@@ -784,7 +847,21 @@ def stats_cotangent(x, g, mu, r, cts, impl):
   one pass over the rows with no GEMM (``epilogue_pass``): from the cotangents
   (dx, dh, dmu, dr) of (x, h, mu, r), the cotangent of x's sum
   dxt = dx + g dh + dmu / D - (dr r^3 / D) (x - mu) in x's dtype, its column sums in
-  fp32 (before rounding; a bias's gradient), and g's gradient sum_rows dh x (fp32)."""
+  fp32 (before rounding; a bias's gradient), and g's gradient sum_rows dh x (fp32).
+
+  Args:
+    x: (M, D) the producer's stored x, bfloat16 or float16 (float32 runs the XLA path
+      whatever ``impl`` says).
+    g: (D,) LayerNorm weight (taken in fp32).
+    mu, r: (M,) fp32 statistics of x (``residual_stats``'s).
+    cts: (dx, dh, dmu, dr): dx and dh (M, D), converted to x's dtype; dmu and dr (M,)
+      fp32.
+    impl: as ``coda_jax.gemm_epilogue``.
+
+  Returns:
+    (dxt, dsum, dg): dxt (M, D) in x's dtype; dsum (D,) fp32, dxt's column sums taken
+    before rounding; dg (D,) fp32, sum_rows dh x.
+  """
   dx, dh, dmu, dr = cts
   d = x.shape[1]
   if x.dtype not in (jnp.bfloat16, jnp.float16):

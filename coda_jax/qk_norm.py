@@ -147,7 +147,21 @@ class HeadRmsNormGrad(P.Primitive):
 def head_norm_columns(q_norm_w, k_norm_w, n_q_heads, n_kv_heads):
   """The (N,) fp32 ``weight`` and ``normed`` operands of ``HeadRmsNorm`` for a fused
   [q | k | v]: q_norm_w tiled over the q heads, k_norm_w over the k heads, 1 on v;
-  ``normed`` 1 on q and k, 0 on v."""
+  ``normed`` 1 on q and k, 0 on v.
+
+  Args:
+    q_norm_w: (head_dim,) the q heads' norm weight, any float dtype (taken in fp32);
+      its length sets head_dim.
+    k_norm_w: (head_dim,) the k heads' norm weight, likewise.
+    n_q_heads: the number of q heads.
+    n_kv_heads: the number of k heads, and of v heads.
+
+  Returns:
+    (weight, normed), each (N,) fp32 with N = (n_q_heads + 2 n_kv_heads) * head_dim,
+    in the layout [q heads | k heads | v heads]: ``weight`` is q_norm_w repeated per q
+    head, k_norm_w per k head, then 1 on every v column; ``normed`` is 1 on the q and k
+    columns and 0 on the v columns.
+  """
   hd = q_norm_w.shape[0]
   weight = jnp.concatenate([jnp.tile(q_norm_w.astype(jnp.float32), n_q_heads),
                             jnp.tile(k_norm_w.astype(jnp.float32), n_kv_heads),
@@ -159,13 +173,47 @@ def head_norm_columns(q_norm_w, k_norm_w, n_q_heads, n_kv_heads):
 
 def forward_program(head_dim, eps, dtype):
   """The forward epilogue: u = r * acc stored (the backward's input), per-head RMSNorm,
-  RoPE, qkv stored. Operands: r, pos, freqs, qk_w, qk_sel."""
+  RoPE, qkv stored. Operands: r, pos, freqs, qk_w, qk_sel.
+
+  Args:
+    head_dim: columns per head; a positive multiple of 16 (``HeadRmsNorm`` and
+      ``Rotate``, whose block is head_dim // 2, raise ValueError otherwise).
+    eps: the QK-norm's epsilon (> 0).
+    dtype: the dtype u and qkv are stored in.
+
+  Returns:
+    The program ``[ScaleRow("r"), Store("u", dtype), HeadRmsNorm("qk_w", "qk_sel",
+    head_dim, eps), Rotate("pos", "freqs", head_dim // 2), Store("qkv", dtype)]``. Its
+    operands: "r" (M,) the row scale, "pos" (M,) token positions, "freqs" (N,)
+    per-column RoPE frequencies, "qk_w" and "qk_sel" (N,) fp32 (``head_norm_columns``'s
+    weight and normed). Its outputs: "u" and "qkv", (M, N) in ``dtype``.
+  """
   return [P.ScaleRow("r"), P.Store("u", dtype), HeadRmsNorm("qk_w", "qk_sel", head_dim, eps),
           P.Rotate("pos", "freqs", head_dim // 2), P.Store("qkv", dtype)]
 
 
 def norm_qknorm_rope(h, r, w, positions, freqs, weight, normed, head_dim, eps, impl):
-  """The forward GEMM (``forward_program``). Returns (qkv, u)."""
+  """The forward GEMM (``forward_program``). Returns (qkv, u).
+
+  Args:
+    h: (M, D) normed-input activations, bfloat16 or float16 (float32 runs the XLA
+      program).
+    r: (M,) the input RMSNorm's reciprocal RMS per row (fp32).
+    w: (D, N) the [q | k | v] projection of rotate-half heads, in h's dtype, with
+      N = (Hq + 2 Hkv) * head_dim.
+    positions: (M,) token positions, int32 or float (``Rotate``'s operand).
+    freqs: (N,) fp32 per-column RoPE frequencies, 0 on the v columns
+      (``layout.qkv_freqs``).
+    weight, normed: (N,) fp32 ``head_norm_columns`` operands.
+    head_dim, eps: as ``forward_program``.
+    impl: as ``coda_jax.gemm_epilogue``.
+
+  Returns:
+    (qkv, u), each (M, N) in h's dtype: qkv is r * (h @ w) with each q and k head
+    RMS-normalised, scaled by ``weight`` and rotated (RoPE), the v heads unchanged;
+    u is r * (h @ w) itself, the pre-norm projection the backward reads
+    (``qk_norm_grad``).
+  """
   out = gemm_epilogue(h, w, forward_program(head_dim, eps, h.dtype),
                       {"r": r, "pos": positions, "freqs": freqs, "qk_w": weight,
                        "qk_sel": normed}, impl=impl)
@@ -175,7 +223,21 @@ def norm_qknorm_rope(h, r, w, positions, freqs, weight, normed, head_dim, eps, i
 def backward_program(head_dim, eps, dtype):
   """The backward pass's program (no GEMM: ``epilogue_gemm.epilogue_pass``): dqkv in, RoPE^T (a
   rotation by the negated angle), the per-head norm backward, du stored. Operands:
-  dqkv, pos, neg_freqs, u, qk_w, qk_sel."""
+  dqkv, pos, neg_freqs, u, qk_w, qk_sel.
+
+  Args:
+    head_dim, eps: as ``forward_program``.
+    dtype: the dtype du is stored in.
+
+  Returns:
+    The program ``[AddTile("dqkv"), Rotate("pos", "neg_freqs", head_dim // 2),
+    HeadRmsNormGrad("u", "qk_w", "qk_sel", head_dim, eps, "dweight", "udu"),
+    Store("du", dtype)]``. Its operands: "dqkv" and "u" (M, N) tiles, "pos" (M,) token
+    positions, "neg_freqs" (N,) the negated forward frequencies, "qk_w" and "qk_sel"
+    (N,) fp32 as ``forward_program``'s. Its outputs: "du" (M, N) in ``dtype``, the
+    cotangent of u; "dweight" (N,) fp32, the norm weights' gradient per column (summed
+    over rows); "udu" (M,) fp32, <du, u> per row (``HeadRmsNormGrad``).
+  """
   return [P.AddTile("dqkv"), P.Rotate("pos", "neg_freqs", head_dim // 2),
           HeadRmsNormGrad("u", "qk_w", "qk_sel", head_dim, eps, "dweight", "udu"),
           P.Store("du", dtype)]

@@ -26,7 +26,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 
 def varying_axes(x) -> frozenset:
-  """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+  """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside).
+
+  Args:
+    x: an array or tracer (anything ``jax.typeof`` accepts).
+
+  Returns:
+    A frozenset of the mesh axis names ``x``'s type varies over; empty when its type
+    carries none (outside ``shard_map``).
+  """
   mat = getattr(jax.typeof(x), "manual_axis_type", None)
   return frozenset(getattr(mat, "varying", ()) or ())
 
@@ -53,7 +61,17 @@ def reduce_like(ct, primal):
 
 def vary_like(x, *refs):
   """``x`` marked varying over every mesh axis one of ``refs`` varies over: the outputs
-  of a kernel call vary with its inputs (a no-op outside ``shard_map``)."""
+  of a kernel call vary with its inputs (a no-op outside ``shard_map``).
+
+  Args:
+    x: the array to mark.
+    *refs: arrays whose varying mesh axes ``x`` should share.
+
+  Returns:
+    ``x`` cast (``jax.lax.pcast``, to "varying") over the axes some ref varies over and
+    ``x`` does not; the axes ``x`` already varies over stay. ``x`` itself when none is
+    missing.
+  """
   missing = tuple(sorted(frozenset().union(*map(varying_axes, refs)) - varying_axes(x)))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 

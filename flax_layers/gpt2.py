@@ -497,7 +497,17 @@ _HF_TOP = {"wte": "wte.weight", "wpe": "wpe.weight", "norm_f": "ln_f.weight",
 
 def gpt2_hf_keys(config: GPT2Config) -> list[str]:
   """The state-dict names ``gpt2_to_hf_state_dict`` writes (``GPT2LMHeadModel``'s, the
-  tied ``lm_head.weight`` left out as ``save_pretrained`` does)."""
+  tied ``lm_head.weight`` left out as ``save_pretrained`` does).
+
+  Args:
+    config: the model's config; only ``n_layers`` is read.
+
+  Returns:
+    A list of 4 + 12 * n_layers names: ``transformer.wte.weight``,
+    ``transformer.wpe.weight``, ``transformer.ln_f.weight`` and
+    ``transformer.ln_f.bias``, then for each layer i in order its twelve
+    ``transformer.h.{i}.*`` names (``ln_1.weight`` through ``mlp.c_proj.bias``).
+  """
   keys = [_PREFIX + v for v in _HF_TOP.values()]
   return keys + [f"{_PREFIX}h.{i}.{n}" for i in range(config.n_layers)
                  for n in _HF_LAYER.values()]

@@ -43,6 +43,12 @@ CACHE_FORMAT = 1
 
 
 def user_cache_path() -> Path:
+  """The user's GEMM config cache file, the first that ``lookup`` reads.
+
+  Returns:
+    The path in ``$CODA_JAX_GEMM_CACHE`` (``CACHE_ENV``) where that is set and not
+    empty, else ``~/.cache/coda_jax/gemm_configs.json``. The file need not exist.
+  """
   return Path(os.environ.get(CACHE_ENV) or
               Path.home() / ".cache" / "coda_jax" / "gemm_configs.json")
 
@@ -92,7 +98,26 @@ class ProblemKey:
 def signature(program_id: str | None, input_kinds: dict, input_dtypes: dict,
               outputs: tuple, in_place: dict, min_epi_tile_n: int) -> str:
   """The epilogue program as the cache sees it. ``program_id`` names what the closure
-  computes (two programs with the same operands can cost differently)."""
+  computes (two programs with the same operands can cost differently).
+
+  Args:
+    program_id: names the epilogue program; None for an unnamed one ("anonymous").
+    input_kinds: operand name -> ``epilogue.InputKind``, in the order the key lists
+      them.
+    input_dtypes: operand name -> dtype, for every name in ``input_kinds``.
+    outputs: the program's declared outputs (``epilogue.EpilogueOutput``), in order.
+    in_place: output name -> the tile operand it is written into (``gemm``'s
+      ``in_place``).
+    min_epi_tile_n: the column group: the epilogue sub-tile width must be a multiple of
+      it.
+
+  Returns:
+    ``"<program_id>;in=<operands>;out=<outputs>;in_place=<pairs>;group=<n>"``: each
+    operand as ``name:kind:dtype``, each output as ``name:kind:dtype:width`` (followed
+    by ``+<operand>`` where it adds to one), each in-place pair as ``output<operand``
+    sorted by output, ``<n>`` the column group, and every "|" replaced by "/" (it
+    separates the fields of the cache's key).
+  """
   ins = ",".join(f"{nm}:{kind.value}:{jnp.dtype(input_dtypes[nm]).name}"
                  for nm, kind in input_kinds.items())
   outs = ",".join(f"{o.name}:{o.kind.value}:{jnp.dtype(o.dtype).name}:{o.width}"
@@ -104,6 +129,26 @@ def signature(program_id: str | None, input_kinds: dict, input_dtypes: dict,
 
 def problem_key(m, n, k, dtype, trans_a, trans_b, sig: str,
                 device_kind: str | None = None) -> ProblemKey:
+  """The tuning cache's key for one GEMM problem under the installed jax.
+
+  Args:
+    m: rows of A and of the product.
+    n: columns of B and of the product.
+    k: the contraction size; 0 for an epilogue pass with no product.
+    dtype: the operands' dtype (anything ``jnp.dtype`` takes); the key holds its name.
+    trans_a: A is stored transposed, as (K, M).
+    trans_b: B is stored transposed, as (N, K).
+    sig: the epilogue program's ``signature``.
+    device_kind: the device kind to key on; None (or "") for that of
+      ``jax.devices()[0]``.
+
+  Returns:
+    The ``ProblemKey``, with ``jax.__version__`` as its jax version.
+
+  Raises:
+    ValueError: from ``ProblemKey``'s checks: M or N below 1, K below 0, or a "|" in
+      ``sig``.
+  """
   device_kind = device_kind or jax.devices()[0].device_kind
   return ProblemKey(device_kind=device_kind, jax_version=jax.__version__, m=m, n=n,
                     k=k, trans_a=trans_a, trans_b=trans_b, dtype=jnp.dtype(dtype).name,
@@ -113,6 +158,15 @@ def problem_key(m, n, k, dtype, trans_a, trans_b, sig: str,
 # ---- the cache file ------------------------------------------------------------------
 
 def config_to_dict(cfg: g.GemmConfig) -> dict:
+  """A config as the cache file stores it.
+
+  Args:
+    cfg: the config.
+
+  Returns:
+    Field name -> value for every field of ``GemmConfig``, enum values (``MatDim``,
+    ``Schedule``) as their member names; ``config_from_dict`` inverts it.
+  """
   out = {}
   for f in dataclasses.fields(cfg):
     v = getattr(cfg, f.name)
@@ -121,7 +175,21 @@ def config_to_dict(cfg: g.GemmConfig) -> dict:
 
 
 def config_from_dict(d: dict) -> g.GemmConfig:
-  """Inverse of ``config_to_dict``; raises ValueError on unknown fields or values."""
+  """Inverse of ``config_to_dict``; raises ValueError on unknown fields or values.
+
+  Args:
+    d: field name -> value, as ``config_to_dict`` writes it: ``wg_dim``,
+      ``grid_minor_dim`` and ``cluster_dim`` (which may be None) as ``MatDim`` member
+      names, ``schedule`` as a ``Schedule`` member name. A field left out takes its
+      ``GemmConfig`` default.
+
+  Returns:
+    The ``GemmConfig``.
+
+  Raises:
+    ValueError: on a field that ``GemmConfig`` does not have, on an enum member name
+      that does not exist, or where ``GemmConfig``'s own checks reject the values.
+  """
   fields = {f.name for f in dataclasses.fields(g.GemmConfig)}
   unknown = set(d) - fields
   if unknown:
@@ -206,7 +274,15 @@ SAME_CHIP = (("NVIDIA H100 80GB HBM3", "NVIDIA H200"),)
 
 def same_chip_kinds(device_kind: str) -> tuple[str, ...]:
   """The other device kinds whose tuned configs may serve ``device_kind``
-  (``SAME_CHIP``), in the group's order; () for a kind in no group."""
+  (``SAME_CHIP``), in the group's order; () for a kind in no group.
+
+  Args:
+    device_kind: a device kind as ``jax.Device.device_kind`` spells it.
+
+  Returns:
+    The other kinds of the first ``SAME_CHIP`` group that holds ``device_kind``, in the
+    group's order; () where no group holds it.
+  """
   for group in SAME_CHIP:
     if device_kind in group:
       return tuple(kind for kind in group if kind != device_kind)
@@ -267,12 +343,39 @@ def lookup_with_source(key: ProblemKey, clip_m: bool = False
 
 def lookup(key: ProblemKey, clip_m: bool = False) -> g.GemmConfig | None:
   """The cached config for this problem (or for it at a nearby M or K:
-  ``lookup_with_source``), or None."""
+  ``lookup_with_source``), or None.
+
+  Args:
+    key: the problem.
+    clip_m: ``gemm``'s: M need not be a multiple of the config's cluster tile.
+
+  Returns:
+    The config that ``lookup_with_source`` finds, without its source; None where no
+    cache serves the problem.
+
+  Raises:
+    ValueError: where a cache file it reads is not valid JSON, has another format
+      than this library's, or holds a config that ``config_from_dict`` rejects.
+  """
   return lookup_with_source(key, clip_m)[0]
 
 
 def store(key: ProblemKey, record: dict, path: Path | None = None) -> Path:
-  """Writes one entry (``record["config"]`` a config dict) into a cache file."""
+  """Writes one entry (``record["config"]`` a config dict) into a cache file.
+
+  Args:
+    key: the problem; its ``text()`` is the entry's key, and an entry already under it
+      is replaced.
+    record: the entry, a JSON-serializable dict (``tune``'s record) whose ``"config"``
+      is ``config_to_dict``'s form.
+    path: the cache file (a str or a ``Path``); default ``user_cache_path()``. Its
+      folder is made where missing. Where the file is absent, cannot be read or is not
+      valid JSON, a new cache that holds this entry alone is written in its place.
+
+  Returns:
+    The path of the file written. The entries are written sorted by key, through a
+    temporary file that then replaces it.
+  """
   path = Path(path) if path is not None else user_cache_path()
   path.parent.mkdir(parents=True, exist_ok=True)
   with _lock:
@@ -367,7 +470,20 @@ class Problem:
 def plain_problem(m: int, n: int, k: int, dtype="bfloat16", trans_a: bool = False,
                   trans_b: bool = False) -> Problem:
   """The recorded problem of the plain GEMM (default epilogue: the product stored in
-  ``dtype``) at M, N, K and this operand order."""
+  ``dtype``) at M, N, K and this operand order.
+
+  Args:
+    m: rows of A and of the product.
+    n: columns of B and of the product.
+    k: the contraction size.
+    dtype: the operands' and the product's dtype.
+    trans_a: A is stored transposed, as (K, M).
+    trans_b: B is stored transposed, as (N, K).
+
+  Returns:
+    The ``Problem`` that ``gemm`` records for this call, traced with ``jax.eval_shape``
+    (nothing runs), keyed on the device kind of ``jax.devices()[0]``.
+  """
   a = jax.ShapeDtypeStruct((k, m) if trans_a else (m, k), dtype)
   b = jax.ShapeDtypeStruct((n, k) if trans_b else (k, n), dtype)
   with recording() as rec:
@@ -384,7 +500,14 @@ _recorders: list[dict] = []
 def recording() -> Iterator[dict]:
   """Collects the problems of every ``gemm`` call traced inside, by key text (trace the
   workload with ``jax.jit(f).lower(...)`` or ``jax.eval_shape``; nothing runs, and no
-  kernel is lowered: ``kernel_cache.bypassed``)."""
+  kernel is lowered: ``kernel_cache.bypassed``).
+
+  Returns:
+    A context manager. ``with recording() as rec`` gives a dict, key text ->
+    ``Problem``, that fills as ``gemm`` calls are traced in the block (the first
+    ``Problem`` of each key is kept) and keeps them after it. ``gemm`` records neither
+    interpreted calls nor programs with row_total outputs.
+  """
   found: dict = {}
   _recorders.append(found)
   try:
@@ -399,6 +522,15 @@ def is_recording() -> bool:
 
 
 def record(problem: Problem) -> None:
+  """Adds a problem to every active ``recording`` that has no problem of its key yet
+  (``gemm`` calls this while one is active).
+
+  Args:
+    problem: the problem of one ``gemm`` call.
+
+  Returns:
+    None.
+  """
   for found in _recorders:
     found.setdefault(problem.key.text(), problem)
 
@@ -406,7 +538,19 @@ def record(problem: Problem) -> None:
 def chosen_config(problem: Problem) -> tuple[g.GemmConfig, str]:
   """What ``gemm(config=None)`` runs for a recorded problem, and where it came from
   ("tuned", "tuned at M=<m>", "tuned at K=<k>", any of those ending " on <another
-  device kind of the same chip>", or "default"): for benchmark tables."""
+  device kind of the same chip>", or "default"): for benchmark tables.
+
+  Args:
+    problem: a recorded problem (``recording``, ``plain_problem``).
+
+  Returns:
+    ``(config, source)``: ``lookup_with_source``'s pair for the problem's key and
+    ``clip_m`` where a cache serves it, else ``(problem.default_config(), "default")``.
+
+  Raises:
+    ValueError: where no cache serves the problem and no heuristic config tiles it
+      (``Problem.default_config``).
+  """
   tuned, source = lookup_with_source(problem.key, problem.clip_m)
   if tuned is not None:
     return tuned, source
@@ -416,7 +560,18 @@ def chosen_config(problem: Problem) -> tuple[g.GemmConfig, str]:
 def describe_workload(fn: Callable, *args) -> list[str]:
   """Traces ``fn(*args)`` (nothing runs) and describes the config each of its GEMMs
   would run with. Clears jax's caches first: a trace that hits them (``fn`` or a
-  ``custom_vjp`` inside it traced before) would not reach ``gemm``."""
+  ``custom_vjp`` inside it traced before) would not reach ``gemm``.
+
+  Args:
+    fn: the workload: a function that calls ``gemm``.
+    *args: ``fn``'s arguments: arrays or ``jax.ShapeDtypeStruct``s.
+
+  Returns:
+    One line per recorded problem, in the order first traced:
+    ``"<M>x<N>x<K> <order> <program_id>"`` (cut to 90 characters), then
+    ``": <config> (<source>)"`` with the ``describe()`` of ``chosen_config``'s config
+    and its source.
+  """
   jax.clear_caches()
   with recording() as rec:
     jax.eval_shape(fn, *args)
@@ -493,7 +648,30 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   H100 at 16384 x 8192 x 2048, level on the heavy GPT-2 epilogues; bench/NOTES.md,
   eighteenth session); they tile M = 16384 only with ``clip_m``. ``tile_m``: only the
   structures with warpgroup tiles that tall (``bench.tune_gemm --challenge-tile-m``).
-  Returns (configs, [(description, reason skipped)])."""
+
+  Args:
+    m: rows of A and of the product.
+    n: columns of B and of the product.
+    k: the contraction size; 0 for an epilogue pass.
+    dtype: the operands' dtype.
+    input_kinds: operand name -> ``epilogue.InputKind`` of the operands the kernel
+      stages in shared memory (``gemm_mgpu.staged_inputs``).
+    input_dtypes: operand name -> dtype.
+    outputs: the program's declared outputs (``epilogue.EpilogueOutput``).
+    trans_a: A is stored transposed, as (K, M).
+    trans_b: B is stored transposed, as (N, K).
+    min_epi_tile_n: the column group: epilogue sub-tile widths are made a multiple of
+      it.
+    max_stages: the most pipeline stages a candidate may have.
+    extra: also search the wider space above.
+    clip_m: ``gemm``'s: M need not be a multiple of the config's cluster tile.
+    tile_m: keep only the structures whose ``tile_m`` is this; None keeps all.
+
+  Returns:
+    ``(configs, skipped)``: the candidate configs, and ``(description, reason)`` for
+    each variant left out because its epilogue width does not fit, its config is
+    invalid or does not tile the problem, or no stage count fits in shared memory.
+  """
   M_, N_ = g.MatDim.M, g.MatDim.N
   PP, CO = g.Schedule.PINGPONG, g.Schedule.COOPERATIVE
   # Pruned by measurement on the H100 (bench/NOTES.md, issue 10): 64-row or 64-column
@@ -630,7 +808,21 @@ def _random_like(key, sds):
 
 
 def measure_ms(fn, *args, iterations: int = 20) -> float:
-  """Median CUPTI time of all kernels ``fn`` launches, in ms."""
+  """Median CUPTI time of all kernels ``fn`` launches, in ms.
+
+  Args:
+    fn: the function to time (``jax.jit``-wrapped unless it is jitted or compiled
+      already), called as ``fn(*args)``: once untimed, then ``iterations`` times.
+    *args: ``fn``'s arguments.
+    iterations: how many timed calls.
+
+  Returns:
+    The median over the timed calls of the summed time of the kernels each launched,
+    in milliseconds.
+
+  Raises:
+    RuntimeError: if CUPTI recorded no kernels.
+  """
   from jax.experimental.mosaic.gpu import profiler
   _, timings = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
   if timings is None:
@@ -699,7 +891,19 @@ def final_round(times: dict, time_fn: Callable[[g.GemmConfig], float], *,
 def pick_best(times: dict, keep: g.GemmConfig | None = None, keep_within: float = 0.0):
   """The fastest config of ``times`` (config -> ms), unless ``keep`` was timed and is
   within ``keep_within`` (a fraction) of it: then ``keep``. A challenge keeps the
-  current config against a difference smaller than the timings' spread."""
+  current config against a difference smaller than the timings' spread.
+
+  Args:
+    times: config -> time in ms.
+    keep: the config to keep within ``keep_within``, e.g. the one serving the problem
+      now; None for none.
+    keep_within: a fraction: ``keep`` is chosen where its time is at most
+      ``1 + keep_within`` times the fastest.
+
+  Returns:
+    ``keep`` where it is in ``times`` and within ``keep_within`` of the fastest; else
+    the fastest config of ``times`` (the first in ``times``' order on a tie).
+  """
   best = min(times, key=times.get)
   if keep is not None and keep in times and times[keep] <= times[best] * (1 + keep_within):
     return keep
@@ -714,7 +918,33 @@ def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] =
   search of ``candidates``), ``keep`` and the heuristic default on the device, then the
   leaders again (``final_round``); returns the cache record: the best finalist
   (``pick_best``: ``keep`` where it is within ``keep_within`` of the fastest), its
-  settled time, the heuristic default's time and what was skipped and why."""
+  settled time, the heuristic default's time and what was skipped and why.
+
+  Args:
+    problem: the recorded problem.
+    iterations: calls per timing (``measure_ms``).
+    log: where each time, each skipped config with its reason and the final round go.
+    configs: the configs to time; default ``problem.candidates(extra=extra)``, whose
+      skipped variants are logged.
+    compile_threads: how many threads compile the configs in parallel.
+    extra: search ``candidates``' wider space; used only where ``configs`` is None.
+    keep: a config to time as well, and to choose where it is a finalist within
+      ``keep_within`` of the fastest settled time (``pick_best``); None for none.
+    keep_within: a fraction of the fastest time (``pick_best``).
+
+  Returns:
+    The cache record: ``"config"`` the chosen config (``config_to_dict``),
+    ``"describe"`` its description, ``"ms"`` its settled time, ``"default_ms"`` the
+    heuristic default's time (settled where it was a finalist; None where it has no
+    default or the default failed), ``"default"`` the default's description or None,
+    ``"timed"`` how many configs ran, ``"finalists"`` how many the final round
+    settled, ``"skipped"`` how many were left out by the search or failed to compile
+    or run (their reasons go to ``log``), and ``"search_s"`` the seconds spent
+    compiling and timing (to 0.1 s). Times are in ms, rounded to 5 decimals.
+
+  Raises:
+    RuntimeError: if no config compiled and ran.
+  """
   key = problem.key
   skipped = []
   if configs is None:

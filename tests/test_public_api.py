@@ -1,15 +1,27 @@
-"""The public API documents itself: every function the three packages export says what
-its arguments are and what it returns (Args:/Returns:, as Flax's layers do), and every
-exported class has a docstring."""
+"""The public API documents itself: every function the three packages export, and the
+submodules the README and docs/ send users to, says what its arguments are and what it
+returns (Args:/Returns:, as Flax's layers do), and every exported class has a
+docstring."""
 import inspect
 
 import pytest
 
 import coda_jax
+import coda_jax.layernorm_ops
+import coda_jax.qk_norm
+import coda_jax.sharding
 import flax_layers
+import flax_layers.gpt2
 import pallas_kernels
+import pallas_kernels.autotune
 
-PACKAGES = [coda_jax, flax_layers, pallas_kernels]
+# The submodules that README.md and docs/ name for users to import from: the LayerNorm
+# and QK-norm ops' building blocks, the sharding helpers, GPT-2's checkpoint keys and
+# the tuner. The rest (dispatch, partitioning, the kernels' epilogue helpers) are
+# internal.
+PACKAGES = [coda_jax, flax_layers, pallas_kernels, coda_jax.layernorm_ops,
+            coda_jax.qk_norm, coda_jax.sharding, flax_layers.gpt2,
+            pallas_kernels.autotune]
 
 
 def _exported(mod):
