@@ -1363,6 +1363,19 @@ MUTATIONS = [
         ("tests/test_bench_harness.py", "-k", "incumbent"),
         "a --retune keeps what the other caches serve, not the --out file's own entry"),
     Mutation(
+        "all_workers_on_the_first_gpu", "tests/worker_gpus.py",
+        "  return gpus[int(m.group(1)) % len(gpus)]\n",
+        "  return gpus[0]\n",
+        ("tests/test_worker_gpus.py",),
+        "every test worker pinned to the first GPU: the others sit idle"),
+    Mutation(
+        "pinned_worker_without_a_gpu_runs_on", "tests/conftest.py",
+        "  if _PINNED_GPU is not None and jax.devices()[0].platform != \"gpu\":\n",
+        "  if False:\n",
+        ("tests/test_worker_gpus.py", "-k", "conftest"),
+        "a worker given a GPU that jax does not see runs its kernels through the "
+        "interpreter without a word"),
+    Mutation(
         "deeper_only_counts_equal_depth", "bench/compare_configs.py",
         "return cfg is not None and cfg.stages > base.stages",
         "return cfg is not None and cfg.stages >= base.stages",

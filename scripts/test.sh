@@ -10,9 +10,11 @@
 # ~0.7 of a core busy on average (the interpreter's warpgroups are Python threads that
 # wait on each other and on XLA): on 2 cores and 23 GB, 3 workers ran the suite in
 # 45m34s against 57m45s for 2, at most 12 GB in use (bench/NOTES.md, thirty-ninth
-# session). With a GPU, as many as there are cores and 8 GiB of GPU memory each, sharing
-# it, the tests handed out a few at a time (--dist load: compiling dominates there, and
-# the kernels each worker lowers go to one folder all of them read, tests/conftest.py).
+# session). With a GPU, as many as there are cores and 8 GiB of GPU memory each, each
+# worker on one GPU of the host's (tests/worker_gpus.py; CODA_JAX_TEST_SPREAD_GPUS=0
+# keeps them all on the first), the tests handed out a few at a time (--dist load:
+# compiling dominates there, and the kernels each worker lowers go to one folder all of
+# them read, tests/conftest.py).
 # test_sharding.py's multi-device subprocesses run once per run either way; with a GPU
 # they start in the background at the first test (tests/background_checks.py). `-n 0`,
 # or an -n of your own, overrides this.
@@ -44,7 +46,18 @@ if ! $workers_given; then
   dist=loadfile
   if $has_gpu; then
     gpu_mib=$(nvidia-smi -i 0 --query-gpu=memory.total --format=csv,noheader,nounits)
-    by_gpu=$(( gpu_mib / 8192 > 1 ? gpu_mib / 8192 : 1 ))
+    # each worker takes one of the GPUs (tests/worker_gpus.py), so all of them count
+    gpus=1
+    if [ "${CODA_JAX_TEST_SPREAD_GPUS:-1}" != 0 ] && ! nvidia-smi -L | grep -q MIG; then
+      if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+        gpus=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c . || true)
+      else
+        gpus=$(nvidia-smi -L | grep -c '^GPU [0-9]*:' || true)
+      fi
+      [ "$gpus" -ge 1 ] || gpus=1
+    fi
+    per_gpu=$(( gpu_mib / 8192 > 1 ? gpu_mib / 8192 : 1 ))
+    by_gpu=$(( gpus * per_gpu ))
     workers=$(( cores < by_gpu ? cores : by_gpu ))
     dist=load
   else

@@ -1,7 +1,8 @@
 """Shared fixtures: backend selection (compiled Mosaic GPU kernel on Hopper, the Mosaic GPU
 interpreter elsewhere), the interpreter's race detector, per-test random keys,
-jax.checkpoint over interpreted kernels, interpreter-state cleanup, and the long
-subprocess checks started at a process's first test (tests/background_checks.py)."""
+jax.checkpoint over interpreted kernels, interpreter-state cleanup, the long
+subprocess checks started at a process's first test (tests/background_checks.py), and
+one GPU per pytest-xdist worker on a host with several (tests/worker_gpus.py)."""
 import os
 import sys
 import types
@@ -18,6 +19,12 @@ if "CODA_JAX_KERNEL_CACHE" not in os.environ:
 import zlib  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import worker_gpus  # noqa: E402  (tests/, this file's folder)
+
+# On a host with several GPUs each pytest-xdist worker sees one of them
+# (tests/worker_gpus.py). This must happen before jax starts its backends.
+_PINNED_GPU = worker_gpus.pin_this_worker()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -40,6 +47,17 @@ def _kernel_impl() -> str:
       raise pytest.UsageError(f"CODA_JAX_TEST_IMPL={forced!r}: one of {_IMPLS}")
     return forced
   return "mosaic" if _on_hopper() else "interpret"
+
+
+def pytest_sessionstart(session):
+  """A worker given one GPU must see it: else its kernels would quietly run through the
+  interpreter on the CPU."""
+  if _PINNED_GPU is not None and jax.devices()[0].platform != "gpu":
+    raise pytest.UsageError(
+        f"pytest-xdist worker {os.environ.get('PYTEST_XDIST_WORKER')} was given GPU "
+        f"{_PINNED_GPU} (CUDA_VISIBLE_DEVICES) but jax sees {jax.devices()[0].platform} "
+        "(is jax's CUDA plugin installed? scripts/setup.sh installs it where it finds a "
+        f"GPU): {worker_gpus.SPREAD_ENV}=0 leaves every worker all the GPUs")
 
 
 def pytest_report_header(config):
