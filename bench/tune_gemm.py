@@ -157,7 +157,7 @@ def incumbent(problem: autotune.Problem, entries: dict) -> GemmConfig | None:
   """The config that serves ``problem`` now, which a search keeps unless a candidate
   is faster by more than ``CHALLENGE_MARGIN``: its entry in ``entries`` (the ``--out``
   file's, which ``--retune`` searches again), else what the caches serve
-  (``autotune.lookup_with_source``: tuned, at a nearby size, on a same-chip sibling), else
+  (``autotune.lookup``: tuned, at a nearby size, on a same-chip sibling), else
   None (the heuristic default, which every search times anyway, wins only as fastest).
 
   Args:
@@ -170,7 +170,7 @@ def incumbent(problem: autotune.Problem, entries: dict) -> GemmConfig | None:
   record = entries.get(problem.key.text())
   if record is not None:
     return autotune.config_from_dict(record["config"])
-  return autotune.lookup_with_source(problem.key, problem.clip_m)[0]
+  return autotune.lookup(problem.key, problem.clip_m)
 
 
 def already_served(problem: autotune.Problem, config) -> str | None:
@@ -304,10 +304,11 @@ def main():
     rows.append((where, k, rec))
     print(f"  best {rec['describe']}: {rec['ms']:.4f} ms (default {rec['default_ms']}) "
           f"in {rec['search_s']} s", flush=True)
-    if keep is not None and autotune.config_from_dict(rec["config"]) == keep:
+    chosen = autotune.config_from_dict(rec["config"])
+    if keep is not None and chosen == keep:
       print("  the current config is kept: no candidate was faster by more than "
             f"{CHALLENGE_MARGIN:.0%}", flush=True)
-    source = already_served(problem, autotune.config_from_dict(rec["config"]))
+    source = already_served(problem, chosen)
     if source is not None and source != "tuned":
       print(f"  already served ({source}): no entry written", flush=True)
       continue

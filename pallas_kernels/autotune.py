@@ -875,10 +875,9 @@ def final_round(times: dict, time_fn: Callable[[g.GemmConfig], float], *,
   if keep in near and keep not in leaders:
     leaders.append(keep)
   samples = {c: [times[c]] for c in leaders}
-  if len(leaders) > 1:
-    for _ in range(rounds):
-      for c in leaders:
-        samples[c].append(time_fn(c))
+  for _ in range(rounds if len(leaders) > 1 else 0):  # a lone leader has no rival
+    for c in leaders:
+      samples[c].append(time_fn(c))
   settled = {c: statistics.median(s) for c, s in samples.items()}
   if len(leaders) > 1:
     log(f"  final round, median of {rounds + 1} timings each:")
@@ -968,11 +967,16 @@ def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] =
   t0 = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(compile_threads) as pool:
     futures = {cfg: pool.submit(build, cfg) for cfg in configs}
-  times, compiled = {}, {}
+  compiled = {}
+
+  def time_one(cfg):
+    return measure_ms(compiled[cfg], a, b, ops, iterations=iterations)
+
+  times = {}
   for cfg, fut in futures.items():
     try:
       compiled[cfg] = fut.result()
-      times[cfg] = measure_ms(compiled[cfg], a, b, ops, iterations=iterations)
+      times[cfg] = time_one(cfg)
     except Exception as e:  # noqa: BLE001  a failing candidate is logged, never chosen
       first = (str(e).strip().splitlines() or [""])[0][:300]
       log(f"  skip {cfg.describe()}: {type(e).__name__}: {first}")
@@ -982,9 +986,7 @@ def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] =
         + ("  (default)" if cfg == default else ""))
   if not times:
     raise RuntimeError(f"no candidate config ran for {key.text()}")
-  settled = final_round(
-      times, lambda cfg: measure_ms(compiled[cfg], a, b, ops, iterations=iterations),
-      keep=keep, log=log)
+  settled = final_round(times, time_one, keep=keep, log=log)
   best = pick_best(settled, keep, keep_within)
   times.update(settled)
   return {"config": config_to_dict(best), "describe": best.describe(),

@@ -47,15 +47,7 @@ if ! $workers_given; then
   if $has_gpu; then
     gpu_mib=$(nvidia-smi -i 0 --query-gpu=memory.total --format=csv,noheader,nounits)
     # each worker takes one of the GPUs (tests/worker_gpus.py), so all of them count
-    gpus=1
-    if [ "${CODA_JAX_TEST_SPREAD_GPUS:-1}" != 0 ] && ! nvidia-smi -L | grep -q MIG; then
-      if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
-        gpus=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c . || true)
-      else
-        gpus=$(nvidia-smi -L | grep -c '^GPU [0-9]*:' || true)
-      fi
-      [ "$gpus" -ge 1 ] || gpus=1
-    fi
+    gpus=$("$py" tests/worker_gpus.py)
     per_gpu=$(( gpu_mib / 8192 > 1 ? gpu_mib / 8192 : 1 ))
     by_gpu=$(( gpus * per_gpu ))
     workers=$(( cores < by_gpu ? cores : by_gpu ))

@@ -94,13 +94,14 @@ def test_test_sh_counts_every_gpu(tmp_path):
   start = text.index('    gpu_mib=$(nvidia-smi -i 0')
   last = "    by_gpu=$(( gpus * per_gpu ))\n"
   end = text.index(last) + len(last)
-  snippet = "set -euo pipefail\n" + text[start:end] + 'echo "$by_gpu"\n'
+  snippet = (f"set -euo pipefail\npy={sys.executable}\n" + text[start:end]
+             + 'echo "$by_gpu"\n')
 
   def by_gpu(smi_lines, **env):
     _fake_smi(tmp_path, smi_lines)
     full_env = {"PATH": f"{tmp_path}:/usr/bin:/bin", **env}
     out = subprocess.run(["bash", "-c", snippet], env=full_env, capture_output=True,
-                         text=True, check=True)
+                         text=True, check=True, cwd=root)
     return int(out.stdout.strip())
 
   per_gpu = 143771 // 8192  # an H200's memory.total in MiB

@@ -66,6 +66,23 @@ def gpu_for_worker(worker: str | None, gpus: list[str]) -> str | None:
   return gpus[int(m.group(1)) % len(gpus)]
 
 
+def spread_over(env: dict | None = None, smi_lines: list[str] | None = None) -> int:
+  """How many GPUs the workers spread over (``scripts/test.sh`` sizes its workers by it).
+
+  Args:
+    env: the environment (default ``os.environ``).
+    smi_lines: the lines of ``nvidia-smi -L`` (default: run it).
+
+  Returns:
+    The number of ``visible_gpus``; 1 where there are none or with
+    ``CODA_JAX_TEST_SPREAD_GPUS=0`` (the workers share the first).
+  """
+  env = os.environ if env is None else env
+  if env.get(SPREAD_ENV, "1") == "0":
+    return 1
+  return max(1, len(visible_gpus(env, smi_lines)))
+
+
 def pin_this_worker(env: dict | None = None,
                     smi_lines: list[str] | None = None) -> str | None:
   """Lets this pytest-xdist worker see one GPU, before jax starts its backends.
@@ -85,3 +102,7 @@ def pin_this_worker(env: dict | None = None,
   if gpu is not None:
     env["CUDA_VISIBLE_DEVICES"] = gpu
   return gpu
+
+
+if __name__ == "__main__":  # scripts/test.sh: how many GPUs its workers spread over
+  print(spread_over())
