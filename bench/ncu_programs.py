@@ -3,8 +3,13 @@ profile under Nsight Compute. GPU host only.
 
     ncu --clock-control none --kernel-name regex:'coda_gemm_|nvjet' \\
         --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \\
-        --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \\
+        --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \\
         python3 -m bench.ncu_programs --programs plain,residual_sumsq_aux
+
+The tensor pipe's busy share is ``sm__pipe_tensor_op_hmma_cycles_active``: on the GPU
+host's ncu it counts wgmma (HGMMA) too, 98.5% for the plain GEMM on an H200, while
+``sm__pipe_tensor_op_gmma_cycles_active`` comes back n/a (bench/NOTES.md, forty-fourth
+session; ``ncu --query-metrics | grep tensor`` lists what a version has).
 
 Each program is compiled and run once before the profiled run, so every kernel shows up
 twice: take the second. Inputs and programs are bench/gemm_epilogue.py's.

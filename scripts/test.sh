@@ -13,8 +13,8 @@
 # session). With a GPU, as many as there are cores and 8 GiB of GPU memory each, each
 # worker on one GPU of the host's (tests/worker_gpus.py; CODA_JAX_TEST_SPREAD_GPUS=0
 # keeps them all on the first), the tests handed out a few at a time (--dist load:
-# compiling dominates there, and the kernels each worker lowers go to one folder all of
-# them read, tests/conftest.py).
+# compiling dominates there, and the kernels each worker lowers and the programs XLA
+# compiles go to folders all of them read, tests/conftest.py).
 # test_sharding.py's multi-device subprocesses run once per run either way; with a GPU
 # they start in the background at the first test (tests/background_checks.py). `-n 0`,
 # or an -n of your own, overrides this.

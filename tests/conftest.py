@@ -10,11 +10,38 @@ import types
 # XLA's CPU client deadlocks the Mosaic GPU interpreter on small (2-core) machines
 # unless NPROC is large. This must happen before jax is imported.
 os.environ.setdefault("NPROC", "32")
+# Folders this process made for the run (pytest_unconfigure removes them). The
+# pytest-xdist workers inherit the controller's environment, so one run's processes
+# share each folder, and only the process that made it removes it.
+_RUN_FOLDERS: list[str] = []
+
+
+def _run_folder(env: str, prefix: str) -> None:
+  if env not in os.environ:
+    import tempfile
+    os.environ[env] = tempfile.mkdtemp(prefix=prefix)
+    _RUN_FOLDERS.append(os.environ[env])
+
+
 # Kernels lowered for the GPU are kept in a folder of this run's own (not the user's
 # ~/.cache/coda_jax/kernels), unless the caller names one.
-if "CODA_JAX_KERNEL_CACHE" not in os.environ:
-  import tempfile
-  os.environ["CODA_JAX_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="coda_jax_kernels-")
+_run_folder("CODA_JAX_KERNEL_CACHE", "coda_jax_kernels-")
+# XLA's compiled programs too: JAX's persistent compilation cache, every program however
+# quick its compile, in a folder the run's processes share. Tests build their models
+# and functions afresh, so jax traces new jitted functions whose programs an earlier
+# test compiled already, in this process or another worker; the cache hands those back
+# instead of compiling them again. On 2 CPU cores, test_gpt2.py and
+# test_rope_scaling.py ran in 104 s against 131 (2 workers, a file each), and
+# test_gpt2.py alone in 71 s against 88 (2 workers sharing its tests) (bench/NOTES.md,
+# forty-fourth session). A program is found only under the same XLA module, options and
+# versions, so a hit is the program itself. Two processes that compile one program at
+# once may see a half-written entry: jax then warns and compiles it. A
+# JAX_COMPILATION_CACHE_DIR of the caller's is used as it is (and kept);
+# CODA_JAX_TEST_XLA_CACHE=0 leaves the cache off.
+if os.environ.get("CODA_JAX_TEST_XLA_CACHE", "1") != "0":
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  _run_folder("JAX_COMPILATION_CACHE_DIR", "coda_jax_xla-")
 
 import zlib  # noqa: E402
 
@@ -58,6 +85,14 @@ def pytest_sessionstart(session):
         f"{_PINNED_GPU} (CUDA_VISIBLE_DEVICES) but jax sees {jax.devices()[0].platform} "
         "(is jax's CUDA plugin installed? scripts/setup.sh installs it where it finds a "
         f"GPU): {worker_gpus.SPREAD_ENV}=0 leaves every worker all the GPUs")
+
+
+def pytest_unconfigure(config):
+  """Removes the folders this process made for the run (``_RUN_FOLDERS``): in a
+  pytest-xdist run the controller's, after every worker has finished."""
+  import shutil
+  for folder in _RUN_FOLDERS:
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_report_header(config):
