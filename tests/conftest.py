@@ -32,8 +32,9 @@ _run_folder("CODA_JAX_KERNEL_CACHE", "coda_jax_kernels-")
 # test compiled already, in this process or another worker; the cache hands those back
 # instead of compiling them again. On 2 CPU cores, test_gpt2.py and
 # test_rope_scaling.py ran in 104 s against 131 (2 workers, a file each), and
-# test_gpt2.py alone in 71 s against 88 (2 workers sharing its tests) (bench/NOTES.md,
-# forty-fourth session). A program is found only under the same XLA module, options and
+# test_gpt2.py alone in 71 s against 88 (2 workers sharing its tests); CI's whole suite,
+# where the interpreter's Python callbacks take most of the time, used 62 CPU minutes
+# against 66, in the same 33 minutes (bench/NOTES.md, forty-fourth session). A program is found only under the same XLA module, options and
 # versions, so a hit is the program itself. Two processes that compile one program at
 # once may see a half-written entry: jax then warns and compiles it. A
 # JAX_COMPILATION_CACHE_DIR of the caller's is used as it is (and kept);
