@@ -27,21 +27,18 @@ def _run_folder(env: str, prefix: str) -> None:
 # ~/.cache/coda_jax/kernels), unless the caller names one.
 _run_folder("CODA_JAX_KERNEL_CACHE", "coda_jax_kernels-")
 # XLA's compiled programs too: JAX's persistent compilation cache, every program however
-# quick its compile, in a folder the run's processes share. Tests build their models
-# and functions afresh, so jax traces new jitted functions whose programs an earlier
-# test compiled already, in this process or another worker; the cache hands those back
-# instead of compiling them again. On 2 CPU cores, test_gpt2.py and
-# test_rope_scaling.py ran in 104 s against 131 (2 workers, a file each), and
-# test_gpt2.py alone in 71 s against 88 (2 workers sharing its tests); CI's whole suite,
-# where the interpreter's Python callbacks take most of the time, used 62 CPU minutes
-# against 66, in the same 33 minutes (bench/NOTES.md, forty-fourth session). A program is found only under the same XLA module, options and
-# versions, so a hit is the program itself. Two processes that compile one program at
-# once may see a half-written entry: jax then warns and compiles it. A
-# JAX_COMPILATION_CACHE_DIR of the caller's is used as it is (and kept);
-# CODA_JAX_TEST_XLA_CACHE=0 leaves the cache off.
-if os.environ.get("CODA_JAX_TEST_XLA_CACHE", "1") != "0":
-  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# quick its compile. Tests build their models and functions afresh, so jax traces new
+# jitted functions whose programs an earlier test, or another worker, compiled already;
+# the cache hands those back. On 2 CPU cores test_gpt2.py and test_rope_scaling.py ran
+# in 104 s against 131; CI's whole suite, where the interpreter's callbacks take most of
+# the time, used 62 CPU minutes against 66 in the same 33 (bench/NOTES.md, forty-fourth
+# session). A hit needs the same XLA module, options and versions: it is the program
+# itself. Two processes compiling one program at once may meet a half-written entry:
+# jax then warns and compiles it. A JAX_COMPILATION_CACHE_DIR of the caller's is used
+# as it is (and kept); CODA_JAX_TEST_XLA_CACHE=0 leaves the cache off.
+if (os.environ.get("CODA_JAX_TEST_XLA_CACHE", "1") != "0"
+    and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   _run_folder("JAX_COMPILATION_CACHE_DIR", "coda_jax_xla-")
 
 import zlib  # noqa: E402

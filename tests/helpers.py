@@ -221,3 +221,25 @@ TALL = {"tall": GemmConfig(tile_m=192, tile_n=64, tile_k=64, stages=3, epi_tile_
         "tall_cluster_n": GemmConfig(tile_m=192, tile_n=64, tile_k=64, stages=4,
                                      epi_tile_n=32, cluster_dim=MatDim.N,
                                      schedule=Schedule.PINGPONG)}
+
+
+def run_pytest(args, cwd, env):
+  """A pytest run of its own, as a user would start it: ``env`` minus every
+  ``PYTEST_*`` variable (a worker's pytest-xdist id and pytest's own among them, so the
+  run starts afresh), with pytest's cache and pytest-benchmark off.
+
+  Args:
+    args: pytest's arguments (files, ``-n``, ...).
+    cwd: the folder to run in.
+    env: the environment.
+
+  Returns:
+    The ``subprocess.CompletedProcess``, output captured as text.
+  """
+  import subprocess
+  import sys
+  env = {k: v for k, v in env.items() if not k.startswith("PYTEST_")}
+  cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+         "no:benchmark", *args]
+  return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                        timeout=300)

@@ -6,9 +6,9 @@ of the real conftest with a probe test beside it."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
+
+from helpers import run_pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # What each probe records, one JSON file per test: the process, the two folders as it
@@ -51,15 +51,11 @@ def _run(tmp_path, name, workers, **env_extra):
   out.mkdir()
   env = {k: v for k, v in os.environ.items()
          if k not in ("CODA_JAX_KERNEL_CACHE", "JAX_COMPILATION_CACHE_DIR",
-                      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "CODA_JAX_TEST_XLA_CACHE")
-         and not k.startswith("PYTEST_")}
+                      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "CODA_JAX_TEST_XLA_CACHE")}
   env.update(PROBE_OUT=str(out), JAX_PLATFORMS="cpu", CODA_JAX_TEST_SPREAD_GPUS="0",
              PYTHONPATH=str(ROOT), **env_extra)
   xdist = ["-n", str(workers)] if workers > 1 else ["-p", "no:xdist"]
-  cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-         "no:benchmark", *xdist, "test_probe.py"]
-  run = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True,
-                       timeout=300)
+  run = run_pytest([*xdist, "test_probe.py"], run_dir, env)
   assert run.returncode == 0, run.stdout + run.stderr
   records = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
   assert len(records) == 4, records

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import worker_gpus as W
+from helpers import run_pytest
 
 SMI_TWO = ["GPU 0: NVIDIA H200 (UUID: GPU-aaaa)", "GPU 1: NVIDIA H200 (UUID: GPU-bbbb)"]
 SMI_MIG = ["GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-cccc)",
@@ -68,19 +69,15 @@ def test_conftest_pins_each_worker(tmp_path):
   _fake_smi(tmp_path, SMI_TWO)
   root = Path(__file__).resolve().parent.parent
   env = {k: v for k, v in os.environ.items()
-         if k not in ("CUDA_VISIBLE_DEVICES", "PYTEST_XDIST_WORKER",
-                      "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID", W.SPREAD_ENV)}
+         if k not in ("CUDA_VISIBLE_DEVICES", W.SPREAD_ENV)}
   env.update(PATH=f"{tmp_path}:{env.get('PATH', '/usr/bin:/bin')}", JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-         "no:benchmark", "-n", "2", "tests/test_worker_gpus.py::test_gpu_for_worker"]
-  run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
-                       timeout=300)
+  args = ["-n", "2", "tests/test_worker_gpus.py::test_gpu_for_worker"]
+  run = run_pytest(args, root, env)
   out = run.stdout + run.stderr
   assert run.returncode != 0, out
   for worker, gpu in (("gw0", "0"), ("gw1", "1")):
     assert f"worker {worker} was given GPU {gpu}" in out, out
-  run = subprocess.run(cmd, cwd=root, env={**env, W.SPREAD_ENV: "0"},
-                       capture_output=True, text=True, timeout=300)
+  run = run_pytest(args, root, {**env, W.SPREAD_ENV: "0"})
   assert run.returncode == 0, run.stdout + run.stderr
 
 

@@ -17,6 +17,10 @@ import subprocess
 SPREAD_ENV = "CODA_JAX_TEST_SPREAD_GPUS"
 
 
+def _spread_off(env) -> bool:
+  return env.get(SPREAD_ENV, "1") == "0"
+
+
 def _smi_lines() -> list[str]:
   try:
     out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
@@ -78,7 +82,7 @@ def spread_over(env: dict | None = None, smi_lines: list[str] | None = None) -> 
     ``CODA_JAX_TEST_SPREAD_GPUS=0`` (the workers share the first).
   """
   env = os.environ if env is None else env
-  if env.get(SPREAD_ENV, "1") == "0":
+  if _spread_off(env):
     return 1
   return max(1, len(visible_gpus(env, smi_lines)))
 
@@ -96,7 +100,7 @@ def pin_this_worker(env: dict | None = None,
     worker, fewer than two GPUs, or ``CODA_JAX_TEST_SPREAD_GPUS=0``.
   """
   env = os.environ if env is None else env
-  if env.get(SPREAD_ENV, "1") == "0" or "PYTEST_XDIST_WORKER" not in env:
+  if _spread_off(env) or "PYTEST_XDIST_WORKER" not in env:
     return None
   gpu = gpu_for_worker(env["PYTEST_XDIST_WORKER"], visible_gpus(env, smi_lines))
   if gpu is not None:
