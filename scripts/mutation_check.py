@@ -1423,6 +1423,27 @@ MUTATIONS = [
         "      if False:",
         ("tests/test_background_checks.py", "-k", "ends_with_its_run"),
         "after -x or Ctrl-C the check runs on, up to its 25-minute timeout"),
+    # ---- each test's time written as it ends (forty-fifth session) ----
+    Mutation(
+        "run_times_written_by_workers_too", "tests/run_times.py",
+        '  if not path or env.get("PYTEST_XDIST_WORKER"):\n',
+        "  if not path:\n",
+        ("tests/test_run_times.py", "-k", "written_as_it_ends"),
+        "under pytest-xdist every test's line is written twice, by its worker and by "
+        "the controller"),
+    Mutation(
+        "run_times_leave_out_teardown", "tests/run_times.py",
+        '    if report.when != "teardown":\n',
+        '    if report.when != "call":\n',
+        ("tests/test_run_times.py", "-k", "written_as_it_ends"),
+        "a test's time leaves out its fixtures' teardown, and a test whose setup failed "
+        "or skipped is never written"),
+    Mutation(
+        "run_times_failed_setup_passes", "tests/run_times.py",
+        '      outcome = "failed" if report.when == "call" else "error"\n',
+        '      outcome = "failed" if report.when == "call" else outcome\n',
+        ("tests/test_run_times.py", "-k", "written_as_it_ends"),
+        "a test whose fixture failed is written down as passed"),
 ]
 
 

@@ -18,6 +18,8 @@
 # test_sharding.py's multi-device subprocesses run once per run either way; with a GPU
 # they start in the background at the first test (tests/background_checks.py). `-n 0`,
 # or an -n of your own, overrides this.
+# CODA_JAX_TEST_TIMES=FILE: each test's time written to FILE as it ends, so a run cut
+# short keeps them (tests/run_times.py; `python tests/run_times.py FILE` summarises).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=$(bash scripts/setup.sh)

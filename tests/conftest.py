@@ -1,8 +1,10 @@
 """Shared fixtures: backend selection (compiled Mosaic GPU kernel on Hopper, the Mosaic GPU
 interpreter elsewhere), the interpreter's race detector, per-test random keys,
 jax.checkpoint over interpreted kernels, interpreter-state cleanup, the long
-subprocess checks started at a process's first test (tests/background_checks.py), and
-one GPU per pytest-xdist worker on a host with several (tests/worker_gpus.py)."""
+subprocess checks started at a process's first test (tests/background_checks.py), one
+GPU per pytest-xdist worker on a host with several (tests/worker_gpus.py), and each
+test's time written as it ends where CODA_JAX_TEST_TIMES names a file
+(tests/run_times.py)."""
 import os
 import sys
 import types
@@ -56,6 +58,9 @@ import pytest  # noqa: E402
 
 import background_checks  # noqa: E402  (tests/, this file's folder)
 import pallas_kernels  # noqa: E402
+import run_times  # noqa: E402  (tests/, this file's folder)
+
+_TIMES = run_times.recorder()
 
 _IMPLS = ("mosaic", "interpret")
 
@@ -83,6 +88,13 @@ def pytest_sessionstart(session):
         f"{_PINNED_GPU} (CUDA_VISIBLE_DEVICES) but jax sees {jax.devices()[0].platform} "
         "(is jax's CUDA plugin installed? scripts/setup.sh installs it where it finds a "
         f"GPU): {worker_gpus.SPREAD_ENV}=0 leaves every worker all the GPUs")
+
+
+def pytest_runtest_logreport(report):
+  """Each test's time, written as it ends (``tests/run_times.py``), where
+  CODA_JAX_TEST_TIMES names a file: a run cut short keeps the times of what finished."""
+  if _TIMES is not None:
+    _TIMES.add(report)
 
 
 def pytest_unconfigure(config):

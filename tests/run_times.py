@@ -1,0 +1,104 @@
+"""Each test's time, written down as the test ends, for runs that may be cut short.
+
+``CODA_JAX_TEST_TIMES=FILE``: the process that starts the run (pytest-xdist's controller,
+or pytest without workers) appends one line to FILE as each test ends, tab-separated:
+
+  seconds (setup + call + teardown), outcome, worker, seconds since the run began, node id
+
+pytest's ``--durations`` prints only when the run ends, so a GPU run cut by a device
+call's time limit returns no times at all (the forty-fourth session's two whole-suite
+runs, bench/NOTES.md). This file keeps the times of every test that finished.
+``python tests/run_times.py FILE`` summarises one: the slowest tests and files, and each
+worker's busy seconds against its last test's end (a worker idle long before the others
+is a tail of the run).
+"""
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import time
+
+TIMES_ENV = "CODA_JAX_TEST_TIMES"
+
+
+class Recorder:
+  """Adds up each test's phases and appends its line at its teardown."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self.start = time.monotonic()
+    self.phases: dict[str, list] = {}
+
+  def add(self, report) -> None:
+    seconds, outcome = self.phases.get(report.nodeid, (0.0, "passed"))
+    seconds += report.duration
+    # a test failed if any phase did; it was skipped if its setup or call skipped
+    if report.failed:
+      outcome = "failed" if report.when == "call" else "error"
+    elif report.skipped and outcome == "passed":
+      outcome = "skipped"
+    self.phases[report.nodeid] = [seconds, outcome]
+    if report.when != "teardown":
+      return
+    del self.phases[report.nodeid]
+    node = getattr(report, "node", None)  # the pytest-xdist worker that ran it
+    worker = getattr(getattr(node, "gateway", None), "id", None) or "-"
+    line = "\t".join([f"{seconds:.3f}", outcome, worker,
+                      f"{time.monotonic() - self.start:.1f}", report.nodeid])
+    with open(self.path, "a", encoding="utf-8") as f:
+      f.write(line + "\n")
+
+
+def recorder(env=None) -> Recorder | None:
+  """The recorder for this process: where ``CODA_JAX_TEST_TIMES`` names a file and this
+  process is not a pytest-xdist worker (the controller receives the workers' reports);
+  else None."""
+  env = os.environ if env is None else env
+  path = env.get(TIMES_ENV)
+  if not path or env.get("PYTEST_XDIST_WORKER"):
+    return None
+  return Recorder(path)
+
+
+def read(path: str) -> list[tuple[float, str, str, float, str]]:
+  """The lines of a times file as (seconds, outcome, worker, end, node id)."""
+  rows = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      seconds, outcome, worker, end, nodeid = line.rstrip("\n").split("\t", 4)
+      rows.append((float(seconds), outcome, worker, float(end), nodeid))
+  return rows
+
+
+def summary(rows, top: int = 20) -> str:
+  """The slowest tests and files, and each worker's busy time and last end."""
+  out = [f"{len(rows)} tests, {sum(r[0] for r in rows):.0f} worker-seconds; outcomes "
+         + ", ".join(f"{k} {v}" for k, v in
+                     sorted(collections.Counter(r[1] for r in rows).items()))]
+  out.append(f"slowest {top} tests:")
+  out += [f"  {r[0]:8.1f} s  {r[4]}" for r in sorted(rows, key=lambda r: -r[0])[:top]]
+  files = collections.defaultdict(lambda: [0.0, 0])
+  for r in rows:
+    f = files[r[4].split("::")[0]]
+    f[0] += r[0]
+    f[1] += 1
+  out.append(f"slowest {top} files (seconds, tests):")
+  out += [f"  {s:8.1f} s  {n:4d}  {name}"
+          for name, (s, n) in sorted(files.items(), key=lambda kv: -kv[1][0])[:top]]
+  workers = collections.defaultdict(lambda: [0.0, 0.0, 0])
+  for r in rows:
+    w = workers[r[2]]
+    w[0] += r[0]
+    w[1] = max(w[1], r[3])
+    w[2] += 1
+  out.append("workers (busy seconds, last test ended at, tests):")
+  out += [f"  {name:5s} {busy:8.1f} s  {end:8.1f} s  {n:4d}"
+          for name, (busy, end, n) in sorted(workers.items(), key=lambda kv: kv[1][1])]
+  return "\n".join(out)
+
+
+if __name__ == "__main__":
+  if len(sys.argv) not in (2, 3):
+    sys.exit("usage: python tests/run_times.py TIMES_FILE [TOP]")
+  print(summary(read(sys.argv[1]), *(int(a) for a in sys.argv[2:])))

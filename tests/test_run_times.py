@@ -1,0 +1,102 @@
+"""tests/run_times.py through the real conftest: with CODA_JAX_TEST_TIMES set, the process
+that starts the run writes each test's time, outcome and worker as the test ends; a
+pytest-xdist worker writes nothing itself; ``summary`` adds them up."""
+import shutil
+from pathlib import Path
+
+import pytest
+
+import run_times
+from helpers import run_pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = '''
+import os, time
+import pytest
+
+TIMES = os.environ["CODA_JAX_TEST_TIMES"]
+
+@pytest.fixture
+def slow_setup():
+  time.sleep(0.3)
+  yield
+  time.sleep(0.2)
+
+@pytest.fixture
+def broken_setup():
+  raise RuntimeError("setup fails")
+
+def test_a_passes(slow_setup):
+  time.sleep(0.4)
+
+def test_b_fails():
+  assert False
+
+def test_c_skips():
+  pytest.skip("a reason")
+
+def test_d_errors(broken_setup):
+  pass
+
+def test_e_sees_the_lines_before_it():
+  # written as each test ended, not when the run ends (no workers: tests run in order)
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    return
+  names = [line.rstrip("\\n").split("\\t")[4].split("::")[1] for line in open(TIMES)]
+  assert names == ["test_a_passes", "test_b_fails", "test_c_skips", "test_d_errors"], names
+'''
+
+
+def _run(tmp_path, workers):
+  run_dir = tmp_path / f"run{workers}"
+  run_dir.mkdir()
+  for f in ("conftest.py", "worker_gpus.py", "background_checks.py", "run_times.py"):
+    shutil.copy(ROOT / "tests" / f, run_dir / f)
+  (run_dir / "test_probe.py").write_text(PROBE)
+  times = tmp_path / f"times{workers}.tsv"
+  import os
+  env = dict(os.environ, CODA_JAX_TEST_TIMES=str(times), JAX_PLATFORMS="cpu",
+             CODA_JAX_TEST_SPREAD_GPUS="0", PYTHONPATH=str(ROOT))
+  xdist = ["-n", str(workers)] if workers > 1 else ["-p", "no:xdist"]
+  run = run_pytest([*xdist, "test_probe.py"], run_dir, env)
+  assert "1 failed, 2 passed, 1 skipped, 1 error" in run.stdout, run.stdout + run.stderr
+  rows = run_times.read(str(times))
+  assert len(rows) == 5, rows  # one line a test, none twice
+  return {r[4].split("::")[1]: r for r in rows}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_each_test_written_as_it_ends(tmp_path, workers):
+  """One line a test, none twice: setup + call + teardown seconds, the outcome, the worker
+  (gw0/gw1 under pytest-xdist, '-' without), and ends in order of finishing."""
+  rows = _run(tmp_path, workers)
+  assert sorted(rows) == ["test_a_passes", "test_b_fails", "test_c_skips", "test_d_errors",
+                          "test_e_sees_the_lines_before_it"], rows
+  outcomes = {name: r[1] for name, r in rows.items()}
+  assert outcomes == {"test_a_passes": "passed", "test_b_fails": "failed",
+                      "test_c_skips": "skipped", "test_d_errors": "error",
+                      "test_e_sees_the_lines_before_it": "passed"}, outcomes
+  assert 0.9 <= rows["test_a_passes"][0] < 30, rows["test_a_passes"]  # 0.3 + 0.4 + 0.2
+  assert all(r[0] < 0.9 for n, r in rows.items() if n != "test_a_passes"), rows
+  workers_seen = {r[2] for r in rows.values()}
+  if workers == 1:
+    assert workers_seen == {"-"}, rows
+    ends = [rows[n][3] for n in sorted(rows)]
+    assert ends == sorted(ends), rows
+  else:
+    assert workers_seen <= {"gw0", "gw1"} and workers_seen, rows
+
+
+def test_summary_adds_up_tests_files_and_workers():
+  rows = [(10.0, "passed", "gw0", 10.0, "tests/test_x.py::a"),
+          (5.0, "failed", "gw0", 15.0, "tests/test_y.py::b"),
+          (2.0, "passed", "gw1", 2.0, "tests/test_x.py::c")]
+  text = run_times.summary(rows, top=2)
+  assert "3 tests, 17 worker-seconds; outcomes failed 1, passed 2" in text, text
+  assert text.index("tests/test_x.py::a") < text.index("tests/test_y.py::b"), text
+  assert "tests/test_x.py::c" not in text.split("slowest 2 files")[0], text  # top 2 only
+  files = text.split("slowest 2 files (seconds, tests):\n")[1].split("\nworkers")[0]
+  assert files.splitlines()[0].split() == ["12.0", "s", "2", "tests/test_x.py"], files
+  workers = text.split("tests):\n")[-1].splitlines()
+  assert [w.split()[:5] for w in workers] == [["gw1", "2.0", "s", "2.0", "s"],
+                                              ["gw0", "15.0", "s", "15.0", "s"]], workers
