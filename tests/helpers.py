@@ -223,6 +223,27 @@ TALL = {"tall": GemmConfig(tile_m=192, tile_n=64, tile_k=64, stages=3, epi_tile_
                                      schedule=Schedule.PINGPONG)}
 
 
+def copy_conftest(run_dir) -> None:
+  """Copies tests/conftest.py into ``run_dir`` with the modules of tests/ that it imports
+  (read from its ``import`` lines), so that a pytest run there loads the real conftest.
+
+  Args:
+    run_dir: the folder (a ``pathlib.Path``) a nested pytest will run in.
+  """
+  import ast
+  import shutil
+  from pathlib import Path
+  tests = Path(__file__).resolve().parent
+  conftest = tests / "conftest.py"
+  body = ast.parse(conftest.read_text()).body
+  names = {alias.name for node in body if isinstance(node, ast.Import)
+           for alias in node.names}
+  names |= {node.module for node in body if isinstance(node, ast.ImportFrom) and node.module}
+  for f in [conftest, *(tests / f"{n}.py" for n in sorted(names))]:
+    if f.is_file():
+      shutil.copy(f, Path(run_dir) / f.name)
+
+
 def run_pytest(args, cwd, env):
   """A pytest run of its own, as a user would start it: ``env`` minus every
   ``PYTEST_*`` variable (a worker's pytest-xdist id and pytest's own among them, so the

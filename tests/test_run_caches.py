@@ -5,10 +5,9 @@ CODA_JAX_TEST_XLA_CACHE=0 leaves XLA's cache off. Each case runs pytest anew on 
 of the real conftest with a probe test beside it."""
 import json
 import os
-import shutil
 from pathlib import Path
 
-from helpers import run_pytest
+from helpers import copy_conftest, run_pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # What each probe records, one JSON file per test: the process, the two folders as it
@@ -44,8 +43,7 @@ def _run(tmp_path, name, workers, **env_extra):
   (and the modules it imports); returns the probes' records."""
   run_dir = tmp_path / name
   run_dir.mkdir()
-  for f in ("conftest.py", "worker_gpus.py", "background_checks.py"):
-    shutil.copy(ROOT / "tests" / f, run_dir / f)
+  copy_conftest(run_dir)
   (run_dir / "test_probe.py").write_text(PROBE)
   out = tmp_path / f"{name}_out"
   out.mkdir()

@@ -1,13 +1,12 @@
 """tests/run_times.py through the real conftest: with CODA_JAX_TEST_TIMES set, the process
 that starts the run writes each test's time, outcome and worker as the test ends; a
 pytest-xdist worker writes nothing itself; ``summary`` adds them up."""
-import shutil
 from pathlib import Path
 
 import pytest
 
 import run_times
-from helpers import run_pytest
+from helpers import copy_conftest, run_pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = '''
@@ -50,8 +49,7 @@ def test_e_sees_the_lines_before_it():
 def _run(tmp_path, workers):
   run_dir = tmp_path / f"run{workers}"
   run_dir.mkdir()
-  for f in ("conftest.py", "worker_gpus.py", "background_checks.py", "run_times.py"):
-    shutil.copy(ROOT / "tests" / f, run_dir / f)
+  copy_conftest(run_dir)
   (run_dir / "test_probe.py").write_text(PROBE)
   times = tmp_path / f"times{workers}.tsv"
   import os
