@@ -1444,6 +1444,13 @@ MUTATIONS = [
         '      outcome = "failed" if report.when == "call" else outcome\n',
         ("tests/test_run_times.py", "-k", "written_as_it_ends"),
         "a test whose fixture failed is written down as passed"),
+    Mutation(
+        "nested_pytest_writes_callers_times", "tests/helpers.py",
+        '         if not k.startswith("PYTEST_") and k != run_times.TIMES_ENV}\n',
+        '         if not k.startswith("PYTEST_")}\n',
+        ("tests/test_run_times.py", "-k", "callers_file"),
+        "the nested pytest runs of the tests write their probes' times into the "
+        "caller's file"),
 ]
 
 

@@ -244,22 +244,29 @@ def copy_conftest(run_dir) -> None:
       shutil.copy(f, Path(run_dir) / f.name)
 
 
-def run_pytest(args, cwd, env):
+def run_pytest(args, cwd, env, times_file=None):
   """A pytest run of its own, as a user would start it: ``env`` minus every
   ``PYTEST_*`` variable (a worker's pytest-xdist id and pytest's own among them, so the
-  run starts afresh), with pytest's cache and pytest-benchmark off.
+  run starts afresh) and the caller's ``CODA_JAX_TEST_TIMES`` (the nested run's tests
+  are not the caller's), with pytest's cache and pytest-benchmark off.
 
   Args:
     args: pytest's arguments (files, ``-n``, ...).
     cwd: the folder to run in.
     env: the environment.
+    times_file: where the nested run writes its tests' times (``tests/run_times.py``);
+      None: nowhere.
 
   Returns:
     The ``subprocess.CompletedProcess``, output captured as text.
   """
   import subprocess
   import sys
-  env = {k: v for k, v in env.items() if not k.startswith("PYTEST_")}
+  import run_times
+  env = {k: v for k, v in env.items()
+         if not k.startswith("PYTEST_") and k != run_times.TIMES_ENV}
+  if times_file is not None:
+    env[run_times.TIMES_ENV] = str(times_file)
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
          "no:benchmark", *args]
   return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,

@@ -1,6 +1,8 @@
 """tests/run_times.py through the real conftest: with CODA_JAX_TEST_TIMES set, the process
 that starts the run writes each test's time, outcome and worker as the test ends; a
-pytest-xdist worker writes nothing itself; ``summary`` adds them up."""
+pytest-xdist worker writes nothing itself; a nested run (``helpers.run_pytest``) writes
+to its own file, not its caller's; ``summary`` adds them up."""
+import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ PROBE = '''
 import os, time
 import pytest
 
-TIMES = os.environ["CODA_JAX_TEST_TIMES"]
+TIMES = os.environ.get("CODA_JAX_TEST_TIMES")
 
 @pytest.fixture
 def slow_setup():
@@ -46,18 +48,27 @@ def test_e_sees_the_lines_before_it():
 '''
 
 
-def _run(tmp_path, workers):
+def _run(tmp_path, workers, own_file=True):
+  """The probe under the real conftest, in a nested pytest whose environment names a
+  times file of the caller's; the nested run is given one of its own where
+  ``own_file``. Returns the rows of the nested run's file by test name."""
   run_dir = tmp_path / f"run{workers}"
   run_dir.mkdir()
   copy_conftest(run_dir)
   (run_dir / "test_probe.py").write_text(PROBE)
-  times = tmp_path / f"times{workers}.tsv"
-  import os
-  env = dict(os.environ, CODA_JAX_TEST_TIMES=str(times), JAX_PLATFORMS="cpu",
+  times = tmp_path / f"times{workers}.tsv" if own_file else None
+  callers = tmp_path / f"callers{workers}.tsv"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", CODA_JAX_TEST_TIMES=str(callers),
              CODA_JAX_TEST_SPREAD_GPUS="0", PYTHONPATH=str(ROOT))
   xdist = ["-n", str(workers)] if workers > 1 else ["-p", "no:xdist"]
-  run = run_pytest([*xdist, "test_probe.py"], run_dir, env)
-  assert "1 failed, 2 passed, 1 skipped, 1 error" in run.stdout, run.stdout + run.stderr
+  if not own_file:
+    xdist += ["-k", "not sees_the_lines"]  # it reads the file the run has not
+  run = run_pytest([*xdist, "test_probe.py"], run_dir, env, times_file=times)
+  passed = 2 if own_file else 1
+  assert f"1 failed, {passed} passed, 1 skipped" in run.stdout, run.stdout + run.stderr
+  assert not callers.exists(), "the nested run wrote into its caller's times file"
+  if times is None:
+    return {}
   rows = run_times.read(str(times))
   assert len(rows) == 5, rows  # one line a test, none twice
   return {r[4].split("::")[1]: r for r in rows}
@@ -83,6 +94,12 @@ def test_each_test_written_as_it_ends(tmp_path, workers):
     assert ends == sorted(ends), rows
   else:
     assert workers_seen <= {"gw0", "gw1"} and workers_seen, rows
+
+
+def test_a_nested_run_leaves_its_callers_file_alone(tmp_path):
+  """``helpers.run_pytest`` without a times file of its own: the nested run's tests
+  (the probe's) are written nowhere, not into the file its caller's run writes."""
+  assert _run(tmp_path, 1, own_file=False) == {}
 
 
 def test_summary_adds_up_tests_files_and_workers():
