@@ -223,13 +223,9 @@ TALL = {"tall": GemmConfig(tile_m=192, tile_n=64, tile_k=64, stages=3, epi_tile_
                                      schedule=Schedule.PINGPONG)}
 
 
-def copy_conftest(run_dir) -> None:
+def _copy_conftest(run_dir) -> None:
   """Copies tests/conftest.py into ``run_dir`` with the modules of tests/ that it imports
-  (read from its ``import`` lines), so that a pytest run there loads the real conftest.
-
-  Args:
-    run_dir: the folder (a ``pathlib.Path``) a nested pytest will run in.
-  """
+  (read from its ``import`` lines), so that a pytest run there loads the real conftest."""
   import ast
   import shutil
   from pathlib import Path
@@ -242,6 +238,32 @@ def copy_conftest(run_dir) -> None:
   for f in [conftest, *(tests / f"{n}.py" for n in sorted(names))]:
     if f.is_file():
       shutil.copy(f, Path(run_dir) / f.name)
+
+
+def run_probe_under_conftest(run_dir, probe, workers, env, args=(), times_file=None):
+  """A probe test file run by a pytest of its own beside a copy of the real
+  tests/conftest.py (and the modules of tests/ it imports), on the CPU, every worker
+  on it (``CODA_JAX_TEST_SPREAD_GPUS=0``), the repository importable.
+
+  Args:
+    run_dir: a folder (``pathlib.Path``) that does not exist yet: made for the run.
+    probe: the text of ``test_probe.py``.
+    workers: pytest-xdist workers; 1 runs without pytest-xdist.
+    env: the environment to start from (e.g. ``os.environ`` with the caller's changes).
+    args: more pytest arguments.
+    times_file: as ``run_pytest``'s.
+
+  Returns:
+    ``run_pytest``'s ``subprocess.CompletedProcess``.
+  """
+  from pathlib import Path
+  run_dir.mkdir()
+  _copy_conftest(run_dir)
+  (run_dir / "test_probe.py").write_text(probe)
+  env = dict(env, JAX_PLATFORMS="cpu", CODA_JAX_TEST_SPREAD_GPUS="0",
+             PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+  xdist = ["-n", str(workers)] if workers > 1 else ["-p", "no:xdist"]
+  return run_pytest([*xdist, *args, "test_probe.py"], run_dir, env, times_file=times_file)
 
 
 def run_pytest(args, cwd, env, times_file=None):

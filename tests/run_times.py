@@ -28,7 +28,7 @@ class Recorder:
   def __init__(self, path: str):
     self.path = path
     self.start = time.monotonic()
-    self.phases: dict[str, list] = {}
+    self.phases: dict[str, tuple[float, str]] = {}
 
   def add(self, report) -> None:
     seconds, outcome = self.phases.get(report.nodeid, (0.0, "passed"))
@@ -38,7 +38,7 @@ class Recorder:
       outcome = "failed" if report.when == "call" else "error"
     elif report.skipped and outcome == "passed":
       outcome = "skipped"
-    self.phases[report.nodeid] = [seconds, outcome]
+    self.phases[report.nodeid] = (seconds, outcome)
     if report.when != "teardown":
       return
     del self.phases[report.nodeid]

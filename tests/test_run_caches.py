@@ -5,11 +5,9 @@ CODA_JAX_TEST_XLA_CACHE=0 leaves XLA's cache off. Each case runs pytest anew on 
 of the real conftest with a probe test beside it."""
 import json
 import os
-from pathlib import Path
 
-from helpers import copy_conftest, run_pytest
+from helpers import run_probe_under_conftest
 
-ROOT = Path(__file__).resolve().parent.parent
 # What each probe records, one JSON file per test: the process, the two folders as it
 # sees them, the cache's minimum compile time, and whether a program compiled a second
 # time came back from the cache.
@@ -41,19 +39,13 @@ def test_probe(i):
 def _run(tmp_path, name, workers, **env_extra):
   """pytest on the probe in a folder of its own beside a copy of tests/conftest.py
   (and the modules it imports); returns the probes' records."""
-  run_dir = tmp_path / name
-  run_dir.mkdir()
-  copy_conftest(run_dir)
-  (run_dir / "test_probe.py").write_text(PROBE)
   out = tmp_path / f"{name}_out"
   out.mkdir()
   env = {k: v for k, v in os.environ.items()
          if k not in ("CODA_JAX_KERNEL_CACHE", "JAX_COMPILATION_CACHE_DIR",
                       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "CODA_JAX_TEST_XLA_CACHE")}
-  env.update(PROBE_OUT=str(out), JAX_PLATFORMS="cpu", CODA_JAX_TEST_SPREAD_GPUS="0",
-             PYTHONPATH=str(ROOT), **env_extra)
-  xdist = ["-n", str(workers)] if workers > 1 else ["-p", "no:xdist"]
-  run = run_pytest([*xdist, "test_probe.py"], run_dir, env)
+  env.update(PROBE_OUT=str(out), **env_extra)
+  run = run_probe_under_conftest(tmp_path / name, PROBE, workers, env)
   assert run.returncode == 0, run.stdout + run.stderr
   records = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
   assert len(records) == 4, records

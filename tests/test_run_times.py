@@ -3,14 +3,12 @@ that starts the run writes each test's time, outcome and worker as the test ends
 pytest-xdist worker writes nothing itself; a nested run (``helpers.run_pytest``) writes
 to its own file, not its caller's; ``summary`` adds them up."""
 import os
-from pathlib import Path
 
 import pytest
 
 import run_times
-from helpers import copy_conftest, run_pytest
+from helpers import run_probe_under_conftest
 
-ROOT = Path(__file__).resolve().parent.parent
 PROBE = '''
 import os, time
 import pytest
@@ -52,18 +50,13 @@ def _run(tmp_path, workers, own_file=True):
   """The probe under the real conftest, in a nested pytest whose environment names a
   times file of the caller's; the nested run is given one of its own where
   ``own_file``. Returns the rows of the nested run's file by test name."""
-  run_dir = tmp_path / f"run{workers}"
-  run_dir.mkdir()
-  copy_conftest(run_dir)
-  (run_dir / "test_probe.py").write_text(PROBE)
   times = tmp_path / f"times{workers}.tsv" if own_file else None
   callers = tmp_path / f"callers{workers}.tsv"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", CODA_JAX_TEST_TIMES=str(callers),
-             CODA_JAX_TEST_SPREAD_GPUS="0", PYTHONPATH=str(ROOT))
-  xdist = ["-n", str(workers)] if workers > 1 else ["-p", "no:xdist"]
-  if not own_file:
-    xdist += ["-k", "not sees_the_lines"]  # it reads the file the run has not
-  run = run_pytest([*xdist, "test_probe.py"], run_dir, env, times_file=times)
+  # the last probe reads the nested run's own file, which it lacks without one
+  args = [] if own_file else ["-k", "not sees_the_lines"]
+  run = run_probe_under_conftest(tmp_path / f"run{workers}", PROBE, workers,
+                                 dict(os.environ, CODA_JAX_TEST_TIMES=str(callers)),
+                                 args=args, times_file=times)
   passed = 2 if own_file else 1
   assert f"1 failed, {passed} passed, 1 skipped" in run.stdout, run.stdout + run.stderr
   assert not callers.exists(), "the nested run wrote into its caller's times file"
