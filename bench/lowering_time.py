@@ -28,14 +28,26 @@ import jax.numpy as jnp
 from coda_jax import dispatch
 from pallas_kernels import kernel_cache
 
+# What each GPU's jax.devices()[0] reports (the fields the dispatch, the tuning cache's
+# keys and the kernel cache's keys read).
 H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
                              core_count=132, compute_capability="9.0")
+H200 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200", core_count=132,
+                             compute_capability="9.0")
+DEVICES = {"h100": H100, "h200": H200}
 
 
 @contextlib.contextmanager
-def pretend_h100():
-  """The dispatch runs "mosaic" for an H100 here, and counts the GEMMs it traces. JAX's
-  caches are cleared on the way out: nothing traced for the pretend device is reused."""
+def pretend(device=H100):
+  """The dispatch runs "mosaic" for ``device`` here (one of ``DEVICES``), and counts the
+  GEMMs it traces. JAX's caches are cleared on the way out: nothing traced for the
+  pretend device is reused.
+
+  Args:
+    device: what the GPU's ``jax.devices()[0]`` reports.
+
+  Returns:
+    A context manager giving the list that grows by one per ``gemm`` call traced."""
   saved = dispatch.kernels_available, dispatch.target_device, dispatch.pk.gemm
   traced = []
 
@@ -43,13 +55,18 @@ def pretend_h100():
     traced.append(1)
     return saved[2](*args, **kwargs)
 
-  dispatch.kernels_available, dispatch.target_device = (lambda: True), (lambda: H100)
+  dispatch.kernels_available, dispatch.target_device = (lambda: True), (lambda: device)
   dispatch.pk.gemm = counting
   try:
     yield traced
   finally:
     dispatch.kernels_available, dispatch.target_device, dispatch.pk.gemm = saved
     jax.clear_caches()
+
+
+def pretend_h100():
+  """``pretend(H100)``."""
+  return pretend(H100)
 
 
 def export_time(fn, *args) -> dict:

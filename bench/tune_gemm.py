@@ -30,6 +30,25 @@ last has the winner against the heuristic default for each problem.
 faster (a new tile height, without a whole search). ``--challenge-variant
 'epi_column_sums_per_tile=True'`` does the same against the current config with those
 fields replaced (a new knob, without a whole search).
+
+Most of a cold search's time on the GPU host is lowering the candidates' kernels (Mosaic
+GPU lowers in Python, 1-3 s a kernel; the compile and the timing after it take far
+less), and lowering needs no GPU. So, on a machine without one:
+
+    PYTHONPATH=. python -m bench.tune_gemm --workloads family-qwen3_1.7b --device h200 \
+        --lower-only devrun/kernels
+
+lowers every kernel that the same command compiles on an H200 (``plan`` and
+``autotune.search_configs``: the candidates, the incumbent, the heuristic default) into
+that kernel-cache folder, keyed for the H200 (``kernel_cache.keyed_for``). Carry the
+folder to the host and run the command there without the two flags, with
+``CODA_JAX_KERNEL_CACHE=devrun/kernels``: the search reads each kernel instead of lowering
+it. Its last lines say how many kernels it read and how many it lowered (any that
+differ: another source tree, jax version or device kind). Measured on an H200: Qwen3's
+seven problems, 224 kernels, searched in 87 s, all 224 read (cold, such searches took
+70-85 s a problem; bench/NOTES.md, forty-sixth session). The folder holds ~190 KB a
+kernel (a third of that compressed). Any change to ``pallas_kernels``' source gives
+new keys: lower from the tree that travels.
 """
 from __future__ import annotations
 
@@ -46,7 +65,7 @@ from pathlib import Path
 
 import jax
 
-from pallas_kernels import autotune
+from pallas_kernels import autotune, kernel_cache
 from pallas_kernels.gemm_mgpu import GemmConfig
 from bench import common, lowering_time
 
@@ -184,6 +203,66 @@ def already_served(problem: autotune.Problem, config) -> str | None:
   return source if served == config else None
 
 
+def plan(problem: autotune.Problem, args, overrides: dict | None, entries: dict):
+  """What the search does for ``problem`` under ``args``: ``(configs, keep)`` for
+  ``autotune.tune`` (configs None: the whole search), or a line saying why it is kept
+  untimed.
+
+  Args:
+    problem: the tuning problem.
+    args: the parsed command line (``--challenge-tile-m``, ``--extra``).
+    overrides: ``--challenge-variant``'s fields, or None.
+    entries: key text -> cache record of the ``--out`` file.
+
+  Returns:
+    ``(configs, keep)`` or a string."""
+  configs = None
+  if args.challenge_tile_m is not None:
+    configs = challengers(problem, args.challenge_tile_m, args.extra)
+    if configs is None:
+      return "no candidate that tall tiles it: kept"
+  elif overrides is not None:
+    configs = variant_challenger(problem, overrides)
+    if configs is None:
+      return "the variant is the current config, or does not fit: kept"
+  # a challenge keeps the current config (its first), a search the incumbent, within the
+  # margin
+  keep = configs[0] if configs else incumbent(problem, entries)
+  return configs, keep
+
+
+def lower_kernels(problem: autotune.Problem, configs, keep, extra: bool, device) -> dict:
+  """Lowers every kernel that ``autotune.tune(problem, configs=configs, keep=keep)``
+  compiles (``autotune.search_configs``) into the kernel cache's folder, keyed for
+  ``device`` (``kernel_cache.keyed_for``), as that device traces them: its SM count
+  sizes the grid. On that device the search then reads them instead of lowering them.
+
+  Args:
+    problem: a problem traced for ``device`` (``lowering_time.pretend``).
+    configs, keep: ``plan``'s.
+    extra: ``--extra``.
+    device: one of ``lowering_time.DEVICES``.
+
+  Returns:
+    How the kernels were found: ``{"lowered": n, "disk": n, "memory": n, "failed": n}``
+    (failed: the lowering raised, as the device's compile will; said on stdout)."""
+  configs, _, _ = autotune.search_configs(problem, configs, extra=extra, keep=keep,
+                                          log=lambda _: None)
+  ops = {nm: v for nm, (_, v) in problem.inputs.items()}
+  before, failed = kernel_cache.counts.copy(), 0
+  for cfg in configs:
+    try:
+      with kernel_cache.keyed_for(device):
+        jax.export.export(problem.jitted(cfg, num_sms=device.core_count),
+                          platforms=["cuda"])(problem.a, problem.b, ops)
+    except Exception as e:  # noqa: BLE001  the search skips it on the device likewise
+      failed += 1
+      print(f"  not lowered {cfg.describe()}: {type(e).__name__}: {str(e)[:200]}",
+            flush=True)
+  found = kernel_cache.counts - before
+  return {h: found[h] for h in ("lowered", "disk", "memory")} | {"failed": failed}
+
+
 def find_problems(args) -> dict:
   """key text -> (where, problem) of every GEMM the ``--workloads`` trace."""
   from bench import gemm_epilogue as ge
@@ -235,6 +314,14 @@ def main():
                  "these GemmConfig fields replaced (as bench.compare_configs' --variant, "
                  "without the name), in one process; the variant replaces it when more "
                  "than 1%% faster (problems --out has are included)")
+  p.add_argument("--device", choices=sorted(lowering_time.DEVICES), default=None,
+                 help="without a GPU: the device --list and --lower-only trace the "
+                 "workloads for (default h100)")
+  p.add_argument("--lower-only", metavar="DIR", default=None,
+                 help="without a GPU: lower every kernel the search would compile into the "
+                 "kernel-cache folder DIR, keyed for --device, and stop; on the GPU host "
+                 "the same command with CODA_JAX_KERNEL_CACHE=DIR (and without these two "
+                 "flags) reads them, and only compiles and times")
   args = p.parse_args()
   overrides = None
   if args.challenge_variant is not None:
@@ -249,11 +336,15 @@ def main():
       sys.exit("--challenge-variant: only GemmConfig fields (not num_sms or clip_m)")
   challenge = args.challenge_tile_m is not None or overrides is not None
   on_gpu = jax.devices()[0].platform == "gpu"
-  if not on_gpu and not args.list:
-    sys.exit("tune_gemm measures on the device: run it on the GPU host (--list runs "
-             "anywhere)")
-  # --list without a GPU: the workloads are traced as an H100 would run them
-  with contextlib.nullcontext() if on_gpu else lowering_time.pretend_h100():
+  if on_gpu and (args.device is not None or args.lower_only is not None):
+    sys.exit("--device and --lower-only are for a machine without a GPU: on the GPU host "
+             "the workloads are traced, and kernels lowered, for the GPU itself")
+  if not on_gpu and not args.list and args.lower_only is None:
+    sys.exit("tune_gemm measures on the device: run it on the GPU host (--list and "
+             "--lower-only run anywhere)")
+  # without a GPU: the workloads are traced as --device would run them
+  device = lowering_time.DEVICES[args.device or "h100"]
+  with contextlib.nullcontext() if on_gpu else lowering_time.pretend(device):
     problems = find_problems(args)
   if args.match:
     problems = {k: v for k, v in problems.items() if re.search(args.match, k)}
@@ -271,7 +362,11 @@ def main():
     print(f"{len(have & set(problems))} problems already in {out}: skipped (--retune to "
           "redo them)", flush=True)
     problems = {k: v for k, v in problems.items() if k not in have}
-  t0, rows = time.perf_counter(), []
+  if args.lower_only is not None:
+    kernel_cache.set_cache_dir(args.lower_only)
+    print(f"lowering the search's kernels for {device.device_kind} into {args.lower_only}",
+          flush=True)
+  t0, rows, found_before = time.perf_counter(), [], kernel_cache.counts.copy()
   for i, (key_text, (where, problem)) in enumerate(problems.items()):
     if args.budget_s is not None and time.perf_counter() - t0 > args.budget_s:
       print(f"budget of {args.budget_s:.0f} s spent: {len(problems) - i} problems left "
@@ -281,20 +376,19 @@ def main():
     print(f"[{i + 1}/{len(problems)}] {where}: {k.m}x{k.n}x{k.k} {k.order} "
           f"{k.signature[:120]}", flush=True)
     try:
-      configs = None
-      if args.challenge_tile_m is not None:
-        configs = challengers(problem, args.challenge_tile_m, args.extra)
-        if configs is None:
-          print("  no candidate that tall tiles it: kept", flush=True)
-          continue
-      elif overrides is not None:
-        configs = variant_challenger(problem, overrides)
-        if configs is None:
-          print("  the variant is the current config, or does not fit: kept", flush=True)
-          continue
-      # a challenge keeps the current config (its first), a search the incumbent, within
-      # the margin
-      keep = configs[0] if configs else incumbent(problem, entries)
+      planned = plan(problem, args, overrides, entries)
+      if isinstance(planned, str):
+        print(f"  {planned}", flush=True)
+        continue
+      configs, keep = planned
+      if args.lower_only is not None:
+        t1 = time.perf_counter()
+        with lowering_time.pretend(device):
+          found = lower_kernels(problem, configs, keep, args.extra, device)
+        print(f"  kernels: {found['lowered']} lowered, {found['disk'] + found['memory']} "
+              f"already there, {found['failed']} failed, in {time.perf_counter() - t1:.0f} s",
+              flush=True)
+        continue
       rec = autotune.tune(problem, iterations=args.iterations, extra=args.extra,
                           configs=configs, keep=keep, keep_within=CHALLENGE_MARGIN,
                           log=lambda s: print(s, flush=True))
@@ -315,6 +409,15 @@ def main():
     rec.update(where=where, commit=prov["commit"],
                measured=datetime.date.today().isoformat())
     autotune.store(k, rec, args.out)
+  if args.lower_only is not None:
+    print(f"\n{len(list(Path(args.lower_only).glob('*' + kernel_cache.SUFFIX)))} kernels in "
+          f"{args.lower_only}: carry the folder to the GPU host and run the search there with "
+          f"CODA_JAX_KERNEL_CACHE=<it>")
+    return
+  found = kernel_cache.counts - found_before
+  print(f"\nkernels: {found['lowered']} lowered here, {found['disk']} read from the kernel "
+        f"cache's folder ({kernel_cache.cache_dir()}), {found['memory']} reused in this "
+        "process")
   print(f"\nwritten to {args.out}\n")
   print("| where | M x N x K | order | best | ms | default ms | default/best |")
   print("|---|---|---|---|---|---|---|")

@@ -909,6 +909,39 @@ def pick_best(times: dict, keep: g.GemmConfig | None = None, keep_within: float 
   return best
 
 
+def search_configs(problem: Problem, configs: list[g.GemmConfig] | None = None, *,
+                   extra: bool = False, keep: g.GemmConfig | None = None,
+                   log: Callable[[str], None] = print
+                   ) -> tuple[list[g.GemmConfig], g.GemmConfig | None, list[tuple[str, str]]]:
+  """The configs ``tune`` times for ``problem``, and so the kernels it compiles (which
+  ``bench.tune_gemm --lower-only`` lowers beforehand on another machine).
+
+  Args:
+    problem: the recorded problem.
+    configs, extra, keep: as ``tune``'s.
+    log: where a missing heuristic default is said.
+
+  Returns:
+    ``(configs, default, skipped)``: the heuristic default first where it is not among
+    them, then ``keep`` likewise, then ``configs`` (default ``problem.candidates(extra)``);
+    the default (None where no heuristic config tiles the problem); and the search's
+    skipped ``(description, why)`` pairs.
+  """
+  skipped = []
+  if configs is None:
+    configs, skipped = problem.candidates(extra=extra)
+  if keep is not None and keep not in configs:
+    configs = [keep] + list(configs)
+  try:
+    default = problem.default_config()
+    if default not in configs:
+      configs = [default] + list(configs)
+  except ValueError as e:
+    default = None
+    log(f"  no default config: {e}")
+  return list(configs), default, skipped
+
+
 def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] = print,
          configs: list[g.GemmConfig] | None = None, compile_threads: int = 12,
          extra: bool = False, keep: g.GemmConfig | None = None,
@@ -945,18 +978,8 @@ def tune(problem: Problem, *, iterations: int = 20, log: Callable[[str], None] =
     RuntimeError: if no config compiled and ran.
   """
   key = problem.key
-  skipped = []
-  if configs is None:
-    configs, skipped = problem.candidates(extra=extra)
-  if keep is not None and keep not in configs:
-    configs = [keep] + list(configs)
-  try:
-    default = problem.default_config()
-    if default not in configs:
-      configs = [default] + list(configs)
-  except ValueError as e:
-    default = None
-    log(f"  no default config: {e}")
+  configs, default, skipped = search_configs(problem, configs, extra=extra, keep=keep,
+                                             log=log)
   for name, why in skipped:
     log(f"  skip {name}: {why}")
   a, b, ops = problem.random_inputs()
@@ -1002,4 +1025,5 @@ __all__ = ["CACHE_ENV", "Problem", "ProblemKey", "SHIPPED_CACHE", "candidates",
            "config_from_dict", "config_to_dict", "lookup", "lookup_with_source", "measure_ms",
            "FINALISTS", "FINAL_ROUNDS", "FINAL_WINDOW", "SAME_CHIP", "final_round",
            "pick_best", "plain_problem", "problem_key", "same_chip_kinds",
-           "record", "recording", "signature", "store", "tune", "user_cache_path"]
+           "record", "recording", "search_configs", "signature", "store", "tune",
+           "user_cache_path"]

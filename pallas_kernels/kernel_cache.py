@@ -12,7 +12,8 @@ most of its compile time (``bench/lowering_time.py``).
 launch) through an exported copy of it (``jax.export``, platform ``cuda``). The copy is
 found by the fingerprint of ``fn``'s traced program (``Fingerprint``: every equation, its
 parameters and constants, the kernel body included), together with jax's and jaxlib's
-versions, this package's source and the device's kind. It is made once per process and,
+versions, this package's source and the device's kind (``keyed_for`` names another
+device, to lower kernels for a GPU host elsewhere). It is made once per process and,
 where a cache folder is set, read from and written to that folder, so a later process
 lowers none of the kernels it has seen. Tracing a kernel and taking its fingerprint costs
 about a tenth of lowering it.
@@ -67,6 +68,7 @@ _PACKAGE = Path(__file__).resolve().parent
 _lock = threading.Lock()
 _exported: dict[str, "jax.export.Exported"] = {}
 _dir_override: list[Path | None] = []
+_key_device: list[Any] = []  # keyed_for's device, innermost last
 # how each launch found its kernel, for reports and tests
 counts: collections.Counter = collections.Counter()
 
@@ -361,6 +363,27 @@ def set_cache_dir(path: str | os.PathLike | None) -> None:
   _dir_override[:] = [None if path is None else Path(path)]
 
 
+@contextlib.contextmanager
+def keyed_for(device):
+  """Inside, kernels are keyed (``kernel_key``) for ``device`` instead of JAX's default
+  device: a machine without a GPU lowers kernels into a folder that a GPU host of that
+  kind then reads instead of lowering them (``bench.tune_gemm --lower-only``). The
+  traced program must be the one that device traces (its SM count passed to ``gemm`` as
+  ``num_sms``, its tuning keys; ``bench.lowering_time.pretend``).
+
+  Args:
+    device: an object with the ``platform`` ("gpu"), ``device_kind`` and
+      ``compute_capability`` that the GPU host's ``jax.devices()[0]`` reports.
+
+  Returns:
+    A context manager."""
+  _key_device.append(device)
+  try:
+    yield
+  finally:
+    _key_device.pop()
+
+
 def clear_memory() -> None:
   """Forgets the kernels this process holds (the folder is left as it is), as a new
   process would start.
@@ -380,11 +403,11 @@ def kernel_key(jaxpr: "jax.extend.core.ClosedJaxpr") -> str:
 
   Returns:
     A sha256 hex digest over the program (``Fingerprint``), jax's and jaxlib's versions,
-    this package's source and the default device's platform, kind and compute
-    capability."""
+    this package's source and the platform, kind and compute capability of the default
+    device (of ``keyed_for``'s inside it)."""
   fp = Fingerprint()
   fp.add(FORMAT, jax.__version__, jaxlib.__version__, _package_digest())
-  d = jax.devices()[0]
+  d = _key_device[-1] if _key_device else jax.devices()[0]
   fp.add(d.platform, d.device_kind, str(getattr(d, "compute_capability", "")))
   fp.jaxpr(jaxpr.jaxpr, jaxpr.consts)
   return fp.hexdigest()
@@ -476,5 +499,5 @@ def launch(fn: Callable, args: Sequence[jax.Array]) -> tuple:
 
 
 __all__ = ["CACHE_ENV", "Fingerprint", "FORMAT", "SUFFIX", "active", "bypassed", "cache_dir",
-           "call", "clear_memory", "counts", "exported", "kernel_key", "launch",
+           "call", "clear_memory", "counts", "exported", "kernel_key", "keyed_for", "launch",
            "read_exported", "set_cache_dir", "source_digest", "write_atomic"]

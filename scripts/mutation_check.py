@@ -1451,6 +1451,19 @@ MUTATIONS = [
         ("tests/test_run_times.py", "-k", "callers_file"),
         "the nested pytest runs of the tests write their probes' times into the "
         "caller's file"),
+    Mutation(
+        "kernel_key_ignores_keyed_for", "pallas_kernels/kernel_cache.py",
+        "  d = _key_device[-1] if _key_device else jax.devices()[0]\n",
+        "  d = jax.devices()[0]\n",
+        ("tests/test_bench_harness.py", "-k", "lower_only"),
+        "kernels lowered for a GPU host elsewhere are keyed for this machine's device, so "
+        "the host never finds them"),
+    Mutation(
+        "lower_only_without_the_devices_sms", "bench/tune_gemm.py",
+        "        jax.export.export(problem.jitted(cfg, num_sms=device.core_count),\n",
+        "        jax.export.export(problem.jitted(cfg),\n",
+        ("tests/test_bench_harness.py", "-k", "lower_only"),
+        "the kernels lowered for another device take this machine's SM count (its grid)"),
 ]
 
 

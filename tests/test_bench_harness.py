@@ -4,6 +4,8 @@ standard-written XLA baseline computes the same block as ours: the truth is the
 baseline's math run in fp32, and ours is within the tolerance rule's 2x of the bf16
 baseline's error from it (a baseline that computed something else would put ours far
 from its truth, and make the GPU speed ratios meaningless)."""
+import argparse
+
 import jax
 import pytest
 
@@ -502,6 +504,62 @@ def test_tune_gemm_variant_challenger(monkeypatch):
     monkeypatch.setattr("sys.argv", ["tune_gemm", "--list", "--challenge-variant", bad])
     with pytest.raises(SystemExit, match=why):
       tune_gemm.main()
+
+
+def test_tune_gemm_lower_only_fills_a_folder_an_h200_reads(monkeypatch, capsys, tmp_path):
+  """``bench.tune_gemm --lower-only DIR --device h200`` on the CPU lowers each kernel that
+  the same search compiles on an H200 (``autotune.search_configs``: the heuristic
+  default, the incumbent, the challenger) into DIR, keyed for an H200; a second run
+  lowers none; and the folder serves the H200's trace (SM count from the device), not an
+  H100's. (That an H200 reads such a folder: 224 of 224 kernels, bench/NOTES.md, the
+  forty-sixth session.)"""
+  import sys
+  from bench import lowering_time as lt
+  from bench import tune_gemm
+  from pallas_kernels import kernel_cache as KC
+  if jax.devices()[0].platform == "gpu":
+    pytest.skip("--lower-only is for a machine without a GPU; the GPU host refuses it")
+  monkeypatch.setattr(KC, "_dir_override", [])
+  monkeypatch.setattr(KC, "_exported", {})
+  argv = ["tune_gemm", "--workloads", "bench", "--shapes", "256x128x256", "--programs",
+          "plain", "--challenge-variant", "epi_tile_n=16"]
+
+  def run(*extra):
+    monkeypatch.setattr(sys, "argv", argv + list(extra))
+    tune_gemm.main()
+    return capsys.readouterr().out
+
+  out = run("--lower-only", str(tmp_path), "--device", "h200")
+  files = {f.name for f in tmp_path.glob("*" + KC.SUFFIX)}
+  with lt.pretend(lt.H200):
+    (problem,) = [p for _, p in tune_gemm.bench_problems([(256, 128, 256)], "plain").values()]
+  assert problem.key.device_kind == "NVIDIA H200"
+  configs, keep = tune_gemm.plan(problem, argparse.Namespace(challenge_tile_m=None,
+                                 extra=False), {"epi_tile_n": 16}, {})
+  planned, _, _ = autotune.search_configs(problem, configs, keep=keep)
+  assert len(planned) >= 2 and len(files) == len(planned), (out, files, planned)
+  assert f"kernels: {len(planned)} lowered, 0 already there, 0 failed" in out, out
+  assert f"{len(planned)} kernels in {tmp_path}" in out, out
+
+  KC.clear_memory()
+  out = run("--lower-only", str(tmp_path), "--device", "h200")
+  assert f"kernels: 0 lowered, {len(planned)} already there, 0 failed" in out, out
+  assert {f.name for f in tmp_path.glob("*" + KC.SUFFIX)} == files
+
+  # the H200's own trace of each kernel (its 132 SMs size the grid) finds its file;
+  # keyed for an H100, the same kernel is another
+  ops = {nm: v for nm, (_, v) in problem.inputs.items()}
+  for device, how in [(lt.H200, "disk"), (lt.H100, "lowered")]:
+    KC.clear_memory()
+    before = KC.counts.copy()
+    with lt.pretend(device), KC.keyed_for(device):
+      jax.export.export(problem.jitted(planned[0], num_sms=132), platforms=["cuda"])(
+          problem.a, problem.b, ops)
+    assert (KC.counts - before) == {how: 1}, (device.device_kind, KC.counts - before)
+  # off the GPU without --lower-only or --list, it still refuses
+  monkeypatch.setattr(sys, "argv", argv)
+  with pytest.raises(SystemExit, match="--list and --lower-only run anywhere"):
+    tune_gemm.main()
 
 
 def test_tune_gemm_already_served(monkeypatch):
