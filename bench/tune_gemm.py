@@ -250,7 +250,8 @@ def lower_kernels(problem: autotune.Problem, configs, keep, extra: bool, device)
                                           log=lambda _: None)
   ops = {nm: v for nm, (_, v) in problem.inputs.items()}
   before, failed = kernel_cache.counts.copy(), 0
-  for cfg in configs:
+  for i, cfg in enumerate(configs):
+    t0, lowered = time.perf_counter(), kernel_cache.counts["lowered"]
     try:
       with kernel_cache.keyed_for(device):
         jax.export.export(problem.jitted(cfg, num_sms=device.core_count),
@@ -259,6 +260,10 @@ def lower_kernels(problem: autotune.Problem, configs, keep, extra: bool, device)
       failed += 1
       print(f"  not lowered {cfg.describe()}: {type(e).__name__}: {str(e)[:200]}",
             flush=True)
+      continue
+    how = ("lowered" if kernel_cache.counts["lowered"] > lowered else "already there")
+    print(f"  {i + 1}/{len(configs)} {how} ({time.perf_counter() - t0:.1f} s): "
+          f"{cfg.describe()}", flush=True)
   found = kernel_cache.counts - before
   return {h: found[h] for h in ("lowered", "disk", "memory")} | {"failed": failed}
 

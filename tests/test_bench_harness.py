@@ -539,11 +539,13 @@ def test_tune_gemm_lower_only_fills_a_folder_an_h200_reads(monkeypatch, capsys, 
   planned, _, _ = autotune.search_configs(problem, configs, keep=keep)
   assert len(planned) >= 2 and len(files) == len(planned), (out, files, planned)
   assert f"kernels: {len(planned)} lowered, 0 already there, 0 failed" in out, out
+  assert out.count(f"/{len(planned)} lowered (") == len(planned), out  # one line a kernel
   assert f"{len(planned)} kernels in {tmp_path}" in out, out
 
   KC.clear_memory()
   out = run("--lower-only", str(tmp_path), "--device", "h200")
   assert f"kernels: 0 lowered, {len(planned)} already there, 0 failed" in out, out
+  assert out.count(f"/{len(planned)} already there (") == len(planned), out
   assert {f.name for f in tmp_path.glob("*" + KC.SUFFIX)} == files
 
   # the H200's own trace of each kernel (its 132 SMs size the grid) finds its file;
