@@ -68,7 +68,7 @@ _PACKAGE = Path(__file__).resolve().parent
 _lock = threading.Lock()
 _exported: dict[str, "jax.export.Exported"] = {}
 _dir_override: list[Path | None] = []
-_key_device: list[Any] = []  # keyed_for's device, innermost last
+_key_device: list[Any] = []  # keyed_for's device, innermost last (process-wide)
 # how each launch found its kernel, for reports and tests
 counts: collections.Counter = collections.Counter()
 
