@@ -1452,6 +1452,12 @@ MUTATIONS = [
         "the nested pytest runs of the tests write their probes' times into the "
         "caller's file"),
     Mutation(
+        "run_times_split_round_robin", "tests/run_times.py",
+        "    k = min(range(parts), key=lambda k: (totals[k], k))\n",
+        "    k = sum(len(l) for l in lists) % parts\n",
+        ("tests/test_run_times.py", "-k", "split"),
+        "the suite's parts are dealt in turn, not by time, so one call gets the heavy tests"),
+    Mutation(
         "kernel_key_ignores_keyed_for", "pallas_kernels/kernel_cache.py",
         "  d = _key_device[-1] if _key_device else jax.devices()[0]\n",
         "  d = jax.devices()[0]\n",

@@ -10,7 +10,12 @@ call's time limit returns no times at all (the forty-fourth session's two whole-
 runs, bench/NOTES.md). This file keeps the times of every test that finished.
 ``python tests/run_times.py FILE`` summarises one: the slowest tests and files, and each
 worker's busy seconds against its last test's end (a worker idle long before the others
-is a tail of the run).
+is a tail of the run). ``python tests/run_times.py --split N FILE COLLECTED OUT`` deals
+the node ids of COLLECTED (one a line, e.g. ``pytest --collect-only -q``'s) into N lists
+of about equal time by FILE's times, heaviest first, written to ``OUT.1`` ... ``OUT.N``:
+the GPU suite on one H200 is ~8,600 worker-seconds, over one device call's limit on 16
+workers, so it runs as N calls of ``xargs -0 pytest < OUT.k`` (bench/NOTES.md,
+forty-sixth session).
 """
 from __future__ import annotations
 
@@ -98,7 +103,59 @@ def summary(rows, top: int = 20) -> str:
   return "\n".join(out)
 
 
+def split(rows, collected: list[str], parts: int) -> list[list[str]]:
+  """``collected``'s node ids dealt into ``parts`` lists of about equal time: each id, the
+  slowest first, goes to the list with the least time so far. An id the times file lacks
+  (a new test) counts the median of the file's times. Each list is heaviest first, so
+  pytest-xdist starts its slowest tests early.
+
+  Args:
+    rows: a times file's lines (``read``).
+    collected: the node ids to deal, each once.
+    parts: how many lists (at least 1).
+
+  Returns:
+    ``parts`` lists of node ids; together ``collected``, each id once.
+
+  Raises:
+    ValueError: for parts below 1, or an id twice in ``collected``.
+  """
+  if parts < 1:
+    raise ValueError(f"parts={parts}: deal into at least 1 list")
+  if len(set(collected)) != len(collected):
+    twice = sorted({i for i in collected if collected.count(i) > 1})
+    raise ValueError(f"node ids listed twice in the collected ids: {twice[:5]}")
+  seconds = {r[4]: r[0] for r in rows}
+  known = sorted(seconds.values())
+  median = known[len(known) // 2] if known else 1.0
+  cost = {i: seconds.get(i, median) for i in collected}
+  lists, totals = [[] for _ in range(parts)], [0.0] * parts
+  for i in sorted(collected, key=lambda i: (-cost[i], i)):
+    k = min(range(parts), key=lambda k: (totals[k], k))
+    lists[k].append(i)
+    totals[k] += cost[i]
+  return lists
+
+
+def _main(argv) -> None:
+  if len(argv) == 5 and argv[0] == "--split":
+    parts, times, collected, out = int(argv[1]), argv[2], argv[3], argv[4]
+    with open(collected, encoding="utf-8") as f:
+      ids = [l.strip() for l in f if "::" in l]
+    rows = read(times)
+    seconds = {r[4]: r[0] for r in rows}
+    for k, ids_k in enumerate(split(rows, ids, parts), 1):
+      with open(f"{out}.{k}", "w", encoding="utf-8") as f:
+        f.write("".join(i + "\n" for i in ids_k))
+      known = sum(seconds[i] for i in ids_k if i in seconds)
+      print(f"{out}.{k}: {len(ids_k)} tests, {known:.0f} worker-seconds known, "
+            f"{sum(i not in seconds for i in ids_k)} not in {times}")
+    return
+  if len(argv) not in (1, 2):
+    sys.exit("usage: python tests/run_times.py TIMES_FILE [TOP]\n"
+             "       python tests/run_times.py --split N TIMES_FILE COLLECTED_IDS OUT")
+  print(summary(read(argv[0]), *(int(a) for a in argv[1:])))
+
+
 if __name__ == "__main__":
-  if len(sys.argv) not in (2, 3):
-    sys.exit("usage: python tests/run_times.py TIMES_FILE [TOP]")
-  print(summary(read(sys.argv[1]), *(int(a) for a in sys.argv[2:])))
+  _main(sys.argv[1:])

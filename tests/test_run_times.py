@@ -108,3 +108,35 @@ def test_summary_adds_up_tests_files_and_workers():
   workers = text.split("tests):\n")[-1].splitlines()
   assert [w.split()[:5] for w in workers] == [["gw1", "2.0", "s", "2.0", "s"],
                                               ["gw0", "15.0", "s", "15.0", "s"]], workers
+
+
+def test_split_deals_equal_time_heaviest_first(tmp_path, capsys):
+  """``--split``: every collected id in exactly one list, the lists' times within the
+  slowest test of each other, each list heaviest first, an id the file lacks at the
+  median time; the command line writes the lists and says what each holds."""
+  times = [30.0, 20.0, 11.0, 10.0, 9.0, 5.0, 4.0, 1.0]
+  rows = [(t, "passed", "gw0", 0.0, f"tests/test_x.py::t{j}") for j, t in enumerate(times)]
+  ids = [r[4] for r in rows] + ["tests/test_new.py::fresh"]
+  lists = run_times.split(rows, ids, 2)
+  assert sorted(sum(lists, [])) == sorted(ids)
+  cost = {r[4]: r[0] for r in rows} | {"tests/test_new.py::fresh": 10.0}  # the median
+  totals = [sum(cost[i] for i in l) for l in lists]
+  assert abs(totals[0] - totals[1]) <= 1.0, (totals, lists)  # 50 and 50 here
+  for l in lists:
+    assert [cost[i] for i in l] == sorted((cost[i] for i in l), reverse=True), l
+  assert run_times.split(rows, ids, 1) == [sorted(ids, key=lambda i: (-cost[i], i))]
+  with pytest.raises(ValueError, match="at least 1"):
+    run_times.split(rows, ids, 0)
+  with pytest.raises(ValueError, match="twice"):
+    run_times.split(rows, ids + ids[:1], 2)
+
+  f = tmp_path / "times.tsv"
+  f.write_text("".join("\t".join([str(r[0]), r[1], r[2], str(r[3]), r[4]]) + "\n"
+                       for r in rows))
+  c = tmp_path / "collected.txt"
+  c.write_text("".join(i + "\n" for i in ids) + "\n9 tests collected in 0.1s\n")
+  run_times._main(["--split", "2", str(f), str(c), str(tmp_path / "part")])
+  written = [(tmp_path / f"part.{k}").read_text().splitlines() for k in (1, 2)]
+  assert written == lists
+  out = capsys.readouterr().out
+  assert "part.1: " in out and "not in" in out, out
