@@ -64,17 +64,12 @@ def pretend(device=H100):
     jax.clear_caches()
 
 
-def pretend_h100():
-  """``pretend(H100)``."""
-  return pretend(H100)
-
-
 def export_time(fn, *args) -> dict:
   """Exports ``fn`` for CUDA as an H100 would run it: seconds, GEMMs traced, MB, and how
   the kernel cache found the kernels (``pallas_kernels.kernel_cache``: lowered now, reused
   from this process's memory, read from the cache folder)."""
   before = kernel_cache.counts.copy()
-  with pretend_h100() as traced:
+  with pretend() as traced:
     t0 = time.perf_counter()
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
     seconds = time.perf_counter() - t0

@@ -54,6 +54,7 @@ change to ``pallas_kernels``' source gives new keys: lower from the tree that tr
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -250,23 +251,23 @@ def lower_kernels(problem: autotune.Problem, configs, keep, extra: bool, device)
   configs, _, _ = autotune.search_configs(problem, configs, extra=extra, keep=keep,
                                           log=lambda _: None)
   ops = {nm: v for nm, (_, v) in problem.inputs.items()}
-  before, failed = kernel_cache.counts.copy(), 0
+  found = collections.Counter()
   for i, cfg in enumerate(configs):
-    t0, lowered = time.perf_counter(), kernel_cache.counts["lowered"]
+    t0, before = time.perf_counter(), kernel_cache.counts.copy()
     try:
       with kernel_cache.keyed_for(device):
         jax.export.export(problem.jitted(cfg, num_sms=device.core_count),
                           platforms=["cuda"])(problem.a, problem.b, ops)
     except Exception as e:  # noqa: BLE001  the search skips it on the device likewise
-      failed += 1
+      found["failed"] += 1
       print(f"  not lowered {cfg.describe()}: {type(e).__name__}: {str(e)[:200]}",
             flush=True)
       continue
-    how = ("lowered" if kernel_cache.counts["lowered"] > lowered else "already there")
-    print(f"  {i + 1}/{len(configs)} {how} ({time.perf_counter() - t0:.1f} s): "
-          f"{cfg.describe()}", flush=True)
-  found = kernel_cache.counts - before
-  return {h: found[h] for h in ("lowered", "disk", "memory")} | {"failed": failed}
+    now = kernel_cache.counts - before
+    found += now
+    print(f"  {i + 1}/{len(configs)} {'lowered' if now['lowered'] else 'already there'} "
+          f"({time.perf_counter() - t0:.1f} s): {cfg.describe()}", flush=True)
+  return {h: found[h] for h in ("lowered", "disk", "memory", "failed")}
 
 
 def find_problems(args) -> dict:

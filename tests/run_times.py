@@ -103,14 +103,14 @@ def summary(rows, top: int = 20) -> str:
   return "\n".join(out)
 
 
-def split(rows, collected: list[str], parts: int) -> list[list[str]]:
+def split(seconds: dict[str, float], collected: list[str], parts: int) -> list[list[str]]:
   """``collected``'s node ids dealt into ``parts`` lists of about equal time: each id, the
   slowest first, goes to the list with the least time so far. An id the times file lacks
   (a new test) counts the median of the file's times. Each list is heaviest first, so
   pytest-xdist starts its slowest tests early.
 
   Args:
-    rows: a times file's lines (``read``).
+    seconds: node id -> seconds, from a times file (``read``).
     collected: the node ids to deal, each once.
     parts: how many lists (at least 1).
 
@@ -122,10 +122,9 @@ def split(rows, collected: list[str], parts: int) -> list[list[str]]:
   """
   if parts < 1:
     raise ValueError(f"parts={parts}: deal into at least 1 list")
-  if len(set(collected)) != len(collected):
-    twice = sorted({i for i in collected if collected.count(i) > 1})
+  twice = sorted(i for i, n in collections.Counter(collected).items() if n > 1)
+  if twice:
     raise ValueError(f"node ids listed twice in the collected ids: {twice[:5]}")
-  seconds = {r[4]: r[0] for r in rows}
   known = sorted(seconds.values())
   median = known[len(known) // 2] if known else 1.0
   cost = {i: seconds.get(i, median) for i in collected}
@@ -142,9 +141,8 @@ def _main(argv) -> None:
     parts, times, collected, out = int(argv[1]), argv[2], argv[3], argv[4]
     with open(collected, encoding="utf-8") as f:
       ids = [l.strip() for l in f if "::" in l]
-    rows = read(times)
-    seconds = {r[4]: r[0] for r in rows}
-    for k, ids_k in enumerate(split(rows, ids, parts), 1):
+    seconds = {r[4]: r[0] for r in read(times)}
+    for k, ids_k in enumerate(split(seconds, ids, parts), 1):
       with open(f"{out}.{k}", "w", encoding="utf-8") as f:
         f.write("".join(i + "\n" for i in ids_k))
       known = sum(seconds[i] for i in ids_k if i in seconds)

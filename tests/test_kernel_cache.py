@@ -1,6 +1,6 @@
 """pallas_kernels.kernel_cache: each compiled kernel lowered once per process, and read back
 from its folder by a later one. Here (no GPU) kernels are lowered for CUDA as an H100 runs
-them (``bench.lowering_time.pretend_h100``) and exported, nothing runs. On an sm90 GPU the
+them (``bench.lowering_time.pretend``) and exported, nothing runs. On an sm90 GPU the
 last test runs the cached kernels against the same kernels lowered where they are traced,
 bit for bit; every other GPU test runs its kernels through the cache too."""
 import logging
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench.lowering_time import pretend_h100
+from bench.lowering_time import pretend
 from helpers import mosaic_launches
 import coda_jax as cj
 import pallas_kernels as pk
@@ -40,7 +40,7 @@ def gemm(program):
 def export(fn, *args) -> tuple[str, dict]:
   """(the exported module's text, how the cache found its kernels)."""
   before = dict(KC.counts)
-  with pretend_h100():
+  with pretend():
     text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
   return text, {k: KC.counts[k] - before.get(k, 0) for k in ("lowered", "memory", "disk")}
 
@@ -66,7 +66,7 @@ def test_lowered_once_then_reused_then_read_back(folder, caplog):
   assert len(re.findall(r"call @call_exported_coda_kernel_", text)) == 2
 
   # the tests' launch count sees both sites, cached or lowered in place
-  with pretend_h100():
+  with pretend():
     assert mosaic_launches(twice, A, B, A, platforms=("cuda",)) == 2
     with KC.bypassed():
       assert mosaic_launches(twice, A, B, A, platforms=("cuda",)) == 2
@@ -88,7 +88,7 @@ def test_key_follows_the_kernel():
     cfg = cj.kernel_config(a, B, program, {})
     cfg = cfg if stages is None else dataclasses.replace(cfg, stages=stages)
     run = lambda a, b: tuple(cj.gemm_epilogue(a, b, program, impl="mosaic", config=cfg).values())
-    with KC.bypassed(), pretend_h100():
+    with KC.bypassed(), pretend():
       return KC.kernel_key(jax.make_jaxpr(run)(a, B))
   base = key(STORE)
   assert key(STORE) == base
@@ -201,7 +201,7 @@ def test_vmap_and_recording_lower_where_traced(folder):
   assert "mosaic_gpu_v2" in text and "call_exported" not in text
   assert found == {"lowered": 1, "memory": 0, "disk": 0}
   before = dict(KC.counts)
-  with pretend_h100(), pk.autotune.recording() as problems:
+  with pretend(), pk.autotune.recording() as problems:
     jax.eval_shape(gemm(SCALED), A, B)
   assert len(problems) == 1 and dict(KC.counts) == before
   assert len(list(folder.glob(f"*{KC.SUFFIX}"))) == 1  # vmap's, not the recorded one

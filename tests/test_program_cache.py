@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.lowering_time import pretend_h100
+from bench.lowering_time import pretend
 from coda_jax import epilogue_gemm as E, primitives as P, program_cache as PC
 
 
@@ -106,7 +106,7 @@ def test_key_sees_inside_kernels():
   a = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
   b = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
   keys = {}
-  with pretend_h100():
+  with pretend():
     for name, prog in (("store", [P.Store("y", jnp.bfloat16)]),
                        ("scaled", [P.ScaleConst(2.0), P.Store("y", jnp.bfloat16)])):
       base = E.kernel_config(a, b, prog, {})
@@ -126,7 +126,7 @@ def test_kernels_are_exportable():
   a = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
   b = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
   run = lambda a, b: E.gemm_epilogue(a, b, [P.Store("y", jnp.bfloat16)], impl="mosaic")
-  with pretend_h100() as traced:
+  with pretend() as traced:
     exp = PC._flat_export(run, (a, b), platforms=["cuda"])
   assert traced and "mosaic_gpu_v2" in exp.mlir_module()
   assert jax.export.deserialize(exp.serialize()).in_avals == exp.in_avals

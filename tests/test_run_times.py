@@ -117,18 +117,19 @@ def test_split_deals_equal_time_heaviest_first(tmp_path, capsys):
   times = [30.0, 20.0, 11.0, 10.0, 9.0, 5.0, 4.0, 1.0]
   rows = [(t, "passed", "gw0", 0.0, f"tests/test_x.py::t{j}") for j, t in enumerate(times)]
   ids = [r[4] for r in rows] + ["tests/test_new.py::fresh"]
-  lists = run_times.split(rows, ids, 2)
+  seconds = {r[4]: r[0] for r in rows}
+  lists = run_times.split(seconds, ids, 2)
   assert sorted(sum(lists, [])) == sorted(ids)
-  cost = {r[4]: r[0] for r in rows} | {"tests/test_new.py::fresh": 10.0}  # the median
+  cost = seconds | {"tests/test_new.py::fresh": 10.0}  # the median
   totals = [sum(cost[i] for i in l) for l in lists]
   assert abs(totals[0] - totals[1]) <= 1.0, (totals, lists)  # 50 and 50 here
   for l in lists:
     assert [cost[i] for i in l] == sorted((cost[i] for i in l), reverse=True), l
-  assert run_times.split(rows, ids, 1) == [sorted(ids, key=lambda i: (-cost[i], i))]
+  assert run_times.split(seconds, ids, 1) == [sorted(ids, key=lambda i: (-cost[i], i))]
   with pytest.raises(ValueError, match="at least 1"):
-    run_times.split(rows, ids, 0)
+    run_times.split(seconds, ids, 0)
   with pytest.raises(ValueError, match="twice"):
-    run_times.split(rows, ids + ids[:1], 2)
+    run_times.split(seconds, ids + ids[:1], 2)
 
   f = tmp_path / "times.tsv"
   f.write_text("".join("\t".join([str(r[0]), r[1], r[2], str(r[3]), r[4]]) + "\n"
