@@ -1452,6 +1452,19 @@ MUTATIONS = [
         "the nested pytest runs of the tests write their probes' times into the "
         "caller's file"),
     Mutation(
+        "readme_example_swaps_arguments", "README.md",
+        "x, h, r = F.residual_rmsnorm(y, wo, x0, g_mlp)",
+        "x, h, r = F.residual_rmsnorm(y, wo, g_mlp, x0)",
+        ("tests/test_readme.py", "-k", "fused_ops"),
+        "the README's example of the fused ops passes the residual and the norm weight in "
+        "each other's places: a reader's copy would fail"),
+    Mutation(
+        "readme_example_left_unrun", "tests/test_readme.py",
+        '          TENSOR_PARALLEL: "test_sharded", SHARD_MAP: "test_sharded"}\n',
+        '          TENSOR_PARALLEL: "test_sharded"}\n',
+        ("tests/test_readme.py", "-k", "every_example"),
+        "a README example no test runs (the shard_map one) goes unnoticed"),
+    Mutation(
         "run_times_split_round_robin", "tests/run_times.py",
         "    k = min(range(parts), key=lambda k: (totals[k], k))\n",
         "    k = sum(len(l) for l in lists) % parts\n",
