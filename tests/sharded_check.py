@@ -1,4 +1,4 @@
-"""Run by test_sharding.py in a fresh process with 2 fake CPU devices (the device count
+"""Run by test_sharding.py in a fresh process with 4 fake CPU devices (the device count
 is fixed when jax starts): every fused op (the LayerNorm ops of issue 13 too) and the
 shifted block under ``jax.shard_map``
 with rows split over "data" and weights replicated, against the same call on one
