@@ -1,12 +1,12 @@
 """The README's Python examples run as written and return what their comments say.
 
 Each ```python block of README.md is run from its text: the two of "Using the layers"
-one after the other in one namespace, as a reader's session would run them, the API
-sketches of "The kernels and ops" after a setup that
-makes the arrays they name (shapes that tile the kernels, so on an H100 they run
-compiled), and the two of "Sharded arrays" in a fresh process on 4 fake CPU devices,
-after the model example that makes their ``state``. A block this file does not know
-fails ``test_every_example_is_run``, so a new example gets a run here.
+one after the other in one namespace, as a reader's session would run them; the API
+sketches of "The kernels and ops" after a setup that makes the arrays they name (shapes
+that tile the kernels, so on an H100 they run compiled); and the two of "Sharded arrays"
+in a fresh process on 4 fake CPU devices, after the model example that makes their
+``state``. A block this file does not know fails ``test_every_example_is_run``, so a new
+example gets a run here.
 """
 import json
 import math
