@@ -20,11 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import normal
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 # A line that starts each example this file runs (at the start of one of its lines,
-# in exactly one block) -> the test that runs it.
+# in exactly one block).
 LAYERS = "class MyBlock(nnx.Module):"
 MODEL = "from flax_layers import Llama, get_config"
 GEMM = "import coda_jax as cj"
@@ -32,9 +34,7 @@ OPS = "from coda_jax import fused_ops as F"
 FAMILIES = "from coda_jax import layernorm_ops as LN, qk_norm as QN"
 TENSOR_PARALLEL = "from jax.sharding import NamedSharding, PartitionSpec as P"
 SHARD_MAP = "post = jax.shard_map("
-RUN_BY = {LAYERS: "test_layers_and_model", MODEL: "test_layers_and_model",
-          GEMM: "test_gemm_epilogue", OPS: "test_fused_ops", FAMILIES: "test_beyond_llama",
-          TENSOR_PARALLEL: "test_sharded", SHARD_MAP: "test_sharded"}
+EXAMPLES = (LAYERS, MODEL, GEMM, OPS, FAMILIES, TENSOR_PARALLEL, SHARD_MAP)
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
@@ -86,10 +86,10 @@ def test_every_example_is_run():
   """Every python block of the README is one this file runs."""
   blocks = python_blocks(README.read_text())
   unknown = [(line, src.split("\n", 1)[0]) for line, src in blocks
-             if not any(_marks(src, k) for k in RUN_BY)]
+             if not any(_marks(src, k) for k in EXAMPLES)]
   assert not unknown, (f"README.md python blocks no test runs (line, first line): {unknown};"
                        " add each to tests/test_readme.py")
-  assert sorted(example(k)[0] for k in RUN_BY) == [line for line, _ in blocks]
+  assert sorted(example(k)[0] for k in EXAMPLES) == [line for line, _ in blocks]
 
 
 def test_layers_and_model(tmp_path, monkeypatch):
@@ -109,8 +109,8 @@ def test_layers_and_model(tmp_path, monkeypatch):
   assert abs(loss - math.log(ns["model"].config.vocab_size)) < 1.0, loss
 
 
-def _normal(key, shape, scale=1.0, dtype=jnp.bfloat16):
-  return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+def _normal(key, shape, scale=1.0):
+  return (scale * normal(key, shape)).astype(jnp.bfloat16)
 
 
 M, K, D, F_, V = 256, 128, 256, 512, 512
@@ -192,7 +192,7 @@ T.run(T.example(T.TENSOR_PARALLEL), ns)
 tp_loss = float(ns["loss"])
 specs = sorted({{str(x.sharding.spec) for x in jax.tree.leaves(ns["state"])}})
 ks = iter(jax.random.split(jax.random.key(1), 8))
-n = lambda s, k=1.0: (k * jax.random.normal(next(ks), s)).astype(jnp.bfloat16)
+n = lambda s, k=1.0: T._normal(next(ks), s, k)
 M, D, F, V, HQ, HKV, HD = 256, 128, 256, 320, 4, 2, 32
 ns.update(x0=n((M, D)), y0=n((M, HQ * HD)), t=jax.random.randint(next(ks), (M,), 0, V),
           cfg=blocks.BlockConfig(HQ, HKV, HD, reduction="sum"), blocks=blocks,
