@@ -29,6 +29,12 @@ and energy per call over its windows.
 chosen config (``deepens``): one output slot, for example, pays only where the shared
 memory it frees buys a stage (bench/NOTES.md, fortieth session).
 
+``--trace DIR`` runs each (problem, variant) once more with Mosaic GPU's on-device
+profiler (``gemm_mgpu.traced``), writes its trace under ``DIR/<problem>/<variant>/``, and
+prints a second table: per tile, the cycles of the warpgroups' mainloop, epilogue and the
+epilogue's waits (``bench.kernel_trace``). ``--shapes`` and ``--programs`` choose the
+``bench`` workload's problems, as in ``bench.tune_gemm``.
+
 ``--xla-dot`` adds a row per problem: the plain product at its shape and operand order
 through ``lax.dot_general`` (cuBLAS, nothing fused), the yardstick for our mainloop and
 for what an epilogue costs in time and, sustained, in energy.
@@ -37,13 +43,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
+import os
 import re
 import sys
 import time
 
 import jax
 
-from bench import common, step_gemms, tune_gemm
+from bench import common, kernel_trace, step_gemms, tune_gemm
 from pallas_kernels import autotune
 from pallas_kernels import gemm_mgpu as g
 
@@ -133,11 +141,32 @@ def deepens(problem: autotune.Problem, overrides: dict) -> bool:
 XLA_DOT = "xla dot"
 
 
+def traced_run(problem: autotune.Problem, cfg, num_sms, args, folder: str) -> dict:
+  """Runs ``problem`` once under ``cfg`` with the on-device profiler, its trace written
+  into ``folder`` (made; must hold no trace yet), and returns ``kernel_trace``'s
+  summary of it."""
+  if glob.glob(os.path.join(folder, "*.json")):
+    raise ValueError(f"--trace: {folder} holds traces already; name an empty folder")
+  with g.traced(folder):
+    fn = problem.jitted(cfg, num_sms)  # traced afresh, under the profiler
+    jax.block_until_ready(fn(*args))
+  found = glob.glob(os.path.join(folder, "*.json"))
+  if len(found) != 1:
+    raise RuntimeError(f"--trace: expected one trace in {folder}, found {len(found)}")
+  return kernel_trace.summarise(found[0])
+
+
+def _folder_name(text: str) -> str:
+  return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")[:80]
+
+
 def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
-        sustained_s: float | None = None, xla_dot: bool = False) -> list[dict]:
+        sustained_s: float | None = None, xla_dot: bool = False,
+        trace_dir: str | None = None, where: str = "") -> list[dict]:
   """The problem under its chosen config ("base") and each variant, and with
   ``xla_dot`` the plain product at its shape and operand order through
-  ``lax.dot_general`` (cuBLAS, no epilogue: the row named ``XLA_DOT``)."""
+  ``lax.dot_general`` (cuBLAS, no epilogue: the row named ``XLA_DOT``). With
+  ``trace_dir``, each config's row also gets ``trace``: ``traced_run``'s summary."""
   base, source = autotune.chosen_config(problem)
   a, b, ops = problem.random_inputs(seed=1)
   rows, calls = [], {}
@@ -168,6 +197,11 @@ def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
       else:
         row["ms"] = common.time_kernels(fn, a, b, ops, iterations=iterations,
                                         only=only)[0]
+      if trace_dir and overrides is not None:
+        folder = os.path.join(trace_dir, _folder_name(f"{where} {k.m}x{k.n}x{k.k}"),
+                              _folder_name(name))
+        row["trace"] = traced_run(dataclasses.replace(problem, clip_m=clip_m), cfg,
+                                  num_sms, (a, b, ops), folder)
     except Exception as e:  # noqa: BLE001  a variant that does not fit is reported
       row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
     rows.append(row)
@@ -199,6 +233,11 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--workloads", default=None, help="bench.tune_gemm's workloads")
   p.add_argument("--match", default=None, help="regular expression on the key text")
+  p.add_argument("--shapes", default=None, help="bench workload: MxKxN,... (default all)")
+  p.add_argument("--programs", default="all", help="bench workload: program names")
+  p.add_argument("--trace", default=None, metavar="DIR",
+                 help="also run each config once under the on-device profiler, traces "
+                 "into DIR, and print cycles per tile by region (bench.kernel_trace)")
   p.add_argument("--plain", action="append", default=[], help="MxNxK:ORDER plain GEMMs")
   p.add_argument("--variant", action="append", default=[],
                  help="NAME=FIELD=VALUE,... (repeatable)")
@@ -215,6 +254,8 @@ def main():
                  "than the chosen config (e.g. --variant 'out1=epi_out_slots=1,stages=7': "
                  "where one output slot frees room for a stage)")
   args = p.parse_args()
+  if args.trace and args.ncu:
+    sys.exit("--trace with --ncu: profile with one at a time")
   if args.sustained_s is not None and (args.sustained_s <= 0 or args.ncu):
     sys.exit(f"--sustained-s {args.sustained_s}: a positive number of seconds, "
              "without --ncu")
@@ -229,7 +270,7 @@ def main():
     sys.exit("compare_configs measures on the device: run it on the GPU host")
   if args.workloads:
     found = tune_gemm.find_problems(argparse.Namespace(
-        workloads=args.workloads, shapes=None, programs="all"))
+        workloads=args.workloads, shapes=args.shapes, programs=args.programs))
     problems += [(where, pr) for k, (where, pr) in found.items()
                  if args.match is None or re.search(args.match, k)]
   if args.deeper_only:
@@ -243,11 +284,14 @@ def main():
         f"timing: CUPTI, median of {args.iterations} calls", flush=True)
   table = ["| problem | M x N x K | order | variant | config | ms | / base | MHz | W | mJ per call |",
            "|---|---|---|---|---|---|---|---|---|---|"]
+  traced = {}
   for where, problem in problems:
     k = problem.key
     rows, source = run(problem, variants, args.iterations, args.ncu, args.sustained_s,
-                       args.xla_dot)
+                       args.xla_dot, args.trace, where)
     program = k.signature.split(";")[0][:60]
+    traced.update({f"{where}: {program} {k.m}x{k.n}x{k.k} {row['variant']}": row["trace"]
+                   for row in rows if "trace" in row})
     for row in rows:
       ms = row.get("ms")
       result = row.get("error") or ("ran" if ms is None else f"{ms:.4f}")
@@ -258,6 +302,9 @@ def main():
       print(line, flush=True)
       table.append(line)
   print("\n" + "\n".join(table))
+  if traced:
+    print("\ncycles per tile, by region (medians; bench.kernel_trace):\n"
+          + kernel_trace.table(traced))
 
 
 if __name__ == "__main__":

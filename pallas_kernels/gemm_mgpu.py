@@ -17,10 +17,12 @@ both are fed to wgmma as transposed shared-memory views, so no transpose is mate
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import math
+import os
 from typing import Callable
 
 import jax
@@ -35,6 +37,69 @@ from pallas_kernels import kernel_cache
 SMEM_LIMIT_BYTES = 227 * 1024  # sm90 per-block opt-in maximum
 _SMEM_RESERVE_BYTES = 2304  # barriers and alignment padding (measured: ~2.1 KiB)
 _REDUCTION_SCRATCH_BYTES = 2048  # plgpu.CompilerParams.reduction_scratch_bytes default
+# Mosaic GPU's on-device profiler keeps, per warpgroup, two 4-byte entries (a tag and
+# the SM's cycle counter) for each end of a named region: 16 bytes a region.
+_TRACE_BYTES_PER_REGION = 16
+_TRACE_HEADER_ENTRIES = 3  # start time, SM id, entries used
+
+# Where kernels built by ``gemm`` write their traces (``traced``), or None.
+_trace: dict | None = None
+
+
+@contextlib.contextmanager
+def traced(directory: str, regions: int = 512):
+  """Kernels that ``gemm`` builds inside this context record their named regions.
+
+  Each warpgroup's first thread notes the SM cycle counter as it enters and leaves
+  each ``jax.named_scope`` of the kernel body (``mainloop``, ``epilogue`` and the
+  epilogue's waits: ``wait_turn``, ``wait_operand``, ``wait_store``; in ping-pong
+  kernels also each K step's wait for its stage, ``wait_stage``, and the memory
+  warpgroup's wait for a free slot, ``wait_slot``), and each call
+  writes a Chrome trace (JSON) into ``directory`` (Mosaic GPU's profiler; its traces
+  time regions in cycles, so read them with ``bench.kernel_trace``).
+
+  Args:
+    directory: the folder for the traces; made if missing.
+    regions: at most this many regions per warpgroup, fewer where shared memory left
+      over by the kernel's config holds fewer. Regions past the buffer are dropped, so
+      a long kernel's trace covers its first tiles.
+
+  Only kernels that ``gemm`` builds in the context are traced: a function jitted and
+  called before it keeps its compiled, untraced kernel, so trace a fresh one (as
+  ``bench.compare_configs --trace`` does). Traced kernels are neither read from nor
+  written to the kernel cache, and the profiler's buffer and cycle reads cost a little
+  time: time kernels untraced.
+
+  Raises:
+    ValueError: no folder, or fewer than one region; and from ``gemm``, where the
+      kernel's config leaves too little shared memory for one region per warpgroup.
+  """
+  global _trace
+  if not directory:
+    raise ValueError("traced(directory=...): name a folder for the traces")
+  if regions < 1:
+    raise ValueError(f"traced(regions={regions}): need at least one region per warpgroup")
+  os.makedirs(directory, exist_ok=True)
+  before, _trace = _trace, dict(directory=directory, regions=regions)
+  try:
+    yield
+  finally:
+    _trace = before
+
+
+def _trace_params(smem_used: int, warpgroups: int) -> dict:
+  """CompilerParams' profiler fields under ``traced``: as many regions per warpgroup as
+  asked and as fit beside the kernel's own shared memory."""
+  if _trace is None:
+    return {}
+  free = SMEM_LIMIT_BYTES - smem_used - _TRACE_HEADER_ENTRIES * 4 * warpgroups
+  regions = min(_trace["regions"], free // (_TRACE_BYTES_PER_REGION * warpgroups))
+  if regions < 1:
+    raise ValueError(f"traced(): the kernel leaves {max(free, 0)} bytes of shared memory, "
+                     "too few for the profiler's buffer; trace a config with fewer "
+                     "stages or slots")
+  return dict(profile_space=regions, profile_dir=_trace["directory"],
+              profile_bounds_check=True)
 
 
 class MatDim(enum.IntEnum):
@@ -986,7 +1051,8 @@ class _Epilogue:
 
     @pl.when(jnp.logical_not(first_tile))
     def _wait_for_previous():
-      plgpu.barrier_wait(turn.at[1 - self.wg])
+      with jax.named_scope("wait_turn"):
+        plgpu.barrier_wait(turn.at[1 - self.wg])
     if self.totals:
       self._gather(row_base)
     self._walk(acc, row_base, col_base)
@@ -1044,14 +1110,16 @@ class _Epilogue:
       r0, c0 = self._origin(s, row_base, col_base)
       staged, bar = self._staged(q)
       if staged:
-        plgpu.barrier_wait(self.smem[bar].at[self.wg * self.in_slots + in_slot])
+        with jax.named_scope("wait_operand"):
+          plgpu.barrier_wait(self.smem[bar].at[self.wg * self.in_slots + in_slot])
       if self.whole and not first_pass:
         # The stores issued out_slots sub-tiles ago used this slot, and each sub-tile
         # commits at least one store group, so at most out_slots - 1 groups may still
         # be reading. At a tile's first sub-tile the previous tile's stores used the
         # slots in an order this tile does not continue: wait for all of them (a whole
         # mainloop has run since).
-        plgpu.wait_smem_to_gmem(0 if s == 0 else self.out_slots - 1, wait_read_only=True)
+        with jax.named_scope("wait_store"):
+          plgpu.wait_smem_to_gmem(0 if s == 0 else self.out_slots - 1, wait_read_only=True)
       # The load into this sub-tile's slot once every warp is done with it: a later
       # sub-tile of this tile, or past its last, the next tile's (the same slot:
       # in_slots divides count); None where there is none.
@@ -1289,9 +1357,11 @@ def _kernel_cooperative(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a
 
         @functools.partial(pl.run_scoped, **_accumulators(cfg, outputs))
         def _acc_scope(acc_ref, sums_ref=None):
-          run_mainloop((acc_ref, sums_ref))
-          ep.store_b_sum(sums_ref, row_base, col_base)
-          ep.run(acc_ref[...], row_base, col_base)
+          with jax.named_scope("mainloop"):
+            run_mainloop((acc_ref, sums_ref))
+          with jax.named_scope("epilogue"):
+            ep.store_b_sum(sums_ref, row_base, col_base)
+            ep.run(acc_ref[...], row_base, col_base)
 
       def mma_body(indices, a_smem, b_smem, refs):
         acc_ref, sums_ref = refs
@@ -1455,7 +1525,8 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
 
           @pl.when(step >= stages)
           def _wait_released():
-            plgpu.barrier_wait(consumed.at[slot])
+            with jax.named_scope("wait_slot"):
+              plgpu.barrier_wait(consumed.at[slot])
 
           ks = pl.ds(pl.multiple_of(kk * tk, tk), tk)
           rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
@@ -1495,7 +1566,8 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
           def k_body(kk, _):
             step = first_step + kk
             slot = step % stages
-            plgpu.barrier_wait(full.at[wg * stages + slot])
+            with jax.named_scope("wait_stage"):
+              plgpu.barrier_wait(full.at[wg * stages + slot])
             a_op = a_ring.at[slot].transpose((1, 0)) if trans_a else a_ring.at[slot]
             b_op = b_ring.at[slot].transpose((1, 0)) if trans_b else b_ring.at[slot]
             ep.sum_b(sums_ref, b_ring.at[slot], trans_b, slice(None), kk, row_base,
@@ -1507,11 +1579,13 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
             def _release_previous():
               plgpu.barrier_arrive(consumed.at[(step - 1) % stages])
 
-          lax.fori_loop(0, k_iters, k_body, None)
-          plgpu.wgmma_wait(0)
+          with jax.named_scope("mainloop"):
+            lax.fori_loop(0, k_iters, k_body, None)
+            plgpu.wgmma_wait(0)
           plgpu.barrier_arrive(consumed.at[(first_step + k_iters - 1) % stages])
-          ep.store_b_sum(sums_ref, row_base, col_base)
-          ep.run(acc_ref[...], row_base, col_base, first_tile=t == 0)
+          with jax.named_scope("epilogue"):
+            ep.store_b_sum(sums_ref, row_base, col_base)
+            ep.run(acc_ref[...], row_base, col_base, first_tile=t == 0)
 
       lax.fori_loop(0, (local_tiles - wg + 1) // 2, tile_body, None)
       if "turn" in smem:  # the other warpgroup's last epilogue: observe its turn
@@ -1697,6 +1771,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
     if need > SMEM_LIMIT_BYTES:
       raise ValueError(f"{config} with this epilogue needs {need} bytes of shared memory, "
                        f"over the {SMEM_LIMIT_BYTES}-byte limit: lower stages or tiles")
+    return need
   if num_sms is None:
     num_sms = jax.devices()[0].core_count if interpret is None else 2
   tiles = -(-m // config.cluster_tile[0]) * (n // config.cluster_tile[1])
@@ -1712,7 +1787,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
   grid = min(num_sms // cluster, tiles)
   if totals and (why := row_totals_conflict(config, n, grid)):
     raise ValueError(f"{config} cannot make row_total outputs {totals}: {why}")
-  check_smem(staged(in_place))
+  smem_need = check_smem(staged(in_place))
   if not mainloop:  # K = 0: the product is zero; a, b are not passed to the kernel
     body = functools.partial(_kernel_no_product, cfg=config, m=m, n=n)
   else:
@@ -1758,12 +1833,15 @@ def gemm(a: jax.Array, b: jax.Array, *,
         # approx_math: SFU exp/sin/cos/division in epilogues (inputs are range-reduced
         # where that matters; see coda_jax.primitives.Rotate).
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
+            **(_trace_params(smem_need, 3 if mainloop else 2)
+               if interpret is None else {})),
         interpret=interpret)
 
   lead = (a, b) if mainloop else ()
-  # compiled kernels are lowered once per process and kept on disk (kernel_cache)
-  lowered_once = interpret is None and kernel_cache.active()
+  # compiled kernels are lowered once per process and kept on disk (kernel_cache); a
+  # traced one is not (its profiler buffer and output folder are not in the key)
+  lowered_once = interpret is None and kernel_cache.active() and _trace is None
   if not in_place:
     fresh = lambda *xs: tuple(make_kernel({})(*xs))
     args = (*lead, *(kernel_inputs[nm] for nm in names_in))

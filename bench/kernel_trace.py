@@ -1,0 +1,157 @@
+"""Where a GEMM kernel's warpgroups spend their cycles, from Mosaic GPU's on-device
+profiler. GPU host only for tracing; the summary reads trace files anywhere.
+
+    PYTHONPATH=. python -m bench.compare_configs --workloads bench \\
+        --shapes 16384x2048x8192 --programs plain,residual_sumsq_aux --trace /tmp/tr
+    PYTHONPATH=. python -m bench.kernel_trace /tmp/tr/*.json     # summarise again
+
+``pallas_kernels.gemm_mgpu.traced(folder)`` makes the kernels ``gemm`` builds note, for
+each compute warpgroup, the SM cycle at which it enters and leaves the kernel's named
+regions: ``mainloop`` (the K loop of one tile, from its first wait for a stage to its
+last wgmma), ``epilogue`` (the whole epilogue of that tile) and, inside it, the waits
+``wait_turn`` (for the other warpgroup's epilogue to end: ping-pong), ``wait_operand``
+(for a staged operand sub-tile) and ``wait_store`` (for a store slot to be read out).
+Each call writes one Chrome trace (JSON; open it in Perfetto to see the timeline).
+
+``summarise`` reduces a trace to one row: per tile of a compute warpgroup, in cycles
+(medians over the warpgroups' tiles, the first and last tile of each left out):
+
+- ``period``: from one of its mainloops' start to its next one's. Ping-pong warpgroups
+  take every other tile, so a period holds two tiles' mainloops (its own and the
+  other warpgroup's) and one epilogue;
+- ``mainloop`` and ``epilogue``: the regions' lengths;
+- ``first``: the mainloop's wait for its first stage (ping-pong: mostly the other
+  warpgroup's mainloop, which the memory warpgroup streams first);
+- ``stages``: its waits for every later stage, summed: the tensor cores starved of data;
+- ``turn``, ``operand``, ``store``: the epilogue's waits, summed over its sub-tiles;
+- ``work``: the epilogue less its waits;
+
+and ``slot``: the share of the memory warpgroup's traced span spent waiting for a free
+slot of the ring (near 1: it runs ahead of the tensor cores; near 0: loads lag).
+
+In a ping-pong kernel whose epilogues hide under the other warpgroup's mainloop, a
+warpgroup's mainloop region (which starts with waiting for the other's to release the
+tensor cores' stages) takes all of the period but its epilogue, and the period is two
+tiles' worth of wgmma. An epilogue longer than the other's mainloop shows as a period
+of ``epilogue`` plus this warpgroup's own mainloop, with short stage waits.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import statistics
+from pathlib import Path
+
+COMPUTE_WARPGROUPS = 2  # traces 0 and 1 of each block; trace 2 is the memory warpgroup
+WAITS = ("wait_turn", "wait_operand", "wait_store")
+COLUMNS = ("tiles", "period", "mainloop", "first", "stages", "epilogue", "turn", "operand",
+           "store", "work", "slot")
+
+
+def regions(path: str | Path) -> dict[int, list[tuple[str, float, float]]]:
+  """One trace file -> trace id -> its closed regions (name, start, end), in cycles
+  from the trace's first event, in the order they started.
+
+  The profiler writes each event's time as (the warpgroup's start time in ns + its
+  cycles since its first event) / 1000, so within one trace differences are cycles.
+  Regions left open (a buffer that ran out mid-region gets a synthetic end at the
+  last event) are dropped with the tile they belong to by ``summarise``.
+  """
+  events = json.loads(Path(path).read_text())["traceEvents"]
+  by_trace = collections.defaultdict(list)
+  for ev in events:
+    by_trace[ev["tid"]].append(ev)
+  out = {}
+  for tid, evs in by_trace.items():
+    origin = evs[0]["ts"]
+    stack, closed = [], []
+    for ev in evs:
+      t = round((ev["ts"] - origin) * 1e3)  # whole ns and cycles, divided by 1000
+      if ev["ph"] == "B":
+        stack.append((ev["name"], t))
+      else:
+        name, t0 = stack.pop()
+        if name != ev["name"]:
+          raise ValueError(f"{path}: trace {tid} closes {ev['name']!r} inside {name!r}")
+        closed.append((name, t0, t))
+    out[tid] = sorted(closed, key=lambda r: r[1])
+  return out
+
+
+def _compute_traces(traces: dict) -> dict:
+  """The compute warpgroups' traces: those with mainloop regions (the memory
+  warpgroup records none)."""
+  return {tid: rs for tid, rs in traces.items() if any(r[0] == "mainloop" for r in rs)}
+
+
+def tiles(rs: list[tuple[str, float, float]]) -> list[dict]:
+  """A compute warpgroup's regions grouped by tile: each mainloop with the epilogue
+  after it and the waits inside that epilogue; dicts of cycles."""
+  mains = [r for r in rs if r[0] == "mainloop"]
+  epis = [r for r in rs if r[0] == "epilogue"]
+  out = []
+  for i, (_, m0, m1) in enumerate(mains):
+    nxt = mains[i + 1][1] if i + 1 < len(mains) else float("inf")
+    epi = next((e for e in epis if m1 <= e[1] < nxt), None)
+    if epi is None:
+      continue  # the buffer ran out before this tile's epilogue was noted
+    row = dict(start=m0, mainloop=m1 - m0, epilogue=epi[2] - epi[1])
+    waits = [r[2] - r[1] for r in rs if r[0] == "wait_stage" and m0 <= r[1] < m1]
+    row["first"], row["stages"] = (waits[0], sum(waits[1:])) if waits else (0.0, 0.0)
+    for w in WAITS:
+      row[w] = sum(r[2] - r[1] for r in rs if r[0] == w and epi[1] <= r[1] < epi[2])
+    out.append(row)
+  for a, b in zip(out, out[1:]):
+    a["period"] = b["start"] - a["start"]
+  return out
+
+
+def summarise(path: str | Path) -> dict:
+  """One trace file -> medians per tile (``COLUMNS``), over every compute warpgroup's
+  tiles but its first and last (the first waits for the pipeline to fill, the last
+  has no next tile to measure a period to)."""
+  traces = regions(path)
+  compute = _compute_traces(traces)
+  rows = []
+  for rs in compute.values():
+    rows += [t for t in tiles(rs)[1:-1] if "period" in t]
+  slot = [sum(r[2] - r[1] for r in rs if r[0] == "wait_slot") / (rs[-1][2] - rs[0][1])
+          for tid, rs in traces.items() if tid not in compute and rs]
+  if not rows:
+    raise ValueError(f"{path}: no compute warpgroup traced two whole tiles; raise "
+                     "traced(regions=...) or trace a larger problem")
+  med = lambda key: statistics.median(r[key] for r in rows)
+  out = dict(tiles=len(rows), period=med("period"), mainloop=med("mainloop"),
+             first=med("first"), stages=med("stages"), epilogue=med("epilogue"),
+             turn=med("wait_turn"), operand=med("wait_operand"), store=med("wait_store"))
+  out["work"] = statistics.median(
+      r["epilogue"] - sum(r[w] for w in WAITS) for r in rows)
+  out["slot"] = statistics.median(slot) if slot else float("nan")
+  return out
+
+
+def table(named: dict[str, dict]) -> str:
+  """name -> ``summarise``'s dict -> a markdown table, cycles per tile."""
+  lines = ["| kernel | " + " | ".join(COLUMNS) + " |",
+           "|---|" + "---|" * len(COLUMNS)]
+  for name, s in named.items():
+    lines.append(f"| {name} | " + " | ".join(
+        str(s[c]) if c == "tiles" else f"{s[c]:.2f}" if c == "slot" else f"{s[c]:,.0f}"
+        for c in COLUMNS) + " |")
+  return "\n".join(lines)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("files", nargs="+", help="trace files (JSON) or globs")
+  args = p.parse_args()
+  paths = [q for f in args.files for q in sorted(glob.glob(f))]
+  if not paths:
+    raise SystemExit(f"no trace files match {args.files}")
+  print(table({Path(q).stem: summarise(q) for q in paths}))
+
+
+if __name__ == "__main__":
+  main()
