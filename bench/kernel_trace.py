@@ -132,6 +132,31 @@ def summarise(path: str | Path) -> dict:
   return out
 
 
+def stage_waits_by_step(path: str | Path) -> list[float]:
+  """One trace file -> the mean wait for each K step's stage, by step (the first is
+  the mainloop's wait for its turn), over the compute warpgroups' whole mainloops but
+  each warpgroup's first and last. A ping-pong mainloop runs under the other
+  warpgroup's epilogue for its first steps: waits that grow there, and not after, are
+  the epilogue's traffic slowing the mainloop's loads (bench/NOTES.md, forty-eighth
+  session)."""
+  steps: list[list[float]] = []
+  for rs in _compute_traces(regions(path)).values():
+    mains = [r for r in rs if r[0] == "mainloop"]
+    for _, m0, m1 in mains[1:-1]:
+      waits = [r[2] - r[1] for r in rs if r[0] == "wait_stage" and m0 <= r[1] < m1]
+      if steps and len(waits) != len(steps):
+        raise ValueError(f"{path}: mainloops of {len(steps)} and {len(waits)} stage "
+                         "waits; a trace holds one problem")
+      steps = steps or [[] for _ in waits]
+      for i, w in enumerate(waits):
+        steps[i].append(w)
+  if not steps:
+    raise ValueError(f"{path}: no whole mainloop with stage waits between a compute "
+                     "warpgroup's first and last (a ping-pong kernel traced over three "
+                     "tiles or more per warpgroup has them)")
+  return [statistics.fmean(w) for w in steps]
+
+
 def table(named: dict[str, dict]) -> str:
   """name -> ``summarise``'s dict -> a markdown table, cycles per tile."""
   lines = ["| kernel | " + " | ".join(COLUMNS) + " |",
@@ -146,11 +171,17 @@ def table(named: dict[str, dict]) -> str:
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("files", nargs="+", help="trace files (JSON) or globs")
+  p.add_argument("--by-step", action="store_true",
+                 help="also print each file's mean stage wait per K step, in cycles")
   args = p.parse_args()
   paths = [q for f in args.files for q in sorted(glob.glob(f))]
   if not paths:
     raise SystemExit(f"no trace files match {args.files}")
   print(table({Path(q).stem: summarise(q) for q in paths}))
+  if args.by_step:
+    print("\nmean stage wait by K step, cycles (step 0: the wait for the turn):")
+    for q in paths:
+      print(f"{Path(q).stem}: " + " ".join(f"{w:.0f}" for w in stage_waits_by_step(q)))
 
 
 if __name__ == "__main__":

@@ -264,8 +264,10 @@ MUTATIONS = [
         why="the ring's next TMA must not land in a slot a wgmma still reads"),
     Mutation(
         "pingpong_epilogues_do_not_take_turns", "pallas_kernels/gemm_mgpu.py",
-        "    def _wait_for_previous():\n      plgpu.barrier_wait(turn.at[1 - self.wg])",
-        "    def _wait_for_previous():\n      pass",
+        "    def _wait_for_previous():\n      with jax.named_scope(\"wait_turn\"):\n"
+        "        plgpu.barrier_wait(turn.at[1 - self.wg])",
+        "    def _wait_for_previous():\n      with jax.named_scope(\"wait_turn\"):\n"
+        "        pass",
         ("tests/test_primitives.py", "-k", "race_free and pingpong and colsum"),
         why="column partials share one scratch buffer: the two epilogues must not overlap"),
     Mutation(
@@ -1483,6 +1485,24 @@ MUTATIONS = [
         "        jax.export.export(problem.jitted(cfg),\n",
         ("tests/test_bench_harness.py", "-k", "lower_only"),
         "the kernels lowered for another device take this machine's SM count (its grid)"),
+    Mutation(
+        "kernel_trace_first_wait_in_stages", "bench/kernel_trace.py",
+        '    row["first"], row["stages"] = (waits[0], sum(waits[1:])) if waits else (0.0, 0.0)\n',
+        '    row["first"], row["stages"] = (waits[0], sum(waits)) if waits else (0.0, 0.0)\n',
+        ("tests/test_kernel_trace.py", "-k", "known_trace"),
+        "the mainloop's first stage wait (the other warpgroup's turn) counted as starvation"),
+    Mutation(
+        "kernel_trace_keeps_first_tile", "bench/kernel_trace.py",
+        '    rows += [t for t in tiles(rs)[1:-1] if "period" in t]\n',
+        '    rows += [t for t in tiles(rs) if "period" in t]\n',
+        ("tests/test_kernel_trace.py", "-k", "known_trace"),
+        "each warpgroup's first tile (the pipeline filling) enters the medians"),
+    Mutation(
+        "trace_params_ignore_free_smem", "pallas_kernels/gemm_mgpu.py",
+        '  regions = min(_trace["regions"], free // (_TRACE_BYTES_PER_REGION * warpgroups))\n',
+        '  regions = _trace["regions"]\n',
+        ("tests/test_kernel_trace.py", "-k", "free_shared"),
+        "the profiler's buffer sized as asked, past the shared memory the kernel leaves"),
 ]
 
 

@@ -70,7 +70,8 @@ def test_summary_of_a_known_trace(tmp_path):
     ev += _events(tid, spans)
   ev += _events(3, [("wait_slot", 0, 3_000), ("wait_slot", 3_100, 3_400),
                     ("wait_slot", 3_500, 3_700), ("wait_slot", 3_800, 4_000)])
-  s = KT.summarise(_write(tmp_path, ev))
+  path = _write(tmp_path, ev)
+  s = KT.summarise(path)
   assert s["tiles"] == 8  # 6 tiles per warpgroup, 4 measured, 2 warpgroups
   assert s["period"] == pytest.approx(50_000)
   assert s["mainloop"] == pytest.approx(20_000)
@@ -80,6 +81,7 @@ def test_summary_of_a_known_trace(tmp_path):
   assert (s["turn"], s["operand"], s["store"]) == pytest.approx((50, 70, 70))
   assert s["work"] == pytest.approx(9_000 - 50 - 70 - 70)
   assert s["slot"] == pytest.approx(3_700 / 4_000)
+  assert KT.stage_waits_by_step(path) == pytest.approx([1000, 100, 200, 300])
   table = KT.table({"k": s})
   assert table.splitlines()[0].startswith("| kernel | tiles | period |")
   assert "| k | 8 | 50,000 | 20,000 | 1,000 | 600 | 9,000 | 50 | 70 | 70 | 8,810 | 0.93 |" in table
@@ -106,6 +108,8 @@ def test_crossed_regions_and_short_traces_are_refused(tmp_path):
   two = _events(1, _compute_warpgroup(0, 2, 40_000, [10], 5))
   with pytest.raises(ValueError, match="two whole tiles; raise traced"):
     KT.summarise(_write(tmp_path, two, "two.json"))
+  with pytest.raises(ValueError, match="no whole mainloop with stage waits"):
+    KT.stage_waits_by_step(_write(tmp_path, two, "two.json"))
 
 
 def test_traced_sizes_the_profiler_to_the_free_shared_memory(tmp_path):
@@ -171,3 +175,4 @@ def test_a_traced_kernel_computes_the_same_and_notes_its_tiles(key, kernel_impl,
       assert len(waits) == k // cfg.tile_k and t["epilogue"] > 0
   s = KT.summarise(path)
   assert s["period"] > s["epilogue"] > 0
+  assert len(KT.stage_waits_by_step(path)) == k // cfg.tile_k
