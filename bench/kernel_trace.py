@@ -3,15 +3,17 @@ profiler. GPU host only for tracing; the summary reads trace files anywhere.
 
     PYTHONPATH=. python -m bench.compare_configs --workloads bench \\
         --shapes 16384x2048x8192 --programs plain,residual_sumsq_aux --trace /tmp/tr
-    PYTHONPATH=. python -m bench.kernel_trace /tmp/tr/*.json     # summarise again
+    PYTHONPATH=. python -m bench.kernel_trace --by-step '/tmp/tr/*/*/*.json'  # again
 
 ``pallas_kernels.gemm_mgpu.traced(folder)`` makes the kernels ``gemm`` builds note, for
 each compute warpgroup, the SM cycle at which it enters and leaves the kernel's named
 regions: ``mainloop`` (the K loop of one tile, from its first wait for a stage to its
-last wgmma), ``epilogue`` (the whole epilogue of that tile) and, inside it, the waits
-``wait_turn`` (for the other warpgroup's epilogue to end: ping-pong), ``wait_operand``
-(for a staged operand sub-tile) and ``wait_store`` (for a store slot to be read out).
-Each call writes one Chrome trace (JSON; open it in Perfetto to see the timeline).
+last wgmma) and, inside it, each step's ``wait_stage`` (ping-pong kernels); ``epilogue``
+(the whole epilogue of that tile) and, inside it, the waits ``wait_turn`` (for the
+other warpgroup's epilogue to end: ping-pong), ``wait_operand`` (for a staged operand
+sub-tile) and ``wait_store`` (for a store slot to be read out); and the memory
+warpgroup's ``wait_slot`` (for a free slot of the ring: ping-pong kernels). Each call
+writes one Chrome trace (JSON; open it in Perfetto to see the timeline).
 
 ``summarise`` reduces a trace to one row: per tile of a compute warpgroup, in cycles
 (medians over the warpgroups' tiles, the first and last tile of each left out):
@@ -33,7 +35,9 @@ In a ping-pong kernel whose epilogues hide under the other warpgroup's mainloop,
 warpgroup's mainloop region (which starts with waiting for the other's to release the
 tensor cores' stages) takes all of the period but its epilogue, and the period is two
 tiles' worth of wgmma. An epilogue longer than the other's mainloop shows as a period
-of ``epilogue`` plus this warpgroup's own mainloop, with short stage waits.
+of ``epilogue`` plus this warpgroup's own mainloop, with a short first wait. An
+epilogue that slows the other's mainloop shows as longer ``stages`` (``--by-step``:
+in the steps it runs beside).
 """
 from __future__ import annotations
 
@@ -44,7 +48,6 @@ import json
 import statistics
 from pathlib import Path
 
-COMPUTE_WARPGROUPS = 2  # traces 0 and 1 of each block; trace 2 is the memory warpgroup
 WAITS = ("wait_turn", "wait_operand", "wait_store")
 COLUMNS = ("tiles", "period", "mainloop", "first", "stages", "epilogue", "turn", "operand",
            "store", "work", "slot")
