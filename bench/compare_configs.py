@@ -141,15 +141,15 @@ def deepens(problem: autotune.Problem, overrides: dict) -> bool:
 XLA_DOT = "xla dot"
 
 
-def traced_run(problem: autotune.Problem, cfg, num_sms, args, folder: str) -> dict:
-  """Runs ``problem`` once under ``cfg`` with the on-device profiler, its trace written
-  into ``folder`` (made; must hold no trace yet), and returns ``kernel_trace``'s
-  summary of it."""
+def traced_run(problem: autotune.Problem, cfg, num_sms, inputs, folder: str) -> dict:
+  """Runs ``problem`` once under ``cfg`` on ``inputs`` (a, b, operands) with the
+  on-device profiler, its trace written into ``folder`` (made; must hold no trace yet),
+  and returns ``kernel_trace``'s summary of it."""
   if glob.glob(os.path.join(folder, "*.json")):
     raise ValueError(f"--trace: {folder} holds traces already; name an empty folder")
   with g.traced(folder):
     fn = problem.jitted(cfg, num_sms)  # traced afresh, under the profiler
-    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*inputs))
   found = glob.glob(os.path.join(folder, "*.json"))
   if len(found) != 1:
     raise RuntimeError(f"--trace: expected one trace in {folder}, found {len(found)}")

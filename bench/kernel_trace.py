@@ -59,8 +59,8 @@ def regions(path: str | Path) -> dict[int, list[tuple[str, float, float]]]:
 
   The profiler writes each event's time as (the warpgroup's start time in ns + its
   cycles since its first event) / 1000, so within one trace differences are cycles.
-  Regions left open (a buffer that ran out mid-region gets a synthetic end at the
-  last event) are dropped with the tile they belong to by ``summarise``.
+  Where the buffer ran out mid-region the profiler ends the open regions at the last
+  event noted: that tile is its warpgroup's last, which ``summarise`` leaves out.
   """
   events = json.loads(Path(path).read_text())["traceEvents"]
   by_trace = collections.defaultdict(list)

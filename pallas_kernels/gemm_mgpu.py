@@ -1787,7 +1787,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
   grid = min(num_sms // cluster, tiles)
   if totals and (why := row_totals_conflict(config, n, grid)):
     raise ValueError(f"{config} cannot make row_total outputs {totals}: {why}")
-  smem_need = check_smem(staged(in_place))
+  check_smem(staged(in_place))
   if not mainloop:  # K = 0: the product is zero; a, b are not passed to the kernel
     body = functools.partial(_kernel_no_product, cfg=config, m=m, n=n)
   else:
@@ -1834,7 +1834,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
         # where that matters; see coda_jax.primitives.Rotate).
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
-            **(_trace_params(smem_need, 3 if mainloop else 2)
+            **(_trace_params(check_smem(staged(in_place)), 3 if mainloop else 2)
                if interpret is None else {})),
         interpret=interpret)
 
