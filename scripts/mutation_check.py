@@ -1503,6 +1503,12 @@ MUTATIONS = [
         '  regions = _trace["regions"]\n',
         ("tests/test_kernel_trace.py", "-k", "free_shared"),
         "the profiler's buffer sized as asked, past the shared memory the kernel leaves"),
+    Mutation(
+        "epilogue_bytes_ignore_width", "bench/epilogue_bytes.py",
+        "  written = sum(cells * o.width * jnp.dtype(o.dtype).itemsize for o in outs)\n",
+        "  written = sum(cells * jnp.dtype(o.dtype).itemsize for o in outs)\n",
+        ("tests/test_epilogue_bytes.py",),
+        "a gated program's half-width output counted as a whole tile"),
 ]
 
 
