@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import hashlib
 import os
 import re
 import sys
@@ -156,10 +157,6 @@ def traced_run(problem: autotune.Problem, cfg, num_sms, inputs, folder: str) -> 
   return kernel_trace.summarise(found[0])
 
 
-def _folder_name(text: str) -> str:
-  return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")[:80]
-
-
 def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
         sustained_s: float | None = None, xla_dot: bool = False,
         trace_dir: str | None = None, where: str = "") -> list[dict]:
@@ -198,8 +195,12 @@ def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
         row["ms"] = common.time_kernels(fn, a, b, ops, iterations=iterations,
                                         only=only)[0]
       if trace_dir and overrides is not None:
-        folder = os.path.join(trace_dir, _folder_name(f"{where} {k.m}x{k.n}x{k.k}"),
-                              _folder_name(name))
+        # where and shape name a problem for people; the key's digest tells apart two
+        # programs of one workload at one shape
+        digest = hashlib.sha1(k.text().encode()).hexdigest()[:8]
+        folder = os.path.join(
+            trace_dir, common.device_slug(f"{where} {k.m}x{k.n}x{k.k} {k.order} {digest}"),
+            common.device_slug(name))
         row["trace"] = traced_run(dataclasses.replace(problem, clip_m=clip_m), cfg,
                                   num_sms, (a, b, ops), folder)
     except Exception as e:  # noqa: BLE001  a variant that does not fit is reported

@@ -23,26 +23,28 @@ import jax.numpy as jnp
 from bench import lowering_time, tune_gemm
 from pallas_kernels import autotune
 from pallas_kernels import epilogue as epi
-
-_TILE_INPUTS = {epi.InputKind.TILE: 1, epi.InputKind.WIDE_TILE: 2}
+from pallas_kernels import gemm_mgpu as g
 
 
 def tile_bytes(problem: autotune.Problem) -> dict:
   """One GEMM problem -> its epilogue's tile traffic: ``written`` and ``read`` (bytes),
   ``product`` (M x N x 2: the product stored once in bf16), and the names ``outputs``
-  and ``operands`` with their widths and dtypes."""
+  and ``operands`` with their widths and dtypes. Bytes per accumulator element are the
+  kernel heuristic's own (``gemm_mgpu.epilogue_bytes_per_element``), taken for the
+  outputs and for each operand apart."""
   k = problem.key
   cells = k.m * k.n
+  dtypes = problem.input_dtypes
+  per_operand = {nm: g.epilogue_bytes_per_element({nm: kind}, dtypes, ())
+                 for nm, kind in problem.input_kinds.items()}
+  ins = {nm: b for nm, b in per_operand.items() if b}  # tile operands only
   outs = [o for o in problem.outputs if o.kind == epi.OutputKind.TILE]
-  ins = {nm: kind for nm, (kind, _) in problem.inputs.items() if kind in _TILE_INPUTS}
-  written = sum(cells * o.width * jnp.dtype(o.dtype).itemsize for o in outs)
-  read = sum(cells * _TILE_INPUTS[kind] * jnp.dtype(problem.inputs[nm][1].dtype).itemsize
-             for nm, kind in ins.items())
   name = lambda n, w, dt: f"{n}" + ("" if w == 1 else f" x{w:g}") + f" {jnp.dtype(dt).name}"
-  return dict(written=int(written), read=int(read), product=cells * 2,
+  return dict(written=int(cells * g.epilogue_bytes_per_element({}, {}, problem.outputs)),
+              read=int(cells * sum(ins.values())), product=cells * 2,
               outputs=[name(o.name, o.width, o.dtype) for o in outs],
-              operands=[name(nm, _TILE_INPUTS[kind], problem.inputs[nm][1].dtype)
-                        for nm, kind in ins.items()])
+              operands=[name(nm, b / jnp.dtype(dtypes[nm]).itemsize, dtypes[nm])
+                        for nm, b in ins.items()])
 
 
 def table(problems: dict) -> str:

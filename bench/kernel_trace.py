@@ -90,8 +90,9 @@ def _compute_traces(traces: dict) -> dict:
 
 
 def tiles(rs: list[tuple[str, float, float]]) -> list[dict]:
-  """A compute warpgroup's regions grouped by tile: each mainloop with the epilogue
-  after it and the waits inside that epilogue; dicts of cycles."""
+  """A compute warpgroup's regions grouped by tile: each mainloop with its stage waits
+  (``stage_waits``, by K step) and the epilogue after it with the waits inside that
+  epilogue; dicts of cycles."""
   mains = [r for r in rs if r[0] == "mainloop"]
   epis = [r for r in rs if r[0] == "epilogue"]
   out = []
@@ -100,8 +101,8 @@ def tiles(rs: list[tuple[str, float, float]]) -> list[dict]:
     epi = next((e for e in epis if m1 <= e[1] < nxt), None)
     if epi is None:
       continue  # the buffer ran out before this tile's epilogue was noted
-    row = dict(start=m0, mainloop=m1 - m0, epilogue=epi[2] - epi[1])
     waits = [r[2] - r[1] for r in rs if r[0] == "wait_stage" and m0 <= r[1] < m1]
+    row = dict(start=m0, mainloop=m1 - m0, epilogue=epi[2] - epi[1], stage_waits=waits)
     row["first"], row["stages"] = (waits[0], sum(waits[1:])) if waits else (0.0, 0.0)
     for w in WAITS:
       row[w] = sum(r[2] - r[1] for r in rs if r[0] == w and epi[1] <= r[1] < epi[2])
@@ -111,15 +112,18 @@ def tiles(rs: list[tuple[str, float, float]]) -> list[dict]:
   return out
 
 
+def _middle_tiles(traces: dict) -> list[dict]:
+  """Every compute warpgroup's tiles but its first (it waits for the pipeline to fill)
+  and its last (no next tile to measure a period to; where the buffer ran out, cut
+  short)."""
+  return [t for rs in _compute_traces(traces).values() for t in tiles(rs)[1:-1]]
+
+
 def summarise(path: str | Path) -> dict:
-  """One trace file -> medians per tile (``COLUMNS``), over every compute warpgroup's
-  tiles but its first and last (the first waits for the pipeline to fill, the last
-  has no next tile to measure a period to)."""
+  """One trace file -> medians per tile (``COLUMNS``) over ``_middle_tiles``."""
   traces = regions(path)
+  rows = _middle_tiles(traces)
   compute = _compute_traces(traces)
-  rows = []
-  for rs in compute.values():
-    rows += [t for t in tiles(rs)[1:-1] if "period" in t]
   slot = [sum(r[2] - r[1] for r in rs if r[0] == "wait_slot") / (rs[-1][2] - rs[0][1])
           for tid, rs in traces.items() if tid not in compute and rs]
   if not rows:
@@ -137,27 +141,19 @@ def summarise(path: str | Path) -> dict:
 
 def stage_waits_by_step(path: str | Path) -> list[float]:
   """One trace file -> the mean wait for each K step's stage, by step (the first is
-  the mainloop's wait for its turn), over the compute warpgroups' whole mainloops but
-  each warpgroup's first and last. A ping-pong mainloop runs under the other
-  warpgroup's epilogue for its first steps: waits that grow there, and not after, are
-  the epilogue's traffic slowing the mainloop's loads (bench/NOTES.md, forty-eighth
-  session)."""
-  steps: list[list[float]] = []
-  for rs in _compute_traces(regions(path)).values():
-    mains = [r for r in rs if r[0] == "mainloop"]
-    for _, m0, m1 in mains[1:-1]:
-      waits = [r[2] - r[1] for r in rs if r[0] == "wait_stage" and m0 <= r[1] < m1]
-      if steps and len(waits) != len(steps):
-        raise ValueError(f"{path}: mainloops of {len(steps)} and {len(waits)} stage "
-                         "waits; a trace holds one problem")
-      steps = steps or [[] for _ in waits]
-      for i, w in enumerate(waits):
-        steps[i].append(w)
-  if not steps:
+  the mainloop's wait for its turn), over ``_middle_tiles``. A ping-pong mainloop runs
+  under the other warpgroup's epilogue for its first steps: waits that grow there, and
+  not after, are the epilogue's traffic slowing the mainloop's loads (bench/NOTES.md,
+  forty-eighth session)."""
+  steps = [t["stage_waits"] for t in _middle_tiles(regions(path))]
+  if not steps or not steps[0]:
     raise ValueError(f"{path}: no whole mainloop with stage waits between a compute "
                      "warpgroup's first and last (a ping-pong kernel traced over three "
                      "tiles or more per warpgroup has them)")
-  return [statistics.fmean(w) for w in steps]
+  if len({len(w) for w in steps}) != 1:
+    raise ValueError(f"{path}: mainloops of {sorted({len(w) for w in steps})} stage "
+                     "waits; a trace holds one problem")
+  return [statistics.fmean(w) for w in zip(*steps)]
 
 
 def table(named: dict[str, dict]) -> str:

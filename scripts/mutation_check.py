@@ -1493,8 +1493,8 @@ MUTATIONS = [
         "the mainloop's first stage wait (the other warpgroup's turn) counted as starvation"),
     Mutation(
         "kernel_trace_keeps_first_tile", "bench/kernel_trace.py",
-        '    rows += [t for t in tiles(rs)[1:-1] if "period" in t]\n',
-        '    rows += [t for t in tiles(rs) if "period" in t]\n',
+        '  return [t for rs in _compute_traces(traces).values() for t in tiles(rs)[1:-1]]\n',
+        '  return [t for rs in _compute_traces(traces).values() for t in tiles(rs)[:-1]]\n',
         ("tests/test_kernel_trace.py", "-k", "known_trace"),
         "each warpgroup's first tile (the pipeline filling) enters the medians"),
     Mutation(
@@ -1504,9 +1504,9 @@ MUTATIONS = [
         ("tests/test_kernel_trace.py", "-k", "free_shared"),
         "the profiler's buffer sized as asked, past the shared memory the kernel leaves"),
     Mutation(
-        "epilogue_bytes_ignore_width", "bench/epilogue_bytes.py",
-        "  written = sum(cells * o.width * jnp.dtype(o.dtype).itemsize for o in outs)\n",
-        "  written = sum(cells * jnp.dtype(o.dtype).itemsize for o in outs)\n",
+        "epilogue_bytes_ignore_width", "pallas_kernels/gemm_mgpu.py",
+        "  return total + sum(jnp.dtype(o.dtype).itemsize * o.width for o in outputs\n",
+        "  return total + sum(jnp.dtype(o.dtype).itemsize for o in outputs\n",
         ("tests/test_epilogue_bytes.py",),
         "a gated program's half-width output counted as a whole tile"),
 ]
