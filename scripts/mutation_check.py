@@ -1447,6 +1447,13 @@ MUTATIONS = [
         ("tests/test_run_times.py", "-k", "written_as_it_ends"),
         "a test whose fixture failed is written down as passed"),
     Mutation(
+        "run_times_left_keeps_finished", "tests/run_times.py",
+        "    if i not in finished and i not in seen:\n",
+        "    if i not in seen:\n",
+        ("tests/test_run_times.py", "-k", "left_lists"),
+        "the tests a cut-off call still owes include every test it finished, so the next "
+        "call reruns them all"),
+    Mutation(
         "nested_pytest_writes_callers_times", "tests/helpers.py",
         '         if not k.startswith("PYTEST_") and k != run_times.TIMES_ENV}\n',
         '         if not k.startswith("PYTEST_")}\n',

@@ -13,9 +13,12 @@ worker's busy seconds against its last test's end (a worker idle long before the
 is a tail of the run). ``python tests/run_times.py --split N FILE COLLECTED OUT`` deals
 the node ids of COLLECTED (one a line, e.g. ``pytest --collect-only -q``'s) into N lists
 of about equal time by FILE's times, heaviest first, written to ``OUT.1`` ... ``OUT.N``:
-the GPU suite on one H200 is ~8,600 worker-seconds, over one device call's limit on 16
+the GPU suite on one H200 is ~8,600-10,400 worker-seconds, over one device call's limit on 16
 workers, so it runs as N calls of ``xargs -0 pytest < OUT.k`` (bench/NOTES.md,
-forty-sixth session).
+forty-sixth session). ``python tests/run_times.py --left COLLECTED OUT FILE...`` writes to
+OUT the ids of COLLECTED that none of the FILEs lists (those a call's limit cut off, or
+never started), in COLLECTED's order, for the next call to run first. Collect the ids on
+the machine that runs them: a parametrised test's id can differ between pytest versions.
 """
 from __future__ import annotations
 
@@ -136,11 +139,43 @@ def split(seconds: dict[str, float], collected: list[str], parts: int) -> list[l
   return lists
 
 
+def left(collected: list[str], finished: set[str]) -> list[str]:
+  """The ids of ``collected`` that ``finished`` lacks, in ``collected``'s order: what a run
+  cut short by a device call's limit still owes.
+
+  Args:
+    collected: node ids, e.g. one part of ``split``.
+    finished: the node ids of the times files the runs wrote (any outcome).
+
+  Returns:
+    The ids still to run, each once.
+  """
+  seen = set()
+  out = []
+  for i in collected:
+    if i not in finished and i not in seen:
+      seen.add(i)
+      out.append(i)
+  return out
+
+
+def _read_ids(path: str) -> list[str]:
+  with open(path, encoding="utf-8") as f:
+    return [l.strip() for l in f if "::" in l]
+
+
 def _main(argv) -> None:
+  if len(argv) >= 4 and argv[0] == "--left":
+    collected, out, times = argv[1], argv[2], argv[3:]
+    finished = {r[4] for t in times for r in read(t)}
+    ids = left(_read_ids(collected), finished)
+    with open(out, "w", encoding="utf-8") as f:
+      f.write("".join(i + "\n" for i in ids))
+    print(f"{out}: {len(ids)} tests of {collected} not in {', '.join(times)}")
+    return
   if len(argv) == 5 and argv[0] == "--split":
     parts, times, collected, out = int(argv[1]), argv[2], argv[3], argv[4]
-    with open(collected, encoding="utf-8") as f:
-      ids = [l.strip() for l in f if "::" in l]
+    ids = _read_ids(collected)
     seconds = {r[4]: r[0] for r in read(times)}
     for k, ids_k in enumerate(split(seconds, ids, parts), 1):
       with open(f"{out}.{k}", "w", encoding="utf-8") as f:
@@ -151,7 +186,8 @@ def _main(argv) -> None:
     return
   if len(argv) not in (1, 2):
     sys.exit("usage: python tests/run_times.py TIMES_FILE [TOP]\n"
-             "       python tests/run_times.py --split N TIMES_FILE COLLECTED_IDS OUT")
+             "       python tests/run_times.py --split N TIMES_FILE COLLECTED_IDS OUT\n"
+             "       python tests/run_times.py --left COLLECTED_IDS OUT TIMES_FILE...")
   print(summary(read(argv[0]), *(int(a) for a in argv[1:])))
 
 

@@ -129,7 +129,10 @@ def test_qwen3_hf_config():
     ({"use_sliding_window": True}, r"use_sliding_window=True: attention here is full causal"),
     ({"head_dim": None}, r"lacks \['head_dim'\] \(Qwen3's head_dim is explicit"),
     ({"head_dim": 136}, r"head_dim=136 must be a multiple of 16"),
-])
+], ids=["attention_bias", "sliding_window", "no_head_dim", "head_dim_136"])  # the same ids
+# under every pytest: an id made from a long message differs between pytest versions (the
+# GPU host's gave the message where this machine's gave "change0-match0"), and a test list
+# collected on one machine then names a test the other cannot find
 def test_qwen3_hf_config_refuses_what_it_cannot_run(change, match):
   hf = {k: v for k, v in (HF_QWEN3_0_6B | change).items() if v is not None}
   with pytest.raises(ValueError, match=match):

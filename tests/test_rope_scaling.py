@@ -130,7 +130,7 @@ def test_hf_config_round_trip():
     ({"rope_scaling": {"rope_type": "llama3", "factor": 0.5, "low_freq_factor": 1.0,
                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
      "factor=0.5 must be >= 1"),
-])
+], ids=["yarn", "mistral", "relu", "factor_below_1"])  # named: test_hf_checkpoint's reason
 def test_from_hf_config_refuses_what_it_cannot_run(change, match):
   with pytest.raises(ValueError, match=match):
     LlamaConfig.from_hf_config(HF_LLAMA_3_2_1B | change)

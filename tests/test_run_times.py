@@ -141,3 +141,26 @@ def test_split_deals_equal_time_heaviest_first(tmp_path, capsys):
   assert written == lists
   out = capsys.readouterr().out
   assert "part.1: " in out and "not in" in out, out
+
+
+def test_left_lists_what_no_times_file_finished(tmp_path, capsys):
+  """``--left``: the collected ids that no times file lists, whatever their outcome
+  there, in the collected order, each once; the command line reads several files."""
+  ids = [f"tests/test_x.py::t{j}" for j in range(6)]
+  assert run_times.left(ids, {ids[1], ids[4]}) == [ids[0], ids[2], ids[3], ids[5]]
+  assert run_times.left(ids + ids[:1], set()) == ids
+  assert run_times.left(ids, set(ids)) == []
+
+  def times_file(name, rows):
+    f = tmp_path / name
+    f.write_text("".join(f"1.0\t{outcome}\tgw0\t1.0\t{i}\n" for i, outcome in rows))
+    return str(f)
+
+  first = times_file("a.tsv", [(ids[0], "passed"), (ids[3], "failed")])
+  second = times_file("b.tsv", [(ids[5], "skipped")])
+  c = tmp_path / "collected.txt"
+  c.write_text("".join(i + "\n" for i in ids) + "\n6 tests collected in 0.1s\n")
+  out = tmp_path / "left.txt"
+  run_times._main(["--left", str(c), str(out), first, second])
+  assert out.read_text().splitlines() == [ids[1], ids[2], ids[4]]
+  assert "3 tests of" in capsys.readouterr().out
