@@ -39,7 +39,7 @@ def tile_bytes(problem: autotune.Problem) -> dict:
                  for nm, kind in problem.input_kinds.items()}
   ins = {nm: b for nm, b in per_operand.items() if b}  # tile operands only
   outs = [o for o in problem.outputs if o.kind == epi.OutputKind.TILE]
-  name = lambda n, w, dt: f"{n}" + ("" if w == 1 else f" x{w:g}") + f" {jnp.dtype(dt).name}"
+  name = lambda n, w, dt: n + ("" if w == 1 else f" x{w:g}") + f" {jnp.dtype(dt).name}"
   return dict(written=int(cells * g.epilogue_bytes_per_element({}, {}, problem.outputs)),
               read=int(cells * sum(ins.values())), product=cells * 2,
               outputs=[name(o.name, o.width, o.dtype) for o in outs],
@@ -51,7 +51,7 @@ def table(problems: dict) -> str:
   """``tune_gemm.find_problems``' dict -> a markdown table, one row per GEMM, the
   heaviest writers first, and a total line."""
   rows = []
-  for key_text, (where, problem) in problems.items():
+  for where, problem in problems.values():
     k = problem.key
     t = tile_bytes(problem)
     rows.append((t["written"] / t["product"], where, k, problem, t))

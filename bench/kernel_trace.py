@@ -112,18 +112,18 @@ def tiles(rs: list[tuple[str, float, float]]) -> list[dict]:
   return out
 
 
-def _middle_tiles(traces: dict) -> list[dict]:
-  """Every compute warpgroup's tiles but its first (it waits for the pipeline to fill)
-  and its last (no next tile to measure a period to; where the buffer ran out, cut
-  short)."""
-  return [t for rs in _compute_traces(traces).values() for t in tiles(rs)[1:-1]]
+def _middle_tiles(compute: dict) -> list[dict]:
+  """Every compute warpgroup's tiles (``_compute_traces``) but its first (it waits for
+  the pipeline to fill) and its last (no next tile to measure a period to; where the
+  buffer ran out, cut short)."""
+  return [t for rs in compute.values() for t in tiles(rs)[1:-1]]
 
 
 def summarise(path: str | Path) -> dict:
   """One trace file -> medians per tile (``COLUMNS``) over ``_middle_tiles``."""
   traces = regions(path)
-  rows = _middle_tiles(traces)
   compute = _compute_traces(traces)
+  rows = _middle_tiles(compute)
   slot = [sum(r[2] - r[1] for r in rs if r[0] == "wait_slot") / (rs[-1][2] - rs[0][1])
           for tid, rs in traces.items() if tid not in compute and rs]
   if not rows:
@@ -145,7 +145,7 @@ def stage_waits_by_step(path: str | Path) -> list[float]:
   under the other warpgroup's epilogue for its first steps: waits that grow there, and
   not after, are the epilogue's traffic slowing the mainloop's loads (bench/NOTES.md,
   forty-eighth session)."""
-  steps = [t["stage_waits"] for t in _middle_tiles(regions(path))]
+  steps = [t["stage_waits"] for t in _middle_tiles(_compute_traces(regions(path)))]
   if not steps or not steps[0]:
     raise ValueError(f"{path}: no whole mainloop with stage waits between a compute "
                      "warpgroup's first and last (a ping-pong kernel traced over three "

@@ -1448,8 +1448,8 @@ MUTATIONS = [
         "a test whose fixture failed is written down as passed"),
     Mutation(
         "run_times_left_keeps_finished", "tests/run_times.py",
-        "    if i not in finished and i not in seen:\n",
-        "    if i not in seen:\n",
+        "  return [i for i in dict.fromkeys(collected) if i not in finished]\n",
+        "  return list(dict.fromkeys(collected))\n",
         ("tests/test_run_times.py", "-k", "left_lists"),
         "the tests a cut-off call still owes include every test it finished, so the next "
         "call reruns them all"),
@@ -1500,8 +1500,8 @@ MUTATIONS = [
         "the mainloop's first stage wait (the other warpgroup's turn) counted as starvation"),
     Mutation(
         "kernel_trace_keeps_first_tile", "bench/kernel_trace.py",
-        '  return [t for rs in _compute_traces(traces).values() for t in tiles(rs)[1:-1]]\n',
-        '  return [t for rs in _compute_traces(traces).values() for t in tiles(rs)[:-1]]\n',
+        '  return [t for rs in compute.values() for t in tiles(rs)[1:-1]]\n',
+        '  return [t for rs in compute.values() for t in tiles(rs)[:-1]]\n',
         ("tests/test_kernel_trace.py", "-k", "known_trace"),
         "each warpgroup's first tile (the pipeline filling) enters the medians"),
     Mutation(

@@ -150,13 +150,7 @@ def left(collected: list[str], finished: set[str]) -> list[str]:
   Returns:
     The ids still to run, each once.
   """
-  seen = set()
-  out = []
-  for i in collected:
-    if i not in finished and i not in seen:
-      seen.add(i)
-      out.append(i)
-  return out
+  return [i for i in dict.fromkeys(collected) if i not in finished]
 
 
 def _read_ids(path: str) -> list[str]:
