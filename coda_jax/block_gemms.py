@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from coda_jax import dispatch
 from coda_jax import primitives as P
-from coda_jax.grad_primitives import ExpShifted, GatedGrad, RmsNormGrad, SoftmaxXentGrad
+from coda_jax.grad_primitives import (ExpShifted, GatedGrad, RmsNormGrad, RmsNormGradRowScaled,
+                                      SoftmaxXentGrad)
 from coda_jax.epilogue_gemm import epilogue_pass, gemm_epilogue
 from coda_jax.partitioning import set_row_columns
 from coda_jax.sharding import varying_axes
@@ -155,15 +156,17 @@ def xent_grad_from_logits(z, lse, tgt, lse_rest, targets, weight, dt):
   return out["dlogits"], out["zdz"]
 
 
-def rope_backward_program(head_dim, dtype):
+def rope_backward_program(head_dim, dtype, row_scaled=False):
   """B1's program, with no GEMM (``epilogue_gemm.epilogue_pass``): dqkv in, c's row partials
   <dqkv, qkv> (``RowDot``; a rotation keeps inner products, so this is <dz, z>), RoPE^T
-  (a rotation by the negated angle), dz stored. Operands: dqkv, qkv, pos, neg_freqs."""
+  (a rotation by the negated angle), dz stored. Operands: dqkv, qkv, pos, neg_freqs; with
+  ``row_scaled``, also r (M,): dz is stored times r per row (``ScaleRow``, after c)."""
+  scale = [P.ScaleRow("r")] if row_scaled else []
   return [P.AddTile("dqkv"), P.RowDot("qkv", "c"),
-          P.Rotate("pos", "neg_freqs", head_dim // 2), P.Store("dz", dtype)]
+          P.Rotate("pos", "neg_freqs", head_dim // 2), *scale, P.Store("dz", dtype)]
 
 
-def rope_grad(dqkv, qkv, positions, freqs, head_dim, d_model, impl):
+def rope_grad(dqkv, qkv, positions, freqs, head_dim, d_model, impl, r=None):
   """B1, one elementwise pass over (M, N) tiles (``rope_backward_program``).
 
   Args:
@@ -172,13 +175,17 @@ def rope_grad(dqkv, qkv, positions, freqs, head_dim, d_model, impl):
     positions: (M,) token positions; freqs: (N,) per-column frequencies (0 on v).
     head_dim: columns per head; d_model: the divisor of c (the norm's width).
     impl: as ``coda_jax.gemm_epilogue``.
+    r: optional (M,) fp32 row scale: dz is returned times r per row, the cotangent
+      ``norm_input_grad_row_scaled`` and ``weight_grad(row_scale=)`` take (c is not scaled).
 
   Returns:
-    (dz (M, N) in dqkv's dtype: the cotangent of the projection before RoPE,
+    (dz (M, N) in dqkv's dtype: the cotangent of the projection before RoPE (times r),
     c = <dqkv, qkv> / d_model (M,) fp32: the zdz term of the norm before the GEMM).
   """
-  out = epilogue_pass(rope_backward_program(head_dim, dqkv.dtype),
-                      {"dqkv": dqkv, "qkv": qkv, "pos": positions, "neg_freqs": -freqs},
+  operands = {"dqkv": dqkv, "qkv": qkv, "pos": positions, "neg_freqs": -freqs}
+  if r is not None:
+    operands["r"] = r
+  out = epilogue_pass(rope_backward_program(head_dim, dqkv.dtype, r is not None), operands,
                       impl=impl)
   return out["dz"], out["c"] / d_model
 
@@ -197,15 +204,46 @@ def norm_input_grad(dz, w, x, r, c, g, d_residual, impl, w_nk=False, dx_dtype=No
   return out["dx"], out["n"], out["dg"]
 
 
-def gated_input_grad(dx, w2, z, block, activation, impl):
-  """B3: dy = dx @ w2^T; dz = GLU backward (pair-blocked, 2F wide). Returns (dz, y, c*D)."""
+def norm_input_grad_row_scaled(dzr, w, x, r, c, g, d_residual, impl, dx_dtype=None):
+  """B2/B4 from the row-scaled cotangent dzr = r * dz (``rope_grad``, ``qk_norm_grad`` or
+  ``gated_input_grad`` given r): acc = dzr @ w^T = r * dn; dx = g * acc - r^2 x c
+  (+ d_residual) (``RmsNormGradRowScaled``). No n is stored: the weight gradient is
+  ``weight_grad(x, dzr, row_scale=g)`` = diag(g) x^T (r * dz) = n^T dz.
+
+  Args:
+    dzr: (M, N) r * dz, in the activations' dtype.
+    w: (D, N) the projection the norm fed.
+    x: (M, D) the norm's input; r: (M,) fp32 its reciprocal RMS; c: (M,) fp32 the zdz
+      term <dz, z> / D; g: (D,) the norm weight.
+    d_residual: (M, D) added to dx, or None.
+    impl: as ``coda_jax.gemm_epilogue``; dx_dtype: default dzr's.
+
+  Returns:
+    (dx (M, D), dg (D,) fp32).
+  """
+  dt = dzr.dtype
+  program = [RmsNormGradRowScaled("x", "r", "c", "g", "dg")]
+  operands = {"x": x, "r": r, "c": c, "g": g.astype(jnp.float32)}
+  if d_residual is not None:
+    program.append(P.AddTile("dres"))
+    operands["dres"] = d_residual
+  out = gemm_epilogue(dzr, w, program + [P.Store("dx", dx_dtype or dt)], operands,
+                      trans_b=True, impl=impl)
+  return out["dx"], out["dg"]
+
+
+def gated_input_grad(dx, w2, z, block, activation, impl, r=None):
+  """B3: dy = dx @ w2^T; dz = GLU backward (pair-blocked, 2F wide). Returns (dz, y, c*D);
+  with ``r`` ((M,) fp32), dz is returned times r per row (``norm_input_grad_row_scaled``'s
+  operand; the zdz sums are of the unscaled dz)."""
   dt = dx.dtype
+  scale, operands = ([P.ScaleRow("r")], {"z": z, "r": r}) if r is not None else ([], {"z": z})
   # dz overwrites z (each element is read before it is written, by the same CTA): the
   # block's largest saved activation is dead after this GEMM. Inside a jax.lax.scan on the
   # GPU this once returned NaN (bench/NOTES.md, issues 4 and 9: XLA's dynamic-slice fusion
   # ignored the aliasing); pallas_kernels.gemm fences in-place buffers since.
-  out = gemm_epilogue(dx, w2, [GatedGrad("z", block, "y", "zdz", activation, dt),
-                               P.Store("dz", dt)], {"z": z}, trans_b=True, impl=impl,
+  out = gemm_epilogue(dx, w2, [GatedGrad("z", block, "y", "zdz", activation, dt), *scale,
+                               P.Store("dz", dt)], operands, trans_b=True, impl=impl,
                       in_place={"dz": "z"})
   return out["dz"], out["y"], out["zdz"]
 
@@ -255,24 +293,33 @@ def grad_dtype(w):
   return w.dtype if jnp.dtype(w.dtype).itemsize == 2 else jnp.float32
 
 
-def weight_grad(a, dout, impl, dtype=jnp.float32, accumulate=None, bias_grad=False):
+def weight_grad(a, dout, impl, dtype=jnp.float32, accumulate=None, bias_grad=False,
+                row_scale=None):
   """dW = a^T @ dout (fp32 accumulation, stored in ``dtype``); added in place to the
   fp32 ``accumulate`` when given. Under ``shard_map`` with the rows split, dW is one
   shard's partial sum, still to be summed across shards: it stays fp32.
 
   With ``bias_grad``, returns (dW, db): db = sum_rows dout (N,) fp32, a bias's gradient
   (this call's rows only), which the same GEMM's mainloop sums from the dout tiles it
-  reads (``primitives.BColumnSum``): no pass over dout of its own."""
+  reads (``primitives.BColumnSum``): no pass over dout of its own.
+
+  With ``row_scale`` ((K_a,) = a's columns), dW's rows are multiplied by it in the
+  epilogue: diag(row_scale) a^T dout (``norm_input_grad_row_scaled``: a = x, the scale the
+  norm weight g)."""
   if varying_axes(a):
     dtype = jnp.float32
   sums = [P.BColumnSum("db")] if bias_grad else []
+  scale, operands = [], {}
+  if row_scale is not None:
+    scale, operands = [P.ScaleRow("g")], {"g": row_scale.astype(jnp.float32)}
   if accumulate is None:
-    out = gemm_epilogue(a, dout, [P.Store("dw", dtype)] + sums, trans_a=True, impl=impl)
+    out = gemm_epilogue(a, dout, scale + [P.Store("dw", dtype)] + sums, operands,
+                        trans_a=True, impl=impl)
   else:
     # The kernel's TMA store adds n^T dout into the accumulator's buffer: no tile of it
     # is staged or read by the SMs (an AddTile would read it in the epilogue).
-    out = gemm_epilogue(a, dout, [P.Store("dw", jnp.float32, add_to="acc")] + sums,
-                        {"acc": accumulate}, trans_a=True, impl=impl,
+    out = gemm_epilogue(a, dout, scale + [P.Store("dw", jnp.float32, add_to="acc")] + sums,
+                        dict(operands, acc=accumulate), trans_a=True, impl=impl,
                         in_place={"dw": "acc"})
   return (out["dw"], out["db"]) if bias_grad else out["dw"]
 

@@ -20,8 +20,11 @@ head (``coda_jax.qk_norm``): ``pre_block`` takes the weights as ``qk_norm_w`` an
 layer's, as ``g_attn``); the pre-norm projection u is saved in place of qkv.
 
 Only what §2 lists is saved for the backward: y0, x1, x2, z (pre-activation), qkv, r1, r2
-(the post-block also keeps h2 and each row's log-sum-exp); h1, y1 and every n = r x g
-are recomputed by backward epilogues. Cast policy and shapes as ``fused_ops``.
+(the post-block also keeps h2 and each row's log-sum-exp); h1 and y1 are recomputed by
+backward epilogues. The n = r x g of the norms before the QKV and gate-up GEMMs is never
+formed: the epilogue that produces those GEMMs' cotangent dz stores r * dz, so their
+input gradient reads r * dn and their weight gradient is diag(g) x^T (r * dz)
+(``docs/row_scaled_cotangent.md``). Cast policy and shapes as ``fused_ops``.
 """
 from __future__ import annotations
 
@@ -153,11 +156,14 @@ def _mlp_bwd(dxa, saved, p, params, cfg):
   y0, x1, z, r1 = saved
   d = x1.shape[1]
   wdt = lambda k: S.grad_dtype(params[k])
-  dz, y1, zdz1 = S.gated_input_grad(dxa, p["w2"], z, cfg.swiglu_block, cfg.activation,
-                                    cfg.impl)
+  # dz comes back times r1 per row: the norm's backward needs no n = r1 x1 g
+  # (docs/row_scaled_cotangent.md)
+  dzr, y1, zdz1 = S.gated_input_grad(dxa, p["w2"], z, cfg.swiglu_block, cfg.activation,
+                                     cfg.impl, r=r1)
   dw2 = S.weight_grad(y1, dxa, cfg.impl, wdt("w2"))
-  dx1, n1, dg1 = S.norm_input_grad(dz, p["w13"], x1, r1, zdz1 / d, p["g_mlp"], dxa, cfg.impl)
-  dw13 = S.weight_grad(n1, dz, cfg.impl, wdt("w13"))
+  dx1, dg1 = S.norm_input_grad_row_scaled(dzr, p["w13"], x1, r1, zdz1 / d, p["g_mlp"], dxa,
+                                          cfg.impl)
+  dw13 = S.weight_grad(x1, dzr, cfg.impl, wdt("w13"), row_scale=p["g_mlp"])
   dy0 = S.input_grad(dx1, p["wo"], cfg.impl)
   dwo = S.weight_grad(y0, dx1, cfg.impl, wdt("wo"))
   return dx1, dy0, {"wo": dwo, "g_mlp": dg1, "w13": dw13, "w2": dw2}
@@ -217,16 +223,17 @@ def _norm_qkv(h, r, w, positions, norms, cfg):
                             cfg.head_dim, cfg.eps, cfg.impl)
 
 
-def _qkv_grad(dqkv, kept, positions, norms, cfg, d_model):
-  """B1: dz (the cotangent of r * (h @ wqkv), x's dtype), c = <dz, z> / D per row, and
-  the QK-norm weights' gradients ({} without QK-norm)."""
+def _qkv_grad(dqkv, kept, positions, norms, cfg, d_model, r):
+  """B1: r * dz (dz the cotangent of r * (h @ wqkv); x's dtype, row-scaled for
+  ``norm_input_grad_row_scaled``), c = <dz, z> / D per row, and the QK-norm weights'
+  gradients ({} without QK-norm)."""
   if not cfg.qk_norm:
-    dz, c = S.rope_grad(dqkv, kept, positions, cfg.freqs(), cfg.head_dim, d_model,
-                        cfg.impl)
-    return dz, c, {}
+    dzr, c = S.rope_grad(dqkv, kept, positions, cfg.freqs(), cfg.head_dim, d_model,
+                         cfg.impl, r=r)
+    return dzr, c, {}
   du, dweight, udu = Q.qk_norm_grad(dqkv, kept, positions, cfg.freqs(),
                                     *_qk_operands(norms, cfg), cfg.head_dim, cfg.eps,
-                                    cfg.impl)
+                                    cfg.impl, r=r)
   hd, n_q, n_kv = cfg.head_dim, cfg.n_q_heads, cfg.n_kv_heads
   grads = {"g_q_norm": dweight[:n_q * hd].reshape(n_q, hd).sum(axis=0),  # over q heads
            "g_k_norm": dweight[n_q * hd:(n_q + n_kv) * hd].reshape(n_kv, hd).sum(axis=0)}
@@ -242,9 +249,10 @@ def _pre_fwd(x0, positions, g, wqkv, norms, cfg):
 
 def _pre_bwd(cfg, saved, dqkv):
   x0, positions, g, wqkv, norms, r0, kept = saved
-  dz, c, dnorms = _qkv_grad(dqkv, kept, positions, norms, cfg, x0.shape[1])
-  dx0, n0, dg = S.norm_input_grad(dz, wqkv.astype(x0.dtype), x0, r0, c, g, None, cfg.impl)
-  dw = S.weight_grad(n0, dz, cfg.impl, S.grad_dtype(wqkv))
+  dzr, c, dnorms = _qkv_grad(dqkv, kept, positions, norms, cfg, x0.shape[1], r0)
+  dx0, dg = S.norm_input_grad_row_scaled(dzr, wqkv.astype(x0.dtype), x0, r0, c, g, None,
+                                         cfg.impl)
+  dw = S.weight_grad(x0, dzr, cfg.impl, S.grad_dtype(wqkv), row_scale=g)
   return (dx0, None, reduce_like(dg, g).astype(g.dtype),
           reduce_like(dw, wqkv).astype(wqkv.dtype), _grads_like(dnorms, norms))
 
@@ -293,9 +301,11 @@ def _shifted_bwd(cfg, saved, cts):
   params, positions, x2, r2, kept, mlp_saved = saved
   dx2, dqkv = cts
   p = _cast(params, x2.dtype)
-  dz4, c2, dnorms = _qkv_grad(dqkv, kept, positions, p, cfg, x2.shape[1])
-  dxa, n2, dg2 = S.norm_input_grad(dz4, p["wqkv"], x2, r2, c2, p["g_attn"], dx2, cfg.impl)
-  dwqkv = S.weight_grad(n2, dz4, cfg.impl, S.grad_dtype(params["wqkv"]))
+  dz4r, c2, dnorms = _qkv_grad(dqkv, kept, positions, p, cfg, x2.shape[1], r2)
+  dxa, dg2 = S.norm_input_grad_row_scaled(dz4r, p["wqkv"], x2, r2, c2, p["g_attn"], dx2,
+                                          cfg.impl)
+  dwqkv = S.weight_grad(x2, dz4r, cfg.impl, S.grad_dtype(params["wqkv"]),
+                        row_scale=p["g_attn"])
   dx0, dy0, grads = _mlp_bwd(dxa, mlp_saved, p, params, cfg)
   grads.update(g_attn=dg2, wqkv=dwqkv, **dnorms)
   return dx0, dy0, None, _grads_like(grads, params)

@@ -219,14 +219,15 @@ def _rmsnorm_swiglu_bwd(block, activation, impl, saved, dy):
   h, r, w13, z = saved
   dzf = unfused.gated_grad(dy, z, block, activation)
   dr = jnp.sum(dzf * z.astype(jnp.float32), axis=1) / r  # zdz: <dz, acc> = <dz, z> / r
-  return _norm_gemm_grads(h, r, w13, dzf.astype(h.dtype), dr, impl)
+  return _norm_gemm_grads(h, w13, (dzf * r[:, None]).astype(h.dtype), dr, impl)
 
 
-def _norm_gemm_grads(h, r, w, dz, dr, impl):
-  """Cotangents of (h, r, w) for z = r * (h @ w), given dz and dr = <dz, z> / r."""
-  dh = S.input_grad(dz, w.astype(h.dtype), impl, r=r)
-  n = (h.astype(jnp.float32) * r[:, None]).astype(h.dtype)
-  dw = S.weight_grad(n, dz, impl, S.grad_dtype(w))
+def _norm_gemm_grads(h, w, dzr, dr, impl):
+  """Cotangents of (h, r, w) for z = r * (h @ w), given dzr = r * dz (row-scaled by its
+  producer) and dr = <dz, z> / r: dh = r * (dz @ w^T) = dzr @ w^T and
+  dw = (r h)^T dz = h^T dzr, two plain GEMMs (docs/row_scaled_cotangent.md)."""
+  dh = S.input_grad(dzr, w.astype(h.dtype), impl)
+  dw = S.weight_grad(h, dzr, impl, S.grad_dtype(w))
   return dh, dr, reduce_like(dw, w).astype(w.dtype)
 
 
@@ -265,8 +266,9 @@ def _qkv_fwd(h, r, wqkv, positions, heads, impl):
 
 def _qkv_bwd(heads, impl, saved, dqkv):
   h, r, wqkv, positions, qkv = saved
-  dz, c = S.rope_grad(dqkv, qkv, positions, layout.qkv_freqs(*heads), heads[2], 1, impl)
-  dh, dr, dw = _norm_gemm_grads(h, r, wqkv, dz, c / r, impl)
+  dzr, c = S.rope_grad(dqkv, qkv, positions, layout.qkv_freqs(*heads), heads[2], 1, impl,
+                       r=r)
+  dh, dr, dw = _norm_gemm_grads(h, wqkv, dzr, c / r, impl)
   return dh, dr, dw, None
 
 

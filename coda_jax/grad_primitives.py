@@ -6,6 +6,10 @@ forward primitives, so the jnp reference and the kernel share one definition:
 - ``RmsNormGrad``: acc = dn = dz @ W^T of a GEMM whose input was n = r * x * g. Emits
   dx = r * (g * dn - xhat * c) (xhat = r * x, c = <dz, z> / D by the zdz identity, passed
   in), the column partials of dn * xhat (-> dg) and n itself (the A operand of dW).
+- ``RmsNormGradRowScaled``: the same backward from acc = r * dn, the GEMM of a cotangent
+  its producer stored already multiplied by r per row. Emits dx and the dg partials, and
+  no n: dW = n^T dz = diag(g) x^T (r * dz) reads the saved x instead (``coda_math`` §3,
+  ``docs/row_scaled_cotangent.md``).
 - ``GatedGrad``: acc = dy of y = act(a) * b. Reads the saved pre-activation pairs (twice
   the accumulator's width), emits dz = (da, db) in the same pair-blocked layout, the
   recomputed y (the A operand of the next dW) and row partials of <dz, z> (zdz -> c).
@@ -62,6 +66,45 @@ class RmsNormGrad(Primitive):
 
   def finish(self, raw):
     return {self.dg: jnp.sum(raw[self.dg], axis=0), self.n: raw[self.n]}
+
+
+@dataclasses.dataclass(frozen=True)
+class RmsNormGradRowScaled(Primitive):
+  """acc = r * dn -> dx = g * acc - r^2 x c; stores the dg partials (``dg``) and no n.
+
+  The GEMM's A operand is the cotangent dz' = r * dz of z = n @ W (n = r x g), which its
+  producer's epilogue scaled per row (``ScaleRow``), so the accumulator is
+  dz' @ W^T = r * dn. Then r * (g * dn - xhat * c) = g * acc - r^2 x c and
+  dg = sum over rows of dn * xhat = sum of acc * x, and the weight gradient
+  n^T dz = diag(g) x^T dz' needs x (saved) in place of n (``docs/row_scaled_cotangent.md``).
+
+  Operands: ``x`` (M, N) tile (the norm's input), ``r`` (M,) reciprocal RMS, ``c`` (M,)
+  the zdz term <dz, z> / D (of the unscaled dz), ``g`` (N,) norm weight."""
+  _keeps_zero_rows = True
+  _column_sums_via_env = True
+  x: str
+  r: str
+  c: str
+  g: str
+  dg: str
+
+  def inputs(self):
+    return {self.x: InputKind.TILE, self.r: InputKind.ROW, self.c: InputKind.ROW,
+            self.g: InputKind.COL}
+
+  def outputs(self, width):
+    return (EpilogueOutput(self.dg, OutputKind.COL_PARTIAL, jnp.float32),)
+
+  def apply(self, acc, env):
+    r = env.load(self.r).astype(jnp.float32)
+    rrc = (r * r * env.load(self.c).astype(jnp.float32))[:, None]
+    g = env.load(self.g).astype(jnp.float32)[None, :]
+    x = env.load(self.x).astype(jnp.float32)
+    env.store_column_sum(self.dg, acc * x)
+    return g * acc - x * rrc
+
+  def finish(self, raw):
+    return {self.dg: jnp.sum(raw[self.dg], axis=0)}
 
 
 @dataclasses.dataclass(frozen=True)

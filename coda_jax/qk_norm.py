@@ -220,7 +220,7 @@ def norm_qknorm_rope(h, r, w, positions, freqs, weight, normed, head_dim, eps, i
   return out["qkv"], out["u"]
 
 
-def backward_program(head_dim, eps, dtype):
+def backward_program(head_dim, eps, dtype, row_scaled=False):
   """The backward pass's program (no GEMM: ``epilogue_gemm.epilogue_pass``): dqkv in, RoPE^T (a
   rotation by the negated angle), the per-head norm backward, du stored. Operands:
   dqkv, pos, neg_freqs, u, qk_w, qk_sel.
@@ -228,6 +228,8 @@ def backward_program(head_dim, eps, dtype):
   Args:
     head_dim, eps: as ``forward_program``.
     dtype: the dtype du is stored in.
+    row_scaled: du is stored times the operand "r" (M,) per row (a ``ScaleRow`` before
+      the store; "udu" is of the unscaled du).
 
   Returns:
     The program ``[AddTile("dqkv"), Rotate("pos", "neg_freqs", head_dim // 2),
@@ -238,12 +240,13 @@ def backward_program(head_dim, eps, dtype):
     cotangent of u; "dweight" (N,) fp32, the norm weights' gradient per column (summed
     over rows); "udu" (M,) fp32, <du, u> per row (``HeadRmsNormGrad``).
   """
+  scale = [P.ScaleRow("r")] if row_scaled else []
   return [P.AddTile("dqkv"), P.Rotate("pos", "neg_freqs", head_dim // 2),
-          HeadRmsNormGrad("u", "qk_w", "qk_sel", head_dim, eps, "dweight", "udu"),
+          HeadRmsNormGrad("u", "qk_w", "qk_sel", head_dim, eps, "dweight", "udu"), *scale,
           P.Store("du", dtype)]
 
 
-def qk_norm_grad(dqkv, u, positions, freqs, weight, normed, head_dim, eps, impl):
+def qk_norm_grad(dqkv, u, positions, freqs, weight, normed, head_dim, eps, impl, r=None):
   """The per-head backward (``docs/qk_norm_math.md``), one elementwise pass over (M, N)
   tiles (``backward_program``).
 
@@ -253,13 +256,18 @@ def qk_norm_grad(dqkv, u, positions, freqs, weight, normed, head_dim, eps, impl)
     positions, freqs, weight, normed: the forward's operands; head_dim, eps its
       constants.
     impl: as ``coda_jax.gemm_epilogue``.
+    r: optional (M,) fp32 row scale: du is returned times r per row (the cotangent that
+      ``block_gemms.norm_input_grad_row_scaled`` takes); <du, u> stays unscaled.
 
   Returns:
     (du (M, N) in u's dtype, dweight (N,) fp32 column sums over rows, <du, u> (M,) fp32).
   """
-  out = epilogue_pass(backward_program(head_dim, eps, u.dtype),
-                      {"dqkv": dqkv, "pos": positions, "neg_freqs": -freqs, "u": u,
-                       "qk_w": weight, "qk_sel": normed}, impl=impl)
+  operands = {"dqkv": dqkv, "pos": positions, "neg_freqs": -freqs, "u": u, "qk_w": weight,
+              "qk_sel": normed}
+  if r is not None:
+    operands["r"] = r
+  out = epilogue_pass(backward_program(head_dim, eps, u.dtype, r is not None), operands,
+                      impl=impl)
   return out["du"], out["dweight"], out["udu"]
 
 
@@ -350,15 +358,15 @@ def _qknorm_bwd(heads, impl, saved, dqkv):
   h, r, wqkv, positions, q_norm_w, k_norm_w, u = saved
   n_q, n_kv, hd, _, _, eps = heads
   freqs, weight, normed = _operands(q_norm_w, k_norm_w, heads)
-  du, dweight, udu = qk_norm_grad(dqkv, u, positions, freqs, weight, normed, hd, eps,
-                                  impl)
+  # du comes back times r per row, so neither GEMM below scales: r * (du @ wqkv^T) and
+  # (r h)^T du = h^T (r du) (docs/row_scaled_cotangent.md)
+  dur, dweight, udu = qk_norm_grad(dqkv, u, positions, freqs, weight, normed, hd, eps,
+                                   impl, r=r)
   dq_w = dweight[:n_q * hd].reshape(n_q, hd).sum(axis=0)  # summed over the q heads
   dk_w = dweight[n_q * hd:(n_q + n_kv) * hd].reshape(n_kv, hd).sum(axis=0)  # and k heads
-  du = du.astype(h.dtype)
-  w = wqkv.astype(h.dtype)
-  dh = S.input_grad(du, w, impl, r=r)  # r * (du @ wqkv^T)
-  n_in = (h.astype(jnp.float32) * r[:, None]).astype(h.dtype)
-  dw = S.weight_grad(n_in, du, impl, S.grad_dtype(wqkv))  # (r h)^T du
+  dur = dur.astype(h.dtype)
+  dh = S.input_grad(dur, wqkv.astype(h.dtype), impl)
+  dw = S.weight_grad(h, dur, impl, S.grad_dtype(wqkv))
   return (dh, udu / r, reduce_like(dw, wqkv).astype(wqkv.dtype), None,
           reduce_like(dq_w, q_norm_w).astype(q_norm_w.dtype),
           reduce_like(dk_w, k_norm_w).astype(k_norm_w.dtype))

@@ -94,8 +94,8 @@ MUTATIONS = [
         "the LM-head backward loses the last row chunk's gradient"),
     Mutation(
         "rope_bwd_sign", "coda_jax/block_gemms.py",
-        '"pos": positions, "neg_freqs": -freqs},',
-        '"pos": positions, "neg_freqs": freqs},',
+        '"pos": positions, "neg_freqs": -freqs}',
+        '"pos": positions, "neg_freqs": freqs}',
         ("tests/test_fused_ops.py", "-k", "qkv_rope or rope_backward"),
         "RoPE backward rotates forward instead of back"),
     Mutation(
@@ -104,9 +104,9 @@ MUTATIONS = [
         ("tests/test_fused_ops.py", "-k", "geglu"),
         "GELU's derivative drops a tanh factor"),
     Mutation(
-        "fp32_path_rounds_n_to_bf16", "coda_jax/fused_ops.py",
-        "  n = (h.astype(jnp.float32) * r[:, None]).astype(h.dtype)\n",
-        "  n = (h.astype(jnp.float32) * r[:, None]).astype(jnp.bfloat16).astype(h.dtype)\n",
+        "fp32_path_rounds_dz_to_bf16", "coda_jax/fused_ops.py",
+        "(dzf * r[:, None]).astype(h.dtype)",
+        "(dzf * r[:, None]).astype(jnp.bfloat16).astype(h.dtype)",
         ("tests/test_fused_ops.py", "-k", "float32_activations"),
         "float32 activations silently pass through bf16"),
     Mutation(
@@ -206,6 +206,23 @@ MUTATIONS = [
         "rmsnorm_grad_formula", "coda_jax/grad_primitives.py",
         "return r * (g * dn - xhat * c)", "return r * (g * dn + xhat * c)",
         ("tests/test_grad_primitives.py",), "RMSNorm backward: wrong sign of the zdz term"),
+    Mutation(
+        "rmsnorm_grad_row_scaled_r_once", "coda_jax/grad_primitives.py",
+        "rrc = (r * r * env.load(self.c)", "rrc = (r * env.load(self.c)",
+        ("tests/test_grad_primitives.py", "-k", "row_scaled"),
+        "the row-scaled RMSNorm backward's zdz term takes r once, not r^2"),
+    Mutation(
+        "weight_grad_row_scale_dropped", "coda_jax/block_gemms.py",
+        'scale, operands = [P.ScaleRow("g")], {"g": row_scale.astype(jnp.float32)}',
+        "scale, operands = [], {}",
+        ("tests/test_blocks.py", "-k", "test_blocks_forward_and_grads and bf16-silu"),
+        "dW = diag(g) x^T (r dz) forgets g: the QKV and gate-up weight gradients"),
+    Mutation(
+        "gated_grad_not_row_scaled", "coda_jax/blocks.py",
+        "                                     cfg.impl, r=r1)",
+        "                                     cfg.impl)",
+        ("tests/test_blocks.py", "-k", "test_blocks_forward_and_grads and bf16-silu"),
+        "the SwiGLU backward stores dz unscaled, which the row-scaled norm backward reads"),
     Mutation(
         "gated_grad_zdz_drops_b", "coda_jax/grad_primitives.py",
         "zdz = zdz + jnp.sum(a * da + b * db, axis=1)",

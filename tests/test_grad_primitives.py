@@ -12,7 +12,8 @@ import pallas_kernels as pk
 
 import coda_jax as cj
 from coda_jax import dispatch, epilogue_gemm
-from coda_jax.grad_primitives import ExpShifted, GatedGrad, RmsNormGrad, SoftmaxXentGrad
+from coda_jax.grad_primitives import (ExpShifted, GatedGrad, RmsNormGrad, RmsNormGradRowScaled,
+                                      SoftmaxXentGrad)
 from coda_jax.primitives import Gated, PickColumn, RowLogSumExp
 from helpers import (assert_within_baseline, gated_pairs, gemm_inputs, normal, rel_err,
                      spread_rows)
@@ -55,6 +56,18 @@ def test_rmsnorm_grad_is_the_derivative(key):
   assert rel_err(dx, dx_want) < FORMULA_RTOL
   assert rel_err(env.stored["dg"], dg_want) < FORMULA_RTOL
   assert rel_err(env.stored["n"], r[:, None] * x * g) < FORMULA_RTOL
+  # from the row-scaled cotangent r * dz: the same dx and dg, and diag(g) x^T (r dz) is
+  # the weight gradient n^T dz (docs/row_scaled_cotangent.md)
+  with jax.default_matmul_precision("highest"):
+    dw_want = jax.grad(lambda w: jnp.sum(((r[:, None] * x * g) @ w) * dz))(w)
+    acc = (r[:, None] * dz) @ w.T
+    dw = g[:, None] * (x.T @ (r[:, None] * dz))
+  env = _env({"x": x, "r": r, "c": jnp.sum(dz * z, axis=1) / K, "g": g}, acc.shape)
+  dx = RmsNormGradRowScaled("x", "r", "c", "g", "dg").apply(acc, env)
+  assert rel_err(dx, dx_want) < FORMULA_RTOL
+  assert rel_err(env.stored["dg"], dg_want) < FORMULA_RTOL
+  assert rel_err(dw, dw_want) < FORMULA_RTOL
+  assert set(env.stored) == {"dg"}
 
 
 def test_softmax_xent_grad_is_the_derivative(key):
@@ -107,6 +120,9 @@ PROGRAMS = {
     "gated_grad_gelu": [GatedGrad("z", P, "y", "zdz", "gelu"), cj.Store("dz")],
     "rmsnorm_grad": [RmsNormGrad("x", "r", "c", "g", "dg", "n"), cj.AddTile("dres"),
                      cj.Store("dx")],
+    "rmsnorm_grad_row_scaled": [RmsNormGradRowScaled("x", "r", "c", "g", "dg"),
+                                cj.AddTile("dres"), cj.Store("dx")],
+    "gated_grad_row_scaled": [GatedGrad("z", P, "y", "zdz"), cj.ScaleRow("r"), cj.Store("dz")],
     "xent_grad": [cj.ScaleRow("r"), cj.RowLogSumExp("lse"), PickColumn("t", "tgt"),
                   SoftmaxXentGrad("lse_in", "t", "w", "zdz"), cj.Store("d")],
     # the LSE without the target column (what the LM head's forward now computes)
@@ -227,6 +243,34 @@ def _rmsnorm_case(key, run):
   return got, truth, unfused
 
 
+def _rmsnorm_row_scaled_case(key, run):
+  """The same norm backward from the row-scaled cotangent r * dz, as its producer stores
+  it in bf16 (``RmsNormGradRowScaled``): dx and dg against the same autodiff; no n."""
+  ks = jax.random.split(key, 5)
+  x = spread_rows(ks[0], (OM, ON), BF16)
+  g = 1 + 0.1 * normal(ks[1], (ON,))
+  w = normal(ks[2], (ON, OK), BF16) * ON ** -0.5
+  dz, dres = normal(ks[3], (OM, OK), BF16), normal(ks[4], (OM, ON), BF16)
+  with jax.default_matmul_precision("highest"):
+    fwd = lambda x, g: (jax.lax.rsqrt(jnp.mean(x * x, axis=1) + RMS_EPS)[:, None] * x * g) @ _up(w)
+    xf = _up(x)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=1) + RMS_EPS)
+    c = jnp.sum(_up(dz) * fwd(xf, g), axis=1) / ON
+    dx, dg = jax.grad(lambda x, g: jnp.sum(fwd(x, g) * _up(dz)), argnums=(0, 1))(xf, g)
+  truth = {"dx": dx + _up(dres), "dg": dg}
+  dzr = (r[:, None] * _up(dz)).astype(BF16)  # the producer's one rounding
+  program = [RmsNormGradRowScaled("x", "r", "c", "g", "dg"), cj.AddTile("dres"),
+             cj.Store("dx")]
+  got = run(dzr, w, program, {"x": x, "r": r, "c": c, "g": g, "dres": dres})
+  # unfused: the unscaled path in bf16, as test_backward_kernel_against_autodiff's
+  # rmsnorm_grad (XLA's bf16 GEMM of dz, then bf16 elementwise steps)
+  dn = _up(jnp.matmul(dz, w.T))
+  xhat = _q(r[:, None] * xf)
+  unfused = {"dx": _q(_q(r[:, None] * _q(_q(g * dn) - _q(xhat * c[:, None]))) + _up(dres)),
+             "dg": jnp.sum(_q(dn * xhat), axis=0)}
+  return got, truth, unfused
+
+
 def _xent_case(key, run):
   """logits = r * (h @ wlm^T) is the accumulator; dlogits and <dlogits, logits> against
   autodiff of the weighted cross-entropy (ignored targets: weight 0)."""
@@ -252,7 +296,8 @@ def _xent_case(key, run):
 
 
 ORACLES = {"gated_grad_silu": _gated_case("silu"), "gated_grad_gelu": _gated_case("gelu"),
-           "rmsnorm_grad": _rmsnorm_case, "xent_grad": _xent_case}
+           "rmsnorm_grad": _rmsnorm_case, "rmsnorm_grad_row_scaled": _rmsnorm_row_scaled_case,
+           "xent_grad": _xent_case}
 
 
 @pytest.mark.parametrize("name", list(ORACLES))
