@@ -8,8 +8,8 @@ forward primitives, so the jnp reference and the kernel share one definition:
   in), the column partials of dn * xhat (-> dg) and n itself (the A operand of dW).
 - ``RmsNormGradRowScaled``: the same backward from acc = r * dn, the GEMM of a cotangent
   its producer stored already multiplied by r per row. Emits dx and the dg partials, and
-  no n: dW = n^T dz = diag(g) x^T (r * dz) reads the saved x instead (``coda_math`` §3,
-  ``docs/row_scaled_cotangent.md``).
+  no n: dW = n^T dz = diag(g) x^T (r * dz) reads the saved x instead
+  (``docs/row_scaled_cotangent.md``).
 - ``GatedGrad``: acc = dy of y = act(a) * b. Reads the saved pre-activation pairs (twice
   the accumulator's width), emits dz = (da, db) in the same pair-blocked layout, the
   recomputed y (the A operand of the next dW) and row partials of <dz, z> (zdz -> c).
