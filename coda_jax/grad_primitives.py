@@ -32,11 +32,10 @@ from coda_jax.primitives import ACTIVATIONS, Primitive, _join
 
 
 @dataclasses.dataclass(frozen=True)
-class RmsNormGrad(Primitive):
-  """dn -> dx = r * (g * dn - xhat * c); stores dg partials (``dg``) and n (``n``).
-
-  Operands: ``x`` (M, N) tile (the norm's input), ``r`` (M,) reciprocal RMS, ``c`` (M,)
-  the zdz term <dz, z> / D, ``g`` (N,) norm weight."""
+class _RmsNormGradOperands(Primitive):
+  """The operands and the dg output that both RMSNorm backwards name: ``x`` (M, N) tile
+  (the norm's input), ``r`` (M,) reciprocal RMS, ``c`` (M,) the zdz term <dz, z> / D,
+  ``g`` (N,) norm weight; ``dg`` the column partials of the weight's gradient."""
   _keeps_zero_rows = True
   _column_sums_via_env = True
   x: str
@@ -44,12 +43,20 @@ class RmsNormGrad(Primitive):
   c: str
   g: str
   dg: str
-  n: str
-  n_dtype: Any = jnp.bfloat16
 
   def inputs(self):
     return {self.x: InputKind.TILE, self.r: InputKind.ROW, self.c: InputKind.ROW,
             self.g: InputKind.COL}
+
+
+@dataclasses.dataclass(frozen=True)
+class RmsNormGrad(_RmsNormGradOperands):
+  """dn -> dx = r * (g * dn - xhat * c); stores dg partials (``dg``) and n (``n``).
+
+  Operands: ``x`` (M, N) tile (the norm's input), ``r`` (M,) reciprocal RMS, ``c`` (M,)
+  the zdz term <dz, z> / D, ``g`` (N,) norm weight."""
+  n: str
+  n_dtype: Any = jnp.bfloat16
 
   def outputs(self, width):
     return (EpilogueOutput(self.dg, OutputKind.COL_PARTIAL, jnp.float32),
@@ -69,7 +76,7 @@ class RmsNormGrad(Primitive):
 
 
 @dataclasses.dataclass(frozen=True)
-class RmsNormGradRowScaled(Primitive):
+class RmsNormGradRowScaled(_RmsNormGradOperands):
   """acc = r * dn -> dx = g * acc - r^2 x c; stores the dg partials (``dg``) and no n.
 
   The GEMM's A operand is the cotangent dz' = r * dz of z = n @ W (n = r x g), which its
@@ -80,17 +87,6 @@ class RmsNormGradRowScaled(Primitive):
 
   Operands: ``x`` (M, N) tile (the norm's input), ``r`` (M,) reciprocal RMS, ``c`` (M,)
   the zdz term <dz, z> / D (of the unscaled dz), ``g`` (N,) norm weight."""
-  _keeps_zero_rows = True
-  _column_sums_via_env = True
-  x: str
-  r: str
-  c: str
-  g: str
-  dg: str
-
-  def inputs(self):
-    return {self.x: InputKind.TILE, self.r: InputKind.ROW, self.c: InputKind.ROW,
-            self.g: InputKind.COL}
 
   def outputs(self, width):
     return (EpilogueOutput(self.dg, OutputKind.COL_PARTIAL, jnp.float32),)
