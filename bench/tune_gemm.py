@@ -25,6 +25,9 @@ faster on settled times (``autotune.final_round``), so an entry does not change 
 Every
 candidate's time and every skipped candidate's reason is printed; the table printed
 last has the winner against the heuristic default for each problem.
+``--same-shape`` times only the configs that other programs' entries hold at the
+problem's shape (or a nearby M or K) and the heuristic: a new program at a shape tuned
+for another gets a measured entry in seconds instead of a whole search.
 ``--challenge-tile-m 192`` times each problem's current config against the search's
 192-row candidates only, and keeps the current one unless another is more than 1%
 faster (a new tile height, without a whole search). ``--challenge-variant
@@ -68,6 +71,7 @@ from pathlib import Path
 import jax
 
 from pallas_kernels import autotune, kernel_cache
+from pallas_kernels import gemm_mgpu
 from pallas_kernels.gemm_mgpu import GemmConfig
 from bench import common, lowering_time
 
@@ -174,6 +178,48 @@ def variant_challenger(problem: autotune.Problem, overrides: dict):
   return [current, variant]
 
 
+def same_shape_configs(problem: autotune.Problem) -> list[GemmConfig] | None:
+  """``--same-shape``: the configs that the caches hold for this problem's M x N x K
+  (or the same at a nearby M or K, ``autotune.NEARBY_FACTOR``), operand orders and dtype
+  under any other program, on this device kind or a same-chip sibling
+  (``autotune.same_chip_kinds``), nearest size and own kind first, each with the most
+  stages that fit this program's staging; None where there are none. A new epilogue
+  program at a shape tuned for another (one that drops or adds a cheap step) then gets a
+  measured entry from a few candidates instead of a whole search.
+
+  Args:
+    problem: the tuning problem.
+
+  Returns:
+    The distinct configs that tile the problem and fit, or None.
+  """
+  key = problem.key
+  kinds = (key.device_kind,) + autotune.same_chip_kinds(key.device_kind)
+  found = []
+  for path in autotune.cache_paths():
+    for text, entry in autotune._entries(path).items():
+      other = autotune.ProblemKey.from_text(text)
+      if other.device_kind not in kinds or other.signature == key.signature:
+        continue
+      as_this = dataclasses.replace(other, device_kind=key.device_kind,
+                                    signature=key.signature)
+      order = (0.0,) if as_this == key else autotune._nearby(key, as_this)
+      if order is not None:
+        found.append((order[:3], kinds.index(other.device_kind),
+                      autotune.config_from_dict(entry["config"])))
+  configs = []
+  for *_, cfg in sorted(found, key=lambda t: t[:2]):
+    try:
+      gemm_mgpu._check_tiling(key.m, key.n, key.k, cfg, key.trans_a, key.trans_b,
+                              problem.clip_m)
+    except ValueError:
+      continue
+    cfg = problem.deepest_fitting(cfg)
+    if cfg is not None and cfg not in configs:
+      configs.append(cfg)
+  return configs or None
+
+
 def incumbent(problem: autotune.Problem, entries: dict) -> GemmConfig | None:
   """The config that serves ``problem`` now, which a search keeps unless a candidate
   is faster by more than ``CHALLENGE_MARGIN``: its entry in ``entries`` (the ``--out``
@@ -219,7 +265,11 @@ def plan(problem: autotune.Problem, args, overrides: dict | None, entries: dict)
   Returns:
     ``(configs, keep)`` or a string."""
   configs = None
-  if args.challenge_tile_m is not None:
+  if getattr(args, "same_shape", False):
+    configs = same_shape_configs(problem)
+    if configs is None:
+      return "no other program's entry at this shape: left for a whole search"
+  elif args.challenge_tile_m is not None:
     configs = challengers(problem, args.challenge_tile_m, args.extra)
     if configs is None:
       return "no candidate that tall tiles it: kept"
@@ -321,6 +371,10 @@ def main():
                  "these GemmConfig fields replaced (as bench.compare_configs' --variant, "
                  "without the name), in one process; the variant replaces it when more "
                  "than 1%% faster (problems --out has are included)")
+  p.add_argument("--same-shape", action="store_true",
+                 help="instead of the whole search, time only the configs the caches hold "
+                 "for the same M x N x K (or nearby) under other programs, and the "
+                 "heuristic (a new program at a shape tuned for another)")
   p.add_argument("--device", choices=sorted(lowering_time.DEVICES), default=None,
                  help="without a GPU: the device --list and --lower-only trace the "
                  "workloads for (default h100)")

@@ -564,6 +564,41 @@ def test_tune_gemm_lower_only_fills_a_folder_an_h200_reads(monkeypatch, capsys, 
     tune_gemm.main()
 
 
+def test_tune_gemm_same_shape(monkeypatch, tmp_path):
+  """``--same-shape``: the configs other programs' entries hold at this shape (then at a
+  nearby M) on this kind or a same-chip sibling, own kind first, none of another chip's
+  nor of other sizes; the plan times only those; None (a whole search later) where no
+  entry is at this shape."""
+  import dataclasses
+  from bench import lowering_time as lt
+  from bench import tune_gemm
+  monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "configs.json"))
+  monkeypatch.setattr(autotune, "SHIPPED_CACHE", tmp_path / "absent.json")
+  def as_h100(p):  # a kind with a same-chip sibling, on any machine
+    return dataclasses.replace(p, key=dataclasses.replace(p.key, device_kind=lt.H100.device_kind))
+  problem = as_h100(autotune.plain_problem(768, 512, 256, trans_b=True))
+  alone = as_h100(autotune.plain_problem(16384, 512, 256, trans_b=True))  # none within 2x
+  key = problem.key
+  base = problem.default_config()
+  own, sibling, near = (dataclasses.replace(base, epi_tile_n=w) for w in (16, 32, 64))
+  far, other_chip = dataclasses.replace(base, stages=2), dataclasses.replace(base, stages=3)
+  assert tune_gemm.same_shape_configs(problem) is None
+  sib = autotune.same_chip_kinds(key.device_kind)[0]
+  for k, cfg in [(dataclasses.replace(key, device_kind=sib, signature="b;x"), sibling),
+                 (dataclasses.replace(key, signature="a;x"), own),
+                 (dataclasses.replace(key, m=1536, signature="c;x"), near),
+                 (dataclasses.replace(key, m=4096, signature="d;x"), far),
+                 (dataclasses.replace(key, device_kind="NVIDIA B200", signature="e;x"),
+                  other_chip),
+                 (key, base)]:  # the problem's own entry is not a candidate
+    autotune.store(k, {"config": autotune.config_to_dict(cfg), "ms": 0.1})
+  assert tune_gemm.same_shape_configs(problem) == [own, sibling, near]
+  args = argparse.Namespace(same_shape=True, challenge_tile_m=None, extra=False)
+  configs, keep = tune_gemm.plan(problem, args, None, {})
+  assert configs == [own, sibling, near] and keep == own
+  assert "left for a whole search" in tune_gemm.plan(alone, args, None, {})
+
+
 def test_tune_gemm_already_served(monkeypatch):
   """A tuned winner that the caches already serve for the problem (here a same-chip
   sibling's entry) is named with its source, so tune_gemm writes no entry repeating
