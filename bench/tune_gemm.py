@@ -277,9 +277,10 @@ def plan(problem: autotune.Problem, args, overrides: dict | None, entries: dict)
     configs = variant_challenger(problem, overrides)
     if configs is None:
       return "the variant is the current config, or does not fit: kept"
-  # a challenge keeps the current config (its first), a search the incumbent, within the
-  # margin
-  keep = configs[0] if configs else incumbent(problem, entries)
+  # a challenge keeps the current config (its first), a search (--same-shape's too) the
+  # incumbent, within the margin
+  challenge = configs is not None and not getattr(args, "same_shape", False)
+  keep = configs[0] if challenge else incumbent(problem, entries)
   return configs, keep
 
 
@@ -396,6 +397,9 @@ def main():
     if num_sms is not None or "clip_m" in overrides:
       sys.exit("--challenge-variant: only GemmConfig fields (not num_sms or clip_m)")
   challenge = args.challenge_tile_m is not None or overrides is not None
+  if challenge and args.same_shape:
+    sys.exit("--same-shape is a search of its own: pass it without --challenge-tile-m or "
+             "--challenge-variant")
   on_gpu = jax.devices()[0].platform == "gpu"
   if on_gpu and (args.device is not None or args.lower_only is not None):
     sys.exit("--device and --lower-only are for a machine without a GPU: on the GPU host "

@@ -595,8 +595,12 @@ def test_tune_gemm_same_shape(monkeypatch, tmp_path):
   assert tune_gemm.same_shape_configs(problem) == [own, sibling, near]
   args = argparse.Namespace(same_shape=True, challenge_tile_m=None, extra=False)
   configs, keep = tune_gemm.plan(problem, args, None, {})
-  assert configs == [own, sibling, near] and keep == own
+  assert configs == [own, sibling, near] and keep == base  # what serves it now, as a search
   assert "left for a whole search" in tune_gemm.plan(alone, args, None, {})
+  monkeypatch.setattr("sys.argv", ["tune_gemm", "--list", "--same-shape",
+                                   "--challenge-tile-m", "192"])
+  with pytest.raises(SystemExit, match="a search of its own"):
+    tune_gemm.main()
 
 
 def test_tune_gemm_already_served(monkeypatch):
