@@ -224,6 +224,12 @@ MUTATIONS = [
         ("tests/test_blocks.py", "-k", "test_blocks_forward_and_grads and bf16-silu"),
         "the SwiGLU backward stores dz unscaled, which the row-scaled norm backward reads"),
     Mutation(
+        "same_shape_takes_any_chip", "bench/tune_gemm.py",
+        "if other.device_kind not in kinds or other.signature == key.signature:",
+        "if other.signature == key.signature:",
+        ("tests/test_bench_harness.py", "-k", "same_shape"),
+        "--same-shape times configs tuned on another chip"),
+    Mutation(
         "gated_grad_zdz_drops_b", "coda_jax/grad_primitives.py",
         "zdz = zdz + jnp.sum(a * da + b * db, axis=1)",
         "zdz = zdz + jnp.sum(a * da, axis=1)",
