@@ -258,18 +258,20 @@ def plan(problem: autotune.Problem, args, overrides: dict | None, entries: dict)
 
   Args:
     problem: the tuning problem.
-    args: the parsed command line (``--challenge-tile-m``, ``--extra``).
+    args: the parsed command line (``--same-shape``, ``--challenge-tile-m``,
+      ``--extra``).
     overrides: ``--challenge-variant``'s fields, or None.
     entries: key text -> cache record of the ``--out`` file.
 
   Returns:
     ``(configs, keep)`` or a string."""
   configs = None
-  if getattr(args, "same_shape", False):
+  if args.same_shape:  # a search among fewer candidates: it keeps the incumbent
     configs = same_shape_configs(problem)
     if configs is None:
       return "no other program's entry at this shape: left for a whole search"
-  elif args.challenge_tile_m is not None:
+    return configs, incumbent(problem, entries)
+  if args.challenge_tile_m is not None:
     configs = challengers(problem, args.challenge_tile_m, args.extra)
     if configs is None:
       return "no candidate that tall tiles it: kept"
@@ -277,10 +279,9 @@ def plan(problem: autotune.Problem, args, overrides: dict | None, entries: dict)
     configs = variant_challenger(problem, overrides)
     if configs is None:
       return "the variant is the current config, or does not fit: kept"
-  # a challenge keeps the current config (its first), a search (--same-shape's too) the
-  # incumbent, within the margin
-  challenge = configs is not None and not getattr(args, "same_shape", False)
-  keep = configs[0] if challenge else incumbent(problem, entries)
+  # a challenge keeps the current config (its first), a search the incumbent, within the
+  # margin
+  keep = configs[0] if configs else incumbent(problem, entries)
   return configs, keep
 
 

@@ -193,15 +193,22 @@ def rope_grad(dqkv, qkv, positions, freqs, head_dim, d_model, impl, r=None):
 def norm_input_grad(dz, w, x, r, c, g, d_residual, impl, w_nk=False, dx_dtype=None):
   """B2/B4: dn = dz @ w^T; dx = r * (g * dn - r x c) (+ d_residual). Returns
   (dx, n = r x g, dg); dx in ``dx_dtype`` (default dz's)."""
-  dt = dz.dtype
-  program = [RmsNormGrad("x", "r", "c", "g", "dg", "n", dt)]
+  out = _norm_grad_gemm(RmsNormGrad("x", "r", "c", "g", "dg", "n", dz.dtype), dz, w, x, r,
+                        c, g, d_residual, impl, not w_nk, dx_dtype)
+  return out["dx"], out["n"], out["dg"]
+
+
+def _norm_grad_gemm(norm_grad, dz, w, x, r, c, g, d_residual, impl, trans_b, dx_dtype):
+  """The GEMM of both RMSNorm input gradients: dz @ w^T through ``norm_grad`` (an
+  ``RmsNormGrad`` or ``RmsNormGradRowScaled`` on operands x, r, c, g), plus d_residual
+  when given, dx stored in ``dx_dtype`` (default dz's). Returns the outputs by name."""
+  program = [norm_grad]
   operands = {"x": x, "r": r, "c": c, "g": g.astype(jnp.float32)}
   if d_residual is not None:
     program.append(P.AddTile("dres"))
     operands["dres"] = d_residual
-  out = gemm_epilogue(dz, w, program + [P.Store("dx", dx_dtype or dt)], operands,
-                      trans_b=not w_nk, impl=impl)
-  return out["dx"], out["n"], out["dg"]
+  return gemm_epilogue(dz, w, program + [P.Store("dx", dx_dtype or dz.dtype)], operands,
+                       trans_b=trans_b, impl=impl)
 
 
 def norm_input_grad_row_scaled(dzr, w, x, r, c, g, d_residual, impl, dx_dtype=None):
@@ -221,14 +228,8 @@ def norm_input_grad_row_scaled(dzr, w, x, r, c, g, d_residual, impl, dx_dtype=No
   Returns:
     (dx (M, D), dg (D,) fp32).
   """
-  dt = dzr.dtype
-  program = [RmsNormGradRowScaled("x", "r", "c", "g", "dg")]
-  operands = {"x": x, "r": r, "c": c, "g": g.astype(jnp.float32)}
-  if d_residual is not None:
-    program.append(P.AddTile("dres"))
-    operands["dres"] = d_residual
-  out = gemm_epilogue(dzr, w, program + [P.Store("dx", dx_dtype or dt)], operands,
-                      trans_b=True, impl=impl)
+  out = _norm_grad_gemm(RmsNormGradRowScaled("x", "r", "c", "g", "dg"), dzr, w, x, r, c, g,
+                        d_residual, impl, True, dx_dtype)
   return out["dx"], out["dg"]
 
 

@@ -534,8 +534,8 @@ def test_tune_gemm_lower_only_fills_a_folder_an_h200_reads(monkeypatch, capsys, 
   with lt.pretend(lt.H200):
     (problem,) = [p for _, p in tune_gemm.bench_problems([(256, 128, 256)], "plain").values()]
   assert problem.key.device_kind == "NVIDIA H200"
-  configs, keep = tune_gemm.plan(problem, argparse.Namespace(challenge_tile_m=None,
-                                 extra=False), {"epi_tile_n": 16}, {})
+  configs, keep = tune_gemm.plan(problem, argparse.Namespace(
+      same_shape=False, challenge_tile_m=None, extra=False), {"epi_tile_n": 16}, {})
   planned, _, _ = autotune.search_configs(problem, configs, keep=keep)
   assert len(planned) >= 2 and len(files) == len(planned), (out, files, planned)
   assert f"kernels: {len(planned)} lowered, 0 already there, 0 failed" in out, out

@@ -219,56 +219,40 @@ def _gated_case(act):
   return case
 
 
-def _rmsnorm_case(key, run):
+def _rmsnorm_case(row_scaled):
   """z = n @ w with n = r * x * g: dn = dz @ w^T is the accumulator; dx (plus a residual
-  gradient), dg and n against autodiff of the norm and the GEMM."""
-  ks = jax.random.split(key, 5)
-  x = spread_rows(ks[0], (OM, ON), BF16)
-  g = 1 + 0.1 * normal(ks[1], (ON,))
-  w = normal(ks[2], (ON, OK), BF16) * ON ** -0.5  # (D, D_out): B stored (N, K)
-  dz, dres = normal(ks[3], (OM, OK), BF16), normal(ks[4], (OM, ON), BF16)
-  with jax.default_matmul_precision("highest"):
-    fwd = lambda x, g: (jax.lax.rsqrt(jnp.mean(x * x, axis=1) + RMS_EPS)[:, None] * x * g) @ _up(w)
-    xf = _up(x)
-    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=1) + RMS_EPS)
-    c = jnp.sum(_up(dz) * fwd(xf, g), axis=1) / ON  # the zdz term
-    dx, dg = jax.grad(lambda x, g: jnp.sum(fwd(x, g) * _up(dz)), argnums=(0, 1))(xf, g)
-  truth = {"dx": dx + _up(dres), "dg": dg, "n": r[:, None] * xf * g}
-  program = [RmsNormGrad("x", "r", "c", "g", "dg", "n"), cj.AddTile("dres"), cj.Store("dx")]
-  got = run(dz, w, program, {"x": x, "r": r, "c": c, "g": g, "dres": dres})
-  dn = _up(jnp.matmul(dz, w.T))  # unfused: XLA's bf16 GEMM, then bf16 elementwise steps
-  xhat = _q(r[:, None] * xf)
-  unfused = {"dx": _q(_q(r[:, None] * _q(_q(g * dn) - _q(xhat * c[:, None]))) + _up(dres)),
-             "dg": jnp.sum(_q(dn * xhat), axis=0), "n": _q(xhat * g)}
-  return got, truth, unfused
-
-
-def _rmsnorm_row_scaled_case(key, run):
-  """The same norm backward from the row-scaled cotangent r * dz, as its producer stores
-  it in bf16 (``RmsNormGradRowScaled``): dx and dg against the same autodiff; no n."""
-  ks = jax.random.split(key, 5)
-  x = spread_rows(ks[0], (OM, ON), BF16)
-  g = 1 + 0.1 * normal(ks[1], (ON,))
-  w = normal(ks[2], (ON, OK), BF16) * ON ** -0.5
-  dz, dres = normal(ks[3], (OM, OK), BF16), normal(ks[4], (OM, ON), BF16)
-  with jax.default_matmul_precision("highest"):
-    fwd = lambda x, g: (jax.lax.rsqrt(jnp.mean(x * x, axis=1) + RMS_EPS)[:, None] * x * g) @ _up(w)
-    xf = _up(x)
-    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=1) + RMS_EPS)
-    c = jnp.sum(_up(dz) * fwd(xf, g), axis=1) / ON
-    dx, dg = jax.grad(lambda x, g: jnp.sum(fwd(x, g) * _up(dz)), argnums=(0, 1))(xf, g)
-  truth = {"dx": dx + _up(dres), "dg": dg}
-  dzr = (r[:, None] * _up(dz)).astype(BF16)  # the producer's one rounding
-  program = [RmsNormGradRowScaled("x", "r", "c", "g", "dg"), cj.AddTile("dres"),
-             cj.Store("dx")]
-  got = run(dzr, w, program, {"x": x, "r": r, "c": c, "g": g, "dres": dres})
-  # unfused: the unscaled path in bf16, as test_backward_kernel_against_autodiff's
-  # rmsnorm_grad (XLA's bf16 GEMM of dz, then bf16 elementwise steps)
-  dn = _up(jnp.matmul(dz, w.T))
-  xhat = _q(r[:, None] * xf)
-  unfused = {"dx": _q(_q(r[:, None] * _q(_q(g * dn) - _q(xhat * c[:, None]))) + _up(dres)),
-             "dg": jnp.sum(_q(dn * xhat), axis=0)}
-  return got, truth, unfused
+  gradient), dg and n against autodiff of the norm and the GEMM. ``row_scaled``: the
+  same backward from the cotangent r * dz, as its producer stores it in bf16
+  (``RmsNormGradRowScaled``): dx and dg, no n; the unfused baseline is still the
+  unscaled path."""
+  def case(key, run):
+    ks = jax.random.split(key, 5)
+    x = spread_rows(ks[0], (OM, ON), BF16)
+    g = 1 + 0.1 * normal(ks[1], (ON,))
+    w = normal(ks[2], (ON, OK), BF16) * ON ** -0.5  # (D, D_out): B stored (N, K)
+    dz, dres = normal(ks[3], (OM, OK), BF16), normal(ks[4], (OM, ON), BF16)
+    with jax.default_matmul_precision("highest"):
+      fwd = lambda x, g: (jax.lax.rsqrt(jnp.mean(x * x, axis=1) + RMS_EPS)[:, None] * x * g) @ _up(w)
+      xf = _up(x)
+      r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=1) + RMS_EPS)
+      c = jnp.sum(_up(dz) * fwd(xf, g), axis=1) / ON  # the zdz term
+      dx, dg = jax.grad(lambda x, g: jnp.sum(fwd(x, g) * _up(dz)), argnums=(0, 1))(xf, g)
+    truth = {"dx": dx + _up(dres), "dg": dg, "n": r[:, None] * xf * g}
+    dn = _up(jnp.matmul(dz, w.T))  # unfused: XLA's bf16 GEMM, then bf16 elementwise steps
+    xhat = _q(r[:, None] * xf)
+    unfused = {"dx": _q(_q(r[:, None] * _q(_q(g * dn) - _q(xhat * c[:, None]))) + _up(dres)),
+               "dg": jnp.sum(_q(dn * xhat), axis=0), "n": _q(xhat * g)}
+    operands = {"x": x, "r": r, "c": c, "g": g, "dres": dres}
+    if row_scaled:
+      dzr = (r[:, None] * _up(dz)).astype(BF16)  # the producer's one rounding
+      got = run(dzr, w, [RmsNormGradRowScaled("x", "r", "c", "g", "dg"), cj.AddTile("dres"),
+                         cj.Store("dx")], operands)
+      del truth["n"], unfused["n"]
+    else:
+      got = run(dz, w, [RmsNormGrad("x", "r", "c", "g", "dg", "n"), cj.AddTile("dres"),
+                        cj.Store("dx")], operands)
+    return got, truth, unfused
+  return case
 
 
 def _xent_case(key, run):
@@ -296,7 +280,7 @@ def _xent_case(key, run):
 
 
 ORACLES = {"gated_grad_silu": _gated_case("silu"), "gated_grad_gelu": _gated_case("gelu"),
-           "rmsnorm_grad": _rmsnorm_case, "rmsnorm_grad_row_scaled": _rmsnorm_row_scaled_case,
+           "rmsnorm_grad": _rmsnorm_case(False), "rmsnorm_grad_row_scaled": _rmsnorm_case(True),
            "xent_grad": _xent_case}
 
 
