@@ -1787,7 +1787,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
   grid = min(num_sms // cluster, tiles)
   if totals and (why := row_totals_conflict(config, n, grid)):
     raise ValueError(f"{config} cannot make row_total outputs {totals}: {why}")
-  check_smem(staged(in_place))
+  smem_used = check_smem(staged(in_place))
   if not mainloop:  # K = 0: the product is zero; a, b are not passed to the kernel
     body = functools.partial(_kernel_no_product, cfg=config, m=m, n=n)
   else:
@@ -1816,8 +1816,13 @@ def gemm(a: jax.Array, b: jax.Array, *,
     return {nm: v[:, :m] if specs[nm].kind in rows and rows_m != m
             else v for nm, v in results.items()}
 
-  def make_kernel(in_place):
-    """The kernel, with the outputs in ``in_place`` written into their operands' Refs."""
+  # a memory warpgroup beside the two compute ones where there is a mainloop to feed
+  warpgroups = 3 if mainloop else 2
+
+  def make_kernel(in_place, smem_used):
+    """The kernel, with the outputs in ``in_place`` written into their operands' Refs;
+    ``smem_used``: its shared memory (``check_smem`` of what it stages), which sizes a
+    traced kernel's profiler buffer."""
     return plgpu.kernel(
         functools.partial(body, input_names=names_in, input_kinds=staged(in_place),
                           outputs=outputs, epilogue=epilogue, in_place=in_place),
@@ -1828,13 +1833,13 @@ def gemm(a: jax.Array, b: jax.Array, *,
                                                   config.tile_n), o.dtype)
             for o in outputs if o.name not in in_place),
         grid=(grid,), grid_names=("sm",), cluster=(cluster,), cluster_names=("cluster",),
-        num_threads=3 if mainloop else 2, thread_name="wg",
+        num_threads=warpgroups, thread_name="wg",
         kernel_name=kernel_name,  # in profiles
         # approx_math: SFU exp/sin/cos/division in epilogues (inputs are range-reduced
         # where that matters; see coda_jax.primitives.Rotate).
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
-            **(_trace_params(check_smem(staged(in_place)), 3 if mainloop else 2)
+            **(_trace_params(smem_used, warpgroups)
                if interpret is None else {})),
         interpret=interpret)
 
@@ -1843,7 +1848,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
   # traced one is not (its profiler buffer and output folder are not in the key)
   lowered_once = interpret is None and kernel_cache.active() and _trace is None
   if not in_place:
-    fresh = lambda *xs: tuple(make_kernel({})(*xs))
+    fresh = lambda *xs: tuple(make_kernel({}, smem_used)(*xs))
     args = (*lead, *(kernel_inputs[nm] for nm in names_in))
     results = kernel_cache.launch(fresh, args) if lowered_once else fresh(*args)
     return unclip(dict(zip(names, results)))
@@ -1858,8 +1863,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
     ops = dict(zip(names_in, args[len(lead):]))
     backing = {nm: jax.new_ref(lax.optimization_barrier(ops[nm]))
                for nm in in_place.values()}
-    results = iter(make_kernel(in_place)(*args[:len(lead)], *(backing.get(nm, ops[nm])
-                                                              for nm in names_in)))
+    kernel = make_kernel(in_place, smem_used)
+    results = iter(kernel(*args[:len(lead)], *(backing.get(nm, ops[nm]) for nm in names_in)))
     return tuple(lax.optimization_barrier(jax.freeze(backing[in_place[nm]]))
                  if nm in in_place else next(results) for nm in names)
 
@@ -1874,8 +1879,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
 
   @run.def_vmap
   def _batched(axis_size, in_batched, *args):
-    check_smem(staged({}))  # fresh outputs stage every operand, added-to ones included
-    fresh = make_kernel({})
+    # fresh outputs stage every operand, added-to ones included
+    fresh = make_kernel({}, check_smem(staged({})))
     args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
             for x, batched in zip(args, in_batched)]
     outs = jax.vmap(lambda *xs: tuple(fresh(*xs)))(*args)

@@ -268,12 +268,12 @@ MUTATIONS = [
         "in_place_without_barriers", "pallas_kernels/gemm_mgpu.py",
         "    backing = {nm: jax.new_ref(lax.optimization_barrier(ops[nm]))\n"
         "               for nm in in_place.values()}\n"
-        "    results = iter(make_kernel(in_place)(*args[:len(lead)], *(backing.get(nm, ops[nm])\n"
-        "                                                              for nm in names_in)))\n"
+        "    kernel = make_kernel(in_place, smem_used)\n"
+        "    results = iter(kernel(*args[:len(lead)], *(backing.get(nm, ops[nm]) for nm in names_in)))\n"
         "    return tuple(lax.optimization_barrier(jax.freeze(backing[in_place[nm]]))\n",
         "    backing = {nm: jax.new_ref(ops[nm]) for nm in in_place.values()}\n"
-        "    results = iter(make_kernel(in_place)(*args[:len(lead)], *(backing.get(nm, ops[nm])\n"
-        "                                                              for nm in names_in)))\n"
+        "    kernel = make_kernel(in_place, smem_used)\n"
+        "    results = iter(kernel(*args[:len(lead)], *(backing.get(nm, ops[nm]) for nm in names_in)))\n"
         "    return tuple(jax.freeze(backing[in_place[nm]])\n",
         ("tests/test_in_place.py", "-k", "over_slices or custom_vjp"),
         "without the barriers XLA's GPU dynamic-slice fusion ignores the kernel's aliasing "
