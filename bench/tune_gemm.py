@@ -71,7 +71,6 @@ from pathlib import Path
 import jax
 
 from pallas_kernels import autotune, kernel_cache
-from pallas_kernels import gemm_mgpu
 from pallas_kernels.gemm_mgpu import GemmConfig
 from bench import common, lowering_time
 
@@ -196,23 +195,18 @@ def same_shape_configs(problem: autotune.Problem) -> list[GemmConfig] | None:
   key = problem.key
   kinds = (key.device_kind,) + autotune.same_chip_kinds(key.device_kind)
   found = []
-  for path in autotune.cache_paths():
-    for text, entry in autotune._entries(path).items():
-      other = autotune.ProblemKey.from_text(text)
-      if other.device_kind not in kinds or other.signature == key.signature:
-        continue
-      as_this = dataclasses.replace(other, device_kind=key.device_kind,
-                                    signature=key.signature)
-      order = (0.0,) if as_this == key else autotune._nearby(key, as_this)
-      if order is not None:
-        found.append((order[:3], kinds.index(other.device_kind),
-                      autotune.config_from_dict(entry["config"])))
+  for other, entry in autotune.cached_entries():
+    if other.device_kind not in kinds or other.signature == key.signature:
+      continue
+    as_this = dataclasses.replace(other, device_kind=key.device_kind,
+                                  signature=key.signature)
+    order = (0.0,) if as_this == key else autotune._nearby(key, as_this)
+    if order is not None:
+      found.append((order[:3], kinds.index(other.device_kind),
+                    autotune.config_from_dict(entry["config"])))
   configs = []
   for *_, cfg in sorted(found, key=lambda t: t[:2]):
-    try:
-      gemm_mgpu._check_tiling(key.m, key.n, key.k, cfg, key.trans_a, key.trans_b,
-                              problem.clip_m)
-    except ValueError:
+    if not autotune.tiles(key, cfg, problem.clip_m):
       continue
     cfg = problem.deepest_fitting(cfg)
     if cfg is not None and cfg not in configs:

@@ -238,6 +238,37 @@ def cache_paths() -> list[Path]:
   return [user_cache_path(), SHIPPED_CACHE]
 
 
+def cached_entries() -> Iterator[tuple[ProblemKey, dict]]:
+  """Every entry of the caches, in ``cache_paths`` order (a key held by two comes twice;
+  ``lookup`` takes the first).
+
+  Returns:
+    An iterator of (key, record) pairs, the record as ``store`` wrote it.
+  """
+  for path in cache_paths():
+    for text, entry in _entries(path).items():
+      yield ProblemKey.from_text(text), entry
+
+
+def tiles(key: ProblemKey, cfg: g.GemmConfig, clip_m: bool = False) -> bool:
+  """Whether ``cfg`` tiles the problem ``key`` (``gemm_mgpu._check_tiling``): a config
+  tuned at another size may not (M not a multiple of its cluster tile, K of its tile_k).
+
+  Args:
+    key: the problem.
+    cfg: a config, e.g. one cached for another problem.
+    clip_m: ``gemm``'s: M need not be a multiple of the config's cluster tile.
+
+  Returns:
+    True where ``gemm`` can run the problem under ``cfg``'s tiling.
+  """
+  try:
+    g._check_tiling(key.m, key.n, key.k, cfg, key.trans_a, key.trans_b, clip_m)
+  except ValueError:
+    return False
+  return True
+
+
 # How far (a factor) a cached problem's token count may be from the asked one for its
 # config to serve (``lookup_with_source``): the same problem at a nearby row count M (a
 # forward or data-gradient GEMM) or a nearby contraction K (a weight gradient, A^T @ dY,
@@ -297,19 +328,13 @@ def _lookup_one_kind(key: ProblemKey, clip_m: bool
     entry = _entries(path).get(text)
     if entry is not None:
       return config_from_dict(entry["config"]), "tuned"
-  near = []
-  for path in cache_paths():
-    for other, entry in _entries(path).items():
-      order = _nearby(key, ProblemKey.from_text(other))
-      if order is not None:
-        near.append((order, entry["config"]))
+  near = [(order, entry["config"]) for other, entry in cached_entries()
+          if (order := _nearby(key, other)) is not None]
   for (*_, source), cfg_dict in sorted(near, key=lambda t: t[0]):
     cfg = config_from_dict(cfg_dict)
-    try:
-      g._check_tiling(key.m, key.n, key.k, cfg, key.trans_a, key.trans_b, clip_m)
-    except ValueError:
-      continue  # e.g. M not a multiple of that config's cluster tile, or K of its tile_k
-    return cfg, source
+    # e.g. M not a multiple of that config's cluster tile, or K of its tile_k
+    if tiles(key, cfg, clip_m):
+      return cfg, source
   return None, None
 
 

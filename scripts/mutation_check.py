@@ -865,8 +865,8 @@ MUTATIONS = [
         "the post-block passes 'auto' through to the head unresolved"),
     Mutation(
         "nearby_m_config_not_tiling", "pallas_kernels/autotune.py",
-        "      continue  # e.g. M not a multiple of that config's cluster tile, or K of its tile_k",
-        "      pass  # e.g. M not a multiple of that config's cluster tile, or K of its tile_k",
+        "    if tiles(key, cfg, clip_m):\n      return cfg, source",
+        "    if True or tiles(key, cfg, clip_m):\n      return cfg, source",
         ("tests/test_autotune.py", "-k", "nearby"),
         "a config tuned at a nearby M is used where it does not tile this M"),
     Mutation(
