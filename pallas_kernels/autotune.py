@@ -332,8 +332,7 @@ def _lookup_one_kind(key: ProblemKey, clip_m: bool
           if (order := _nearby(key, other)) is not None]
   for (*_, source), cfg_dict in sorted(near, key=lambda t: t[0]):
     cfg = config_from_dict(cfg_dict)
-    # e.g. M not a multiple of that config's cluster tile, or K of its tile_k
-    if tiles(key, cfg, clip_m):
+    if tiles(key, cfg, clip_m):  # the nearest whose config tiles this M and K
       return cfg, source
   return None, None
 

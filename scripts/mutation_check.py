@@ -865,8 +865,8 @@ MUTATIONS = [
         "the post-block passes 'auto' through to the head unresolved"),
     Mutation(
         "nearby_m_config_not_tiling", "pallas_kernels/autotune.py",
-        "    if tiles(key, cfg, clip_m):\n      return cfg, source",
-        "    if True or tiles(key, cfg, clip_m):\n      return cfg, source",
+        "    if tiles(key, cfg, clip_m):  # the nearest whose config tiles this M and K",
+        "    if True:  # (planted) the nearest, tiling or not",
         ("tests/test_autotune.py", "-k", "nearby"),
         "a config tuned at a nearby M is used where it does not tile this M"),
     Mutation(
