@@ -291,9 +291,11 @@ def check_head_grads(head_grads) -> None:
 
 
 def run_shape(name, s: Shape, impl, measure, prov, key, only=None, lm_chunk_rows=None,
-              head_grads=("auto",), rounds=1):
-  """The rows of shape ``s``: each op of ``only`` (default all), and at 1b and tiny the
-  post-block once per entry of ``head_grads`` (``BlockConfig.head_grad``)."""
+              head_grads=("auto",), rounds=1, mlp_residuals=(blocks.MLP_RESIDUALS[0],)):
+  """The rows of shape ``s``: each op of ``only`` (default all), the shifted block's
+  forward+backward once per entry of ``mlp_residuals`` (``BlockConfig.mlp_residuals``),
+  and at 1b and tiny the post-block once per entry of ``head_grads``
+  (``BlockConfig.head_grad``)."""
   check_head_grads(head_grads)
   x = make_inputs(s, key)
   std, pos, tgt = x["params"], x["positions"], x["targets"]
@@ -312,9 +314,14 @@ def run_shape(name, s: Shape, impl, measure, prov, key, only=None, lm_chunk_rows
   gemm_key = jax.random.fold_in(key, 1)
   compare("shifted_block_fwd", ours_block, (x["x0"], x["y0"], pos, mine),
           xla_block, (x["x0"], x["y0"], pos, std_shifted), gemm_fns=gemms(s, False, gemm_key))
-  compare("shifted_block_fwd_bwd", fwd_bwd(ours_block), (x["x0"], x["y0"], pos, mine, x["cts"]),
-          fwd_bwd(xla_block), (x["x0"], x["y0"], pos, std_shifted, x["cts"]),
-          to_std=grads_to_standard, gemm_fns=gemms(s, True, gemm_key), memory=True)
+  for kept in mlp_residuals:  # one row per choice of what the MLP keeps
+    cfg_k = dataclasses.replace(cfg, mlp_residuals=kept)
+    compare("shifted_block_fwd_bwd",
+            fwd_bwd(lambda a, b, c, p, c_k=cfg_k: blocks.shifted_block(a, b, c, p, c_k)),
+            (x["x0"], x["y0"], pos, mine, x["cts"]),
+            fwd_bwd(xla_block), (x["x0"], x["y0"], pos, std_shifted, x["cts"]),
+            to_std=grads_to_standard, gemm_fns=gemms(s, True, gemm_key), memory=True,
+            labels={"mlp_residuals": kept} if len(mlp_residuals) > 1 else None)
 
   # per-op inputs: a normed residual stream h = x * g and its RMS scale r
   h, r = (x["x0"].astype(f32) * std["g_mlp"]).astype(bf16), ref.rms_scale(x["x0"], EPS)
@@ -463,6 +470,10 @@ def main():
   p.add_argument("--head-grad", default="auto",
                  help="the post-block LM head's unit gradient (BlockConfig.head_grad), "
                  f"comma-separated of {list(F.HEAD_GRADS)}: a post-block row for each")
+  p.add_argument("--mlp-residuals", default=blocks.MLP_RESIDUALS[0],
+                 help="what the shifted block's MLP keeps (BlockConfig.mlp_residuals), "
+                 f"comma-separated of {list(blocks.MLP_RESIDUALS)}: a forward+backward row "
+                 "for each")
   p.add_argument("--rounds", type=int, default=1,
                  help="time ours and XLA alternately this many times each (ABBA) and "
                  "report the median ratio and its range (default 1)")
@@ -473,6 +484,10 @@ def main():
   args = p.parse_args()
   if args.sustained_s is not None and args.sustained_s <= 0:
     p.error(f"--sustained-s {args.sustained_s}: a positive number of seconds")
+  mlp_residuals = tuple(args.mlp_residuals.split(","))
+  bad = [v for v in mlp_residuals if v not in blocks.MLP_RESIDUALS]
+  if bad:
+    p.error(f"--mlp-residuals {bad}: each one of {list(blocks.MLP_RESIDUALS)}")
   head_grads = tuple(args.head_grad.split(","))
   try:
     check_head_grads(head_grads)
@@ -490,7 +505,7 @@ def main():
   rows, only = [], set(args.ops.split(",")) if args.ops else None
   for i, name in enumerate(names):
     rows += run_shape(name, SHAPES[name], impl, measure, prov, jax.random.key(i), only,
-                      args.lm_chunk_rows, head_grads, args.rounds)
+                      args.lm_chunk_rows, head_grads, args.rounds, mlp_residuals)
   md = markdown(rows, prov, on_gpu, sustained_s=args.sustained_s)
   out = common.write_results("block", rows, md, out=args.out)
   print(f"wrote {out / 'block.json'} and {out / 'block.md'}\n")

@@ -168,9 +168,10 @@ def qwen3_inputs(s: Shape, key):
   return dict(x0=x["x0"], y0=x["y0"], positions=x["positions"], params=p, cts=x["cts"])
 
 
-def qwen3_config(s: Shape, impl):
+def qwen3_config(s: Shape, impl, mlp_residuals=blocks.MLP_RESIDUALS[0]):
   return blocks.BlockConfig(s.n_q, s.n_kv, s.head_dim, rope_theta=s.theta, eps=s.eps,
-                            swiglu_block=B.BLOCK, qk_norm=True, impl=impl)
+                            swiglu_block=B.BLOCK, qk_norm=True, impl=impl,
+                            mlp_residuals=mlp_residuals)
 
 
 def qwen3_xla(s: Shape):
@@ -211,19 +212,21 @@ def inputs(s: Shape, key):
   return dict(x, params=std, mine=mine)
 
 
-def cases(s: Shape, x, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS, ln1_stats="gemm",
-          half_block=HALF_BLOCK[0]):
+def cases(s: Shape, x, impl, mlp_residuals=None, ln1_stats="gemm", half_block=HALF_BLOCK[0]):
   """[(op, backward, ours, ours_args, xla, xla_args, to_std)] for the forward and the
   forward+backward of shape ``s``'s block on ``inputs(s, ...)``: what ``run_shape`` times
-  and what tune_gemm traces. ``mlp_residuals``: GPT-2's ``layernorm_gelu_mlp``'s;
-  ``ln1_stats``: one of ``LN1_STATS``; ``half_block``: one of ``HALF_BLOCK``."""
+  and what tune_gemm traces. ``mlp_residuals``: GPT-2's ``layernorm_gelu_mlp``'s
+  (``layernorm_ops.MLP_RESIDUALS``), or Qwen3's ``BlockConfig.mlp_residuals``
+  (``blocks.MLP_RESIDUALS``); None, the family's default. ``ln1_stats``: one of
+  ``LN1_STATS``; ``half_block``: one of ``HALF_BLOCK`` (both GPT-2's)."""
   if s.family == "gpt2":
+    mlp_residuals = mlp_residuals or L.DEFAULT_MLP_RESIDUALS
     ours, xla = gpt2_ours(s, impl, mlp_residuals, ln1_stats, half_block), gpt2_xla(s)
     ours_args = xla_args = (x["x0"], x["y0"], x["params"])
     fwd_bwd = lambda block: lambda x0, y0, p, cts: jax.vjp(block, x0, y0, p)[1](cts)
     to_std = lambda t: t
   else:
-    cfg = qwen3_config(s, impl)
+    cfg = qwen3_config(s, impl, mlp_residuals or blocks.MLP_RESIDUALS[0])
     ours = lambda a, b, c, p: blocks.shifted_block(a, b, c, p, cfg)
     xla, fwd_bwd, to_std = qwen3_xla(s), B.fwd_bwd, B.grads_to_standard
     ours_args = (x["x0"], x["y0"], x["positions"], x["mine"])
@@ -236,13 +239,14 @@ def cases(s: Shape, x, impl, mlp_residuals=L.DEFAULT_MLP_RESIDUALS, ln1_stats="g
 
 def run_shape(name, s: Shape, impl, measure, prov, key, rounds=1,
               mlp_residuals=(L.DEFAULT_MLP_RESIDUALS,), ln1_stats=(LN1_STATS[0],),
-              half_block=(HALF_BLOCK[0],)):
+              half_block=(HALF_BLOCK[0],), gated_mlp_residuals=(blocks.MLP_RESIDUALS[0],)):
   """The rows of shape ``s``: its block's forward and forward+backward, for GPT-2 a pair
-  per combination of ``mlp_residuals``, ``ln1_stats`` and ``half_block`` (each row then
-  names what varies)."""
+  per combination of ``mlp_residuals``, ``ln1_stats`` and ``half_block``, for Qwen3 a
+  pair per entry of ``gated_mlp_residuals`` (``BlockConfig.mlp_residuals``); each row
+  then names what varies."""
   x, gemm_key = inputs(s, key), jax.random.fold_in(key, 1)
-  if s.family != "gpt2":  # Qwen3: none applies
-    mlp_residuals, ln1_stats, half_block = mlp_residuals[:1], ln1_stats[:1], half_block[:1]
+  if s.family != "gpt2":  # Qwen3: its own MLP residuals, none of GPT-2's knobs
+    mlp_residuals, ln1_stats, half_block = gated_mlp_residuals, ln1_stats[:1], half_block[:1]
   variants = [(keep, src, half) for keep in mlp_residuals for src in ln1_stats
               for half in half_block]
 
@@ -281,6 +285,9 @@ def main():
   p.add_argument("--mlp-residuals", default=L.DEFAULT_MLP_RESIDUALS,
                  help="GPT-2's MLP residuals (layernorm_gelu_mlp's residuals), comma-"
                  f"separated of {list(L.MLP_RESIDUALS)}: a pair of GPT-2 rows for each")
+  p.add_argument("--gated-mlp-residuals", default=blocks.MLP_RESIDUALS[0],
+                 help="Qwen3's MLP residuals (BlockConfig.mlp_residuals), comma-separated "
+                 f"of {list(blocks.MLP_RESIDUALS)}: a pair of Qwen3 rows for each")
   p.add_argument("--ln1-stats", default=LN1_STATS[0],
                  help="where GPT-2's next LN_1 statistics come from, comma-separated of "
                  f"{list(LN1_STATS)} (the MLP's output GEMM, or an XLA pass): a pair of "
@@ -300,6 +307,10 @@ def main():
   mlp_residuals = tuple(args.mlp_residuals.split(","))
   if not mlp_residuals or any(v not in L.MLP_RESIDUALS for v in mlp_residuals):
     p.error(f"--mlp-residuals {args.mlp_residuals!r}: one or more of {list(L.MLP_RESIDUALS)}")
+  gated = tuple(args.gated_mlp_residuals.split(","))
+  if not gated or any(v not in blocks.MLP_RESIDUALS for v in gated):
+    p.error(f"--gated-mlp-residuals {args.gated_mlp_residuals!r}: one or more of "
+            f"{list(blocks.MLP_RESIDUALS)}")
   ln1_stats = tuple(args.ln1_stats.split(","))
   if any(v not in LN1_STATS for v in ln1_stats):
     p.error(f"--ln1-stats {args.ln1_stats!r}: one or more of {list(LN1_STATS)}")
@@ -324,7 +335,7 @@ def main():
     if name not in SHAPES:
       p.error(f"unknown shape {name!r}: one of {list(SHAPES)}")
     rows += run_shape(name, SHAPES[name], impl, measure, prov, jax.random.key(i),
-                      args.rounds, mlp_residuals, ln1_stats, half_block)
+                      args.rounds, mlp_residuals, ln1_stats, half_block, gated)
   md = B.markdown(rows, prov, on_gpu, title="GPT-2 and Qwen3 shifted blocks: ours vs "
                   "jax.jit of the standard block",
                   note="Shifted block: attention output and residual in, the next layer's "

@@ -139,11 +139,14 @@ def main():
   p.add_argument("--out", type=Path, default=None)
   p.add_argument("--paths", default="fused,reference",
                  help="comma-separated, of fused and reference (default both)")
+  p.add_argument("--mlp-residuals", default=None,
+                 help="LlamaConfig.mlp_residuals (default the config's)")
   p.add_argument("--copies", type=int, default=0,
                  help="list the N largest copies in each path's compiled (donated) step "
                  "instead of timing it")
   args = p.parse_args()
-  cfg = get_config(args.config, n_layers=args.layers)
+  cfg = get_config(args.config, n_layers=args.layers,
+                   **({"mlp_residuals": args.mlp_residuals} if args.mlp_residuals else {}))
   paths = args.paths.split(",")
   if not paths or not set(paths) <= {"fused", "reference"}:
     p.error(f"--paths {args.paths}: fused and/or reference")

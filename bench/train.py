@@ -40,6 +40,7 @@ from flax import nnx
 
 from bench import common, corpus
 from coda_jax import epilogue_gemm, fused_ops
+from coda_jax.blocks import MLP_RESIDUALS
 from flax_layers import CONFIGS, Llama, LlamaConfig, get_config, load_hf_checkpoint, train
 from flax_layers.gpt2 import (GPT2, GPT2_CONFIGS, GPT2Config, get_gpt2_config,
                               load_gpt2_checkpoint)
@@ -68,6 +69,9 @@ def parse_args():
   p.add_argument("--head-grad", choices=fused_ops.HEAD_GRADS, default=None,
                  help="the fused LM head's unit gradient (LlamaConfig.head_grad; default "
                       "the config's, \"auto\": \"exp\" unless float16)")
+  p.add_argument("--mlp-residuals", choices=MLP_RESIDUALS, default=None,
+                 help="what each layer's gated MLP keeps for its backward "
+                      "(LlamaConfig.mlp_residuals; default the config's, \"recompute\")")
   p.add_argument("--paths", default="fused,reference", help="comma-separated, in run order")
   p.add_argument("--micro-batches", type=int, help="gradient accumulation pieces per step "
                  "(default: 1, or as many as the compiled step needs to fit the device)")
@@ -468,6 +472,11 @@ def main():
       sys.exit("--head-grad: GPT-2's head is fused_ops.rmsnorm_lm_head_loss with the "
                "default head_grad; the flag is Llama-only")
     cfg = cfg.replace(head_grad=args.head_grad)
+  if args.mlp_residuals is not None:
+    if isinstance(cfg, GPT2Config):
+      sys.exit("--mlp-residuals: GPT-2's MLP keeps GPT2Config.mlp_residuals; the flag is "
+               "for the gated (Llama, Qwen3) MLP")
+    cfg = cfg.replace(mlp_residuals=args.mlp_residuals)
   if args.attention is not None:
     cfg = cfg.replace(attention_impl=args.attention)
   if isinstance(cfg, GPT2Config) and args.mesh and "model" in args.mesh:
@@ -480,7 +489,9 @@ def main():
           + ("_fsdp" if args.fsdp else "")
           + ("_jit" if args.mesh and args.partitioner == "jit" else "")
           + ("_head_per_gemm" if args.mesh and args.head_per_device == "off" else "")
-          + (f"_{args.head_grad}_head" if args.head_grad not in (None, "auto") else ""))
+          + (f"_{args.head_grad}_head" if args.head_grad not in (None, "auto") else "")
+          + (f"_mlp_{args.mlp_residuals}" if args.mlp_residuals not in (None, "recompute")
+             else ""))
   try:
     data = corpus.load(args.batch, args.seq)
   except ValueError as e:

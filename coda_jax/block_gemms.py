@@ -233,20 +233,22 @@ def norm_input_grad_row_scaled(dzr, w, x, r, c, g, d_residual, impl, dx_dtype=No
   return out["dx"], out["dg"]
 
 
-def gated_input_grad(dx, w2, z, block, activation, impl, r=None):
-  """B3: dy = dx @ w2^T; dz = GLU backward (pair-blocked, 2F wide). Returns (dz, y, c*D);
+def gated_input_grad(dx, w2, z, block, activation, impl, r=None, store_y=True):
+  """B3: dy = dx @ w2^T; dz = GLU backward (pair-blocked, 2F wide). Returns (dz, y, c*D),
+  y = act(a) * b recomputed from z, or None without ``store_y`` (the forward kept it);
   with ``r`` ((M,) fp32), dz is returned times r per row (``norm_input_grad_row_scaled``'s
   operand; the zdz sums are of the unscaled dz)."""
   dt = dx.dtype
   scale, operands = ([P.ScaleRow("r")], {"z": z, "r": r}) if r is not None else ([], {"z": z})
+  y_name = "y" if store_y else None
   # dz overwrites z (each element is read before it is written, by the same CTA): the
   # block's largest saved activation is dead after this GEMM. Inside a jax.lax.scan on the
   # GPU this once returned NaN (bench/NOTES.md, issues 4 and 9: XLA's dynamic-slice fusion
   # ignored the aliasing); pallas_kernels.gemm fences in-place buffers since.
-  out = gemm_epilogue(dx, w2, [GatedGrad("z", block, "y", "zdz", activation, dt), *scale,
+  out = gemm_epilogue(dx, w2, [GatedGrad("z", block, y_name, "zdz", activation, dt), *scale,
                                P.Store("dz", dt)], operands, trans_b=True, impl=impl,
                       in_place={"dz": "z"})
-  return out["dz"], out["y"], out["zdz"]
+  return out["dz"], out.get("y"), out["zdz"]
 
 
 def xent_logits_grad(h, r, wlm, lse, tgt, lse_rest, targets, weight, impl, w_nk=False,

@@ -45,6 +45,12 @@ from coda_jax.grad_primitives import RmsNormGrad
 from coda_jax.sharding import reduce_like, vary_like
 
 
+# What the gated MLP keeps for its backward (``BlockConfig.mlp_residuals``), the default
+# first: z alone, or z and its activation output (as GPT-2's MLP keeps its own,
+# ``layernorm_ops.MLP_RESIDUALS``).
+MLP_RESIDUALS = ("recompute", "output")
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
   """Static block hyper-parameters (hashable)."""
@@ -62,6 +68,13 @@ class BlockConfig:
   wlm_layout: str = "dv"  # post-block head: "dv" (D, V), or "vd" (V, D): a tied embedding
   head_grad: str = "auto"  # post-block head's unit gradient: fused_ops.HEAD_GRADS
   qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm in the QKV epilogue (eps = eps)
+  # What the gated MLP keeps for its backward, of MLP_RESIDUALS: "recompute" (default)
+  # keeps z only, and the backward's GatedGrad GEMM recomputes y from z and stores it for
+  # the down-projection's weight gradient; "output" also keeps the activation output y
+  # (M x F more values a layer), so that GEMM stores dz alone. On an H200 "output" ran
+  # the shifted block 0.6-1.3% faster but the 8B-shaped training step 6% slower
+  # (bench/NOTES.md, fifty-second session): opt in where measured to pay.
+  mlp_residuals: str = "recompute"
   impl: str | tuple[str, ...] = "auto"  # implementations to try (coda_jax.dispatch)
 
   def __post_init__(self):
@@ -81,6 +94,10 @@ class BlockConfig:
     if not isinstance(self.impl, str):
       object.__setattr__(self, "impl", tuple(self.impl))  # hashable: a static argument
     dispatch.resolve(self.impl)  # raises on an unknown implementation name
+    if self.mlp_residuals not in MLP_RESIDUALS:
+      raise ValueError(f"mlp_residuals={self.mlp_residuals!r}: one of {MLP_RESIDUALS} "
+                       "(\"output\" keeps y = act(a) * b for the backward, \"recompute\" "
+                       "recomputes it there from z)")
     if not isinstance(self.qk_norm, bool):
       raise ValueError(f"qk_norm={self.qk_norm!r} must be a bool")
     if self.qk_norm:
@@ -145,21 +162,25 @@ def _grads_like(grads, params):
 
 # ---- shared MLP half: out-proj + residual + norm, gate/up + GLU, down + residual + norm ----
 def _mlp_fwd(x0, y0, p, g_next, cfg, keep_z):
+  """Returns (x2, h2, r2) and what the backward keeps: (y0, x1, z, r1, y1), y1 None
+  unless ``cfg.mlp_residuals`` is "output" (z None without ``keep_z``: no backward)."""
   x1, h1, r1 = S.residual_norm(y0, p["wo"], x0, p["g_mlp"], cfg.eps, cfg.impl)
   z, y1 = S.norm_gated(h1, r1, p["w13"], cfg.swiglu_block, cfg.activation, cfg.impl, keep_z)
   x2, h2, r2 = S.residual_norm(y1, p["w2"], x1, g_next, cfg.eps, cfg.impl)
-  return (x2, h2, r2), (y0, x1, z, r1)
+  kept_y = y1 if cfg.mlp_residuals == "output" else None
+  return (x2, h2, r2), (y0, x1, z, r1, kept_y)
 
 
 def _mlp_bwd(dxa, saved, p, params, cfg):
   """dxa: total cotangent of x2. Returns dx0, dy0 and the MLP half's weight grads."""
-  y0, x1, z, r1 = saved
+  y0, x1, z, r1, kept_y = saved
   d = x1.shape[1]
   wdt = lambda k: S.grad_dtype(params[k])
   # dz comes back times r1 per row: the norm's backward needs no n = r1 x1 g
-  # (docs/row_scaled_cotangent.md)
+  # (docs/row_scaled_cotangent.md). y1 is recomputed (and stored) only if not kept.
   dzr, y1, zdz1 = S.gated_input_grad(dxa, p["w2"], z, cfg.swiglu_block, cfg.activation,
-                                     cfg.impl, r=r1)
+                                     cfg.impl, r=r1, store_y=kept_y is None)
+  y1 = kept_y if kept_y is not None else y1
   dw2 = S.weight_grad(y1, dxa, cfg.impl, wdt("w2"))
   dx1, dg1 = S.norm_input_grad_row_scaled(dzr, p["w13"], x1, r1, zdz1 / d, p["g_mlp"], dxa,
                                           cfg.impl)

@@ -11,8 +11,9 @@ forward primitives, so the jnp reference and the kernel share one definition:
   no n: dW = n^T dz = diag(g) x^T (r * dz) reads the saved x instead
   (``docs/row_scaled_cotangent.md``).
 - ``GatedGrad``: acc = dy of y = act(a) * b. Reads the saved pre-activation pairs (twice
-  the accumulator's width), emits dz = (da, db) in the same pair-blocked layout, the
-  recomputed y (the A operand of the next dW) and row partials of <dz, z> (zdz -> c).
+  the accumulator's width), emits dz = (da, db) in the same pair-blocked layout, row
+  partials of <dz, z> (zdz -> c) and, unless the forward kept it, the recomputed y (the
+  A operand of the next dW).
 - ``SoftmaxXentGrad``: acc = logits. Emits dlogits = (softmax - onehot) * w[m] and row
   partials of <dlogits, logits> (zdz for the final RMSNorm).
 - ``ExpShifted``: acc = logits. exp(logits - shift[m]): the LM head's stored
@@ -109,12 +110,13 @@ class GatedGrad(Primitive):
 
   ``z`` is the (M, 2N) pre-activation in the pair-blocked layout of ``Gated(block)``
   (accumulator column block i of width ``block`` pairs with z's block i of 2 * block).
-  Stores y = act(a) * b (``y``, width N) and row partials of <dz, z> (``zdz``)."""
+  Stores row partials of <dz, z> (``zdz``) and, when ``y`` names it, y = act(a) * b
+  (width N); ``y=None`` where the forward kept y (``BlockConfig.mlp_residuals``)."""
   _keeps_zero_rows = True
   _column_sums_via_env = True
   z: str
   block: int
-  y: str
+  y: str | None
   zdz: str
   activation: str = "silu"
   y_dtype: Any = jnp.bfloat16
@@ -130,8 +132,10 @@ class GatedGrad(Primitive):
     return {self.z: InputKind.WIDE_TILE}
 
   def outputs(self, width):
-    return (EpilogueOutput(self.y, OutputKind.TILE, jnp.dtype(self.y_dtype), width),
-            EpilogueOutput(self.zdz, OutputKind.ROW_PARTIAL, jnp.float32))
+    zdz = EpilogueOutput(self.zdz, OutputKind.ROW_PARTIAL, jnp.float32)
+    if self.y is None:
+      return (zdz,)
+    return (EpilogueOutput(self.y, OutputKind.TILE, jnp.dtype(self.y_dtype), width), zdz)
 
   def width_factor(self):
     return 2
@@ -148,15 +152,20 @@ class GatedGrad(Primitive):
       g = dy[:, p * i:p * (i + 1)]
       f, df = act(a)
       da, db = g * b * df, g * f
-      ys.append(f * b)
+      if self.y is not None:
+        ys.append(f * b)
       dzs += [da, db]
       zdz = zdz + jnp.sum(a * da + b * db, axis=1)
-    env.store(self.y, _join(ys))
+    if self.y is not None:
+      env.store(self.y, _join(ys))
     env.store(self.zdz, zdz)
     return _join(dzs)
 
   def finish(self, raw):
-    return {self.y: raw[self.y], self.zdz: jnp.sum(raw[self.zdz], axis=0)}
+    done = {self.zdz: jnp.sum(raw[self.zdz], axis=0)}
+    if self.y is not None:
+      done[self.y] = raw[self.y]
+    return done
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from coda_jax import fused_ops
 from coda_jax import qk_norm as qk_norm_ops
-from coda_jax.blocks import BlockConfig
+from coda_jax.blocks import MLP_RESIDUALS, BlockConfig
 from coda_jax.layout import RopeScaling
 
 # Llama 3.1 and 3.2 checkpoints: {"rope_type": "llama3", "factor": 32.0 (3.2; 8.0 for 3.1),
@@ -60,6 +60,10 @@ class LlamaConfig:
   norm_weight_offset: float = 0.0  # Gemma: every RMSNorm applies 1 + g, g stored from 0
   impl: str = "auto"  # coda_jax kernel dispatch ("auto", "mosaic", "interpret", "xla")
   head_grad: str = "auto"  # fused LM head's unit gradient (coda_jax.fused_ops.HEAD_GRADS)
+  # What each layer's gated MLP keeps for its backward (coda_jax.blocks.MLP_RESIDUALS):
+  # "recompute" (default) z alone, "output" its activation output too (BlockConfig's
+  # comment says when that paid).
+  mlp_residuals: str = "recompute"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_q_heads", "n_kv_heads", "head_dim",
@@ -83,6 +87,10 @@ class LlamaConfig:
     if self.qk_norm:
       qk_norm_ops.check_head_dim_tiles(self.head_dim, self.impl)
     fused_ops.check_head_grad(self.head_grad, self.dtype)
+    if self.mlp_residuals not in MLP_RESIDUALS:
+      raise ValueError(f"mlp_residuals={self.mlp_residuals!r}: one of {MLP_RESIDUALS} "
+                       "(\"output\" keeps the MLP's activation output for the backward, "
+                       "\"recompute\" recomputes it there)")
     off = self.norm_weight_offset
     if isinstance(off, bool) or not isinstance(off, (int, float)) or not math.isfinite(off):
       raise ValueError(f"norm_weight_offset={off!r} must be a finite float (0.0: the norm "
@@ -203,7 +211,8 @@ class LlamaConfig:
                        head_dim=self.head_dim, rope_theta=self.rope_theta,
                        rope_scaling=self.rope_scaling, eps=self.eps,
                        swiglu_block=self.swiglu_block, activation=self.activation,
-                       qk_norm=self.qk_norm, impl=self.impl, head_grad=self.head_grad)
+                       qk_norm=self.qk_norm, impl=self.impl, head_grad=self.head_grad,
+                       mlp_residuals=self.mlp_residuals)
 
   def param_count(self) -> int:
     d, f = self.d_model, self.ffn_dim

@@ -219,10 +219,22 @@ MUTATIONS = [
         "dW = diag(g) x^T (r dz) forgets g: the QKV and gate-up weight gradients"),
     Mutation(
         "gated_grad_not_row_scaled", "coda_jax/blocks.py",
-        "                                     cfg.impl, r=r1)",
-        "                                     cfg.impl)",
+        "cfg.impl, r=r1, store_y=kept_y is None)",
+        "cfg.impl, store_y=kept_y is None)",
         ("tests/test_blocks.py", "-k", "test_blocks_forward_and_grads and bf16-silu"),
         "the SwiGLU backward stores dz unscaled, which the row-scaled norm backward reads"),
+    Mutation(
+        "mlp_output_not_kept", "coda_jax/blocks.py",
+        'kept_y = y1 if cfg.mlp_residuals == "output" else None',
+        "kept_y = None",
+        ("tests/test_blocks.py", "-k", "mlp_residuals"),
+        "BlockConfig.mlp_residuals='output' keeps nothing: the backward recomputes y"),
+    Mutation(
+        "gated_grad_stores_y_anyway", "coda_jax/grad_primitives.py",
+        "    if self.y is None:\n      return (zdz,)\n",
+        "",
+        ("tests/test_grad_primitives.py", "-k", "no_y"),
+        "GatedGrad(y=None) still declares a y output"),
     Mutation(
         "same_shape_takes_any_chip", "bench/tune_gemm.py",
         "if other.device_kind not in kinds or other.signature == key.signature:",

@@ -49,6 +49,31 @@ def test_gpt2_rows_one_pair_per_mlp_residuals():
   assert len(qwen) == 2 and all("mlp_residuals" not in r for r in qwen)
 
 
+def test_gated_mlp_rows_one_pair_per_residuals():
+  """``bench.family_blocks --gated-mlp-residuals output,recompute`` (Qwen3) and
+  ``bench.block --mlp-residuals output,recompute`` (Llama's shifted block): a row per way
+  of keeping the gated MLP's output (``BlockConfig.mlp_residuals``), each naming it and
+  within the tolerance rule; GPT-2's rows do not multiply."""
+  qwen = fb.run_shape("qwen3_tiny", fb.SHAPES["qwen3_tiny"], "xla", B.timer(False, 1),
+                      common.provenance(), jax.random.key(0),
+                      gated_mlp_residuals=("output", "recompute"))
+  llama = B.run_shape("tiny", B.SHAPES["tiny"], "xla", B.timer(False, 1),
+                      common.provenance(), jax.random.key(0), {"shifted_block_fwd_bwd"},
+                      mlp_residuals=("output", "recompute"))
+  assert [(r["op"], r["mlp_residuals"]) for r in qwen + llama] == [
+      ("qwen3_block_fwd", "output"), ("qwen3_block_fwd_bwd", "output"),
+      ("qwen3_block_fwd", "recompute"), ("qwen3_block_fwd_bwd", "recompute"),
+      ("shifted_block_fwd_bwd", "output"), ("shifted_block_fwd_bwd", "recompute")]
+  assert "(MLP keeps recompute)" in B.op_cell(llama[-1])
+  for r in qwen + llama:
+    assert "error" not in r, r["error"]
+    assert 0 < r["ours_err_vs_fp32"] <= 2 * r["baseline_err_vs_fp32"], r["op"]
+  gpt2 = fb.run_shape("gpt2_tiny", fb.SHAPES["gpt2_tiny"], "xla", B.timer(False, 1),
+                      common.provenance(), jax.random.key(0),
+                      gated_mlp_residuals=("output", "recompute"))
+  assert len(gpt2) == 2 and all("mlp_residuals" not in r for r in gpt2)
+
+
 @pytest.mark.parametrize("field,values,cell", [
     ("ln1_stats", ("gemm", "xla"), "(LN_1 stats from xla)"),
     ("half_block", ("shifted_op", "one_op", "two_ops"), "(half block as two ops)")])

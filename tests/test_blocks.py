@@ -171,6 +171,40 @@ def test_shifted_block_checkpointed(path, key, kernel_impl, remat_kernels):
   _check_leaves(remat, truth, base, GRAD_NAMES)
 
 
+def test_shifted_block_mlp_residuals(key, kernel_impl, monkeypatch):
+  """``BlockConfig.mlp_residuals``: "output" keeps the MLP's y from the forward and the
+  backward's GatedGrad GEMM stores no y; "recompute" recomputes and stores it there.
+  Which one ran is recorded from the traced backward; "output"'s value and gradients
+  are within the tolerance rule ("recompute", the default, is every other block test's)."""
+  from coda_jax import block_gemms
+  stored, gated = [], block_gemms.gated_input_grad
+
+  def recording(*args, store_y=True, **kwargs):
+    stored.append(store_y)
+    return gated(*args, store_y=store_y, **kwargs)
+
+  monkeypatch.setattr(block_gemms, "gated_input_grad", recording)
+  args = _args(key, jnp.bfloat16)
+  pos = jnp.arange(M, dtype=jnp.int32) % 64
+  with jax.default_matmul_precision("highest"):
+    x2, qkv = R.shifted_block(*f32_tree(args[:2]), pos, f32_tree(args[4]), **HEADS)
+  k1, k2 = jax.random.split(jax.random.fold_in(key, 2))
+  cts = [residual_cotangent(k1, x2, args[0].astype(jnp.float32)), _qkv_cotangent(k2, qkv)]
+  x0, y0, _, _, p, _ = args
+  runs = {}
+  for mode in B.MLP_RESIDUALS:
+    stored.clear()
+    runs[mode] = _shifted_runs(args, pos, cts, dataclasses.replace(CFG, impl=kernel_impl,
+                                                                  mlp_residuals=mode))
+    jax.eval_shape(jax.grad(runs[mode][0], (0, 1, 2)), x0, y0, p)
+    assert stored == [mode == "recompute"], (mode, stored)
+  fused, truth, base = runs["output"]
+  got = jax.jit(jax.value_and_grad(fused, (0, 1, 2)))(x0, y0, p)
+  _check_leaves(got, truth, base, GRAD_NAMES)
+  with pytest.raises(ValueError, match="mlp_residuals='z': one of"):
+    dataclasses.replace(CFG, mlp_residuals="z")
+
+
 def test_shifted_block_batched_and_vmapped(key, kernel_impl):
   """(B, T, D) inputs and vmap over B give the (M, D) results, and all three are within
   the tolerance rule of the fp32 reference. 2 x 128 rows: each vmapped problem must

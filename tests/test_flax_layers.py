@@ -462,6 +462,8 @@ BAD = {
                               r"norm_weight_offset=True must be a finite float"),
     "norm-offset-nan": (lambda m: get_config("tiny", norm_weight_offset=float("nan")),
                         r"norm_weight_offset=nan must be a finite float"),
+    "mlp-residuals-unknown": (lambda m: get_config("tiny", mlp_residuals="z"),
+                              r"mlp_residuals='z': one of \('recompute', 'output'\)"),
     "norm-offset-no-hf-config": (
         lambda m: get_config("tiny", norm_weight_offset=1.0).to_hf_config(),
         r"norm_weight_offset=1.0: Llama and Qwen3 checkpoints apply their norm weights as "

@@ -123,6 +123,8 @@ PROGRAMS = {
     "rmsnorm_grad_row_scaled": [RmsNormGradRowScaled("x", "r", "c", "g", "dg"),
                                 cj.AddTile("dres"), cj.Store("dx")],
     "gated_grad_row_scaled": [GatedGrad("z", P, "y", "zdz"), cj.ScaleRow("r"), cj.Store("dz")],
+    # y kept by the forward (BlockConfig.mlp_residuals="output"): dz and zdz only
+    "gated_grad_no_y": [GatedGrad("z", P, None, "zdz"), cj.ScaleRow("r"), cj.Store("dz")],
     "xent_grad": [cj.ScaleRow("r"), cj.RowLogSumExp("lse"), PickColumn("t", "tgt"),
                   SoftmaxXentGrad("lse_in", "t", "w", "zdz"), cj.Store("d")],
     # the LSE without the target column (what the LM head's forward now computes)
