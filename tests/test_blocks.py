@@ -147,18 +147,24 @@ def _shifted_runs(args, pos, cts, cfg):
 GRAD_NAMES = ["value", "dx0", "dy0"] + [f"d{k}" for k in sorted(B.SHIFTED_KEYS)]
 
 
-@pytest.mark.parametrize("path", ["xla", "kernels"])
-def test_shifted_block_checkpointed(path, key, kernel_impl, remat_kernels):
-  """jax.checkpoint (remat: the forward is recomputed inside the backward) gives the
-  value and gradients of the plain run, and both are within the tolerance rule of the
-  fp32 reference. The kernel path runs through the interpreter on CPU too
-  (``remat_kernels``)."""
+def _shifted_problem(key):
+  """(args as ``_args``, positions, fixed cotangents of (x2, qkv) from the fp32 truth)."""
   args = _args(key, jnp.bfloat16)
   pos = jnp.arange(M, dtype=jnp.int32) % 64
   with jax.default_matmul_precision("highest"):
     x2, qkv = R.shifted_block(*f32_tree(args[:2]), pos, f32_tree(args[4]), **HEADS)
   k1, k2 = jax.random.split(jax.random.fold_in(key, 2))
   cts = [residual_cotangent(k1, x2, args[0].astype(jnp.float32)), _qkv_cotangent(k2, qkv)]
+  return args, pos, cts
+
+
+@pytest.mark.parametrize("path", ["xla", "kernels"])
+def test_shifted_block_checkpointed(path, key, kernel_impl, remat_kernels):
+  """jax.checkpoint (remat: the forward is recomputed inside the backward) gives the
+  value and gradients of the plain run, and both are within the tolerance rule of the
+  fp32 reference. The kernel path runs through the interpreter on CPU too
+  (``remat_kernels``)."""
+  args, pos, cts = _shifted_problem(key)
   cfg = dataclasses.replace(CFG, impl="xla" if path == "xla" else kernel_impl)
   fused, truth, base = _shifted_runs(args, pos, cts, cfg)
   x0, y0, _, _, p, _ = args
@@ -184,12 +190,7 @@ def test_shifted_block_mlp_residuals(key, kernel_impl, monkeypatch):
     return gated(*args, store_y=store_y, **kwargs)
 
   monkeypatch.setattr(block_gemms, "gated_input_grad", recording)
-  args = _args(key, jnp.bfloat16)
-  pos = jnp.arange(M, dtype=jnp.int32) % 64
-  with jax.default_matmul_precision("highest"):
-    x2, qkv = R.shifted_block(*f32_tree(args[:2]), pos, f32_tree(args[4]), **HEADS)
-  k1, k2 = jax.random.split(jax.random.fold_in(key, 2))
-  cts = [residual_cotangent(k1, x2, args[0].astype(jnp.float32)), _qkv_cotangent(k2, qkv)]
+  args, pos, cts = _shifted_problem(key)
   x0, y0, _, _, p, _ = args
   runs = {}
   for mode in B.MLP_RESIDUALS:
