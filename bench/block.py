@@ -457,6 +457,18 @@ def markdown(rows, prov, on_gpu, title="Llama blocks: ours vs jax.jit of the sta
   return "\n".join(md) + "\n"
 
 
+def mlp_residuals_arg(parser, flag: str, text: str) -> tuple[str, ...]:
+  """A comma-separated list of ``BlockConfig.mlp_residuals`` values from ``flag``'s
+  ``text``; ``parser.error`` (naming the flag) on one that is not."""
+  values = tuple(text.split(","))
+  try:
+    for v in values:
+      blocks.check_mlp_residuals(v)
+  except ValueError as e:
+    parser.error(f"{flag}: {e}")
+  return values
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--shapes", default="1b,8b", help=f"comma-separated, of {list(SHAPES)}")
@@ -484,10 +496,7 @@ def main():
   args = p.parse_args()
   if args.sustained_s is not None and args.sustained_s <= 0:
     p.error(f"--sustained-s {args.sustained_s}: a positive number of seconds")
-  mlp_residuals = tuple(args.mlp_residuals.split(","))
-  bad = [v for v in mlp_residuals if v not in blocks.MLP_RESIDUALS]
-  if bad:
-    p.error(f"--mlp-residuals {bad}: each one of {list(blocks.MLP_RESIDUALS)}")
+  mlp_residuals = mlp_residuals_arg(p, "--mlp-residuals", args.mlp_residuals)
   head_grads = tuple(args.head_grad.split(","))
   try:
     check_head_grads(head_grads)

@@ -307,10 +307,7 @@ def main():
   mlp_residuals = tuple(args.mlp_residuals.split(","))
   if not mlp_residuals or any(v not in L.MLP_RESIDUALS for v in mlp_residuals):
     p.error(f"--mlp-residuals {args.mlp_residuals!r}: one or more of {list(L.MLP_RESIDUALS)}")
-  gated = tuple(args.gated_mlp_residuals.split(","))
-  if not gated or any(v not in blocks.MLP_RESIDUALS for v in gated):
-    p.error(f"--gated-mlp-residuals {args.gated_mlp_residuals!r}: one or more of "
-            f"{list(blocks.MLP_RESIDUALS)}")
+  gated = B.mlp_residuals_arg(p, "--gated-mlp-residuals", args.gated_mlp_residuals)
   ln1_stats = tuple(args.ln1_stats.split(","))
   if any(v not in LN1_STATS for v in ln1_stats):
     p.error(f"--ln1-stats {args.ln1_stats!r}: one or more of {list(LN1_STATS)}")

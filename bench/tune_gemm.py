@@ -200,7 +200,7 @@ def same_shape_configs(problem: autotune.Problem) -> list[GemmConfig] | None:
       continue
     as_this = dataclasses.replace(other, device_kind=key.device_kind,
                                   signature=key.signature)
-    order = (0.0,) if as_this == key else autotune._nearby(key, as_this)
+    order = (0.0,) if as_this == key else autotune.nearby(key, as_this)
     if order is not None:
       found.append((order[:3], kinds.index(other.device_kind),
                     autotune.config_from_dict(entry["config"])))

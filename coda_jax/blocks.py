@@ -51,6 +51,14 @@ from coda_jax.sharding import reduce_like, vary_like
 MLP_RESIDUALS = ("recompute", "output")
 
 
+def check_mlp_residuals(mlp_residuals: str) -> None:
+  """ValueError unless ``mlp_residuals`` is one of ``MLP_RESIDUALS``."""
+  if mlp_residuals not in MLP_RESIDUALS:
+    raise ValueError(f"mlp_residuals={mlp_residuals!r}: one of {MLP_RESIDUALS} "
+                     "(\"output\" keeps y = act(a) * b for the backward, \"recompute\" "
+                     "recomputes it there from z)")
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
   """Static block hyper-parameters (hashable)."""
@@ -94,10 +102,7 @@ class BlockConfig:
     if not isinstance(self.impl, str):
       object.__setattr__(self, "impl", tuple(self.impl))  # hashable: a static argument
     dispatch.resolve(self.impl)  # raises on an unknown implementation name
-    if self.mlp_residuals not in MLP_RESIDUALS:
-      raise ValueError(f"mlp_residuals={self.mlp_residuals!r}: one of {MLP_RESIDUALS} "
-                       "(\"output\" keeps y = act(a) * b for the backward, \"recompute\" "
-                       "recomputes it there from z)")
+    check_mlp_residuals(self.mlp_residuals)
     if not isinstance(self.qk_norm, bool):
       raise ValueError(f"qk_norm={self.qk_norm!r} must be a bool")
     if self.qk_norm:
@@ -178,9 +183,9 @@ def _mlp_bwd(dxa, saved, p, params, cfg):
   wdt = lambda k: S.grad_dtype(params[k])
   # dz comes back times r1 per row: the norm's backward needs no n = r1 x1 g
   # (docs/row_scaled_cotangent.md). y1 is recomputed (and stored) only if not kept.
-  dzr, y1, zdz1 = S.gated_input_grad(dxa, p["w2"], z, cfg.swiglu_block, cfg.activation,
-                                     cfg.impl, r=r1, store_y=kept_y is None)
-  y1 = kept_y if kept_y is not None else y1
+  dzr, y_made, zdz1 = S.gated_input_grad(dxa, p["w2"], z, cfg.swiglu_block, cfg.activation,
+                                         cfg.impl, r=r1, store_y=kept_y is None)
+  y1 = y_made if kept_y is None else kept_y
   dw2 = S.weight_grad(y1, dxa, cfg.impl, wdt("w2"))
   dx1, dg1 = S.norm_input_grad_row_scaled(dzr, p["w13"], x1, r1, zdz1 / d, p["g_mlp"], dxa,
                                           cfg.impl)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from coda_jax import fused_ops
 from coda_jax import qk_norm as qk_norm_ops
-from coda_jax.blocks import MLP_RESIDUALS, BlockConfig
+from coda_jax.blocks import BlockConfig, check_mlp_residuals
 from coda_jax.layout import RopeScaling
 
 # Llama 3.1 and 3.2 checkpoints: {"rope_type": "llama3", "factor": 32.0 (3.2; 8.0 for 3.1),
@@ -87,10 +87,7 @@ class LlamaConfig:
     if self.qk_norm:
       qk_norm_ops.check_head_dim_tiles(self.head_dim, self.impl)
     fused_ops.check_head_grad(self.head_grad, self.dtype)
-    if self.mlp_residuals not in MLP_RESIDUALS:
-      raise ValueError(f"mlp_residuals={self.mlp_residuals!r}: one of {MLP_RESIDUALS} "
-                       "(\"output\" keeps the MLP's activation output for the backward, "
-                       "\"recompute\" recomputes it there)")
+    check_mlp_residuals(self.mlp_residuals)
     off = self.norm_weight_offset
     if isinstance(off, bool) or not isinstance(off, (int, float)) or not math.isfinite(off):
       raise ValueError(f"norm_weight_offset={off!r} must be a finite float (0.0: the norm "

@@ -277,11 +277,20 @@ def tiles(key: ProblemKey, cfg: g.GemmConfig, clip_m: bool = False) -> bool:
 NEARBY_FACTOR = 2
 
 
-def _nearby(key: ProblemKey, other: ProblemKey) -> tuple[float, int, int, str] | None:
+def nearby(key: ProblemKey, other: ProblemKey) -> tuple[float, int, int, str] | None:
   """Where ``other`` is ``key`` at another M or another K (not both) within
   ``NEARBY_FACTOR``: its order among such neighbours (nearest first, then the larger
   size, then M before K) and its source text, "tuned at M=<m>" or "tuned at K=<k>".
-  Else None. K = 0 (an epilogue pass) has no nearby K."""
+  Else None. K = 0 (an epilogue pass) has no nearby K. The lookup's and
+  ``tune_gemm --same-shape``'s one notion of a nearby problem.
+
+  Args:
+    key: the problem asked for.
+    other: a cached problem.
+
+  Returns:
+    (log distance, -its size, 0 for M or 1 for K, source text), or None.
+  """
   for rank, dim in enumerate(("m", "k")):
     mine, theirs = getattr(key, dim), getattr(other, dim)
     if (mine != theirs and mine > 0 and theirs > 0
@@ -329,7 +338,7 @@ def _lookup_one_kind(key: ProblemKey, clip_m: bool
     if entry is not None:
       return config_from_dict(entry["config"]), "tuned"
   near = [(order, entry["config"]) for other, entry in cached_entries()
-          if (order := _nearby(key, other)) is not None]
+          if (order := nearby(key, other)) is not None]
   for (*_, source), cfg_dict in sorted(near, key=lambda t: t[0]):
     cfg = config_from_dict(cfg_dict)
     if tiles(key, cfg, clip_m):  # the nearest whose config tiles this M and K
