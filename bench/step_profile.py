@@ -189,13 +189,15 @@ def main():
     md += ["", f"reference / fused: {totals[1] / totals[0]:.3f}"]
   md.append("")
   for path, (_, pk) in runs.items():
-    md += [f"## {path}: the {args.top} largest kernels", "", "| kernel | kind | ms |",
-           "|---|---|---|"]
+    md += [f"## {path}: the {args.top} largest kernels", "",
+           "| kernel | kind | ms | calls | fastest call, ms | slowest call, ms |",
+           "|---|---|---|---|---|---|"]
     merged = {}
     for name, ms in pk:
-      merged[name] = merged.get(name, 0.0) + ms
-    for name, ms in sorted(merged.items(), key=lambda kv: -kv[1])[:args.top]:
-      md.append(f"| `{name[:90]}` | {kind_of(name)} | {ms:.2f} |")
+      merged.setdefault(name, []).append(ms)
+    for name, calls in sorted(merged.items(), key=lambda kv: -sum(kv[1]))[:args.top]:
+      md.append(f"| `{name[:90]}` | {kind_of(name)} | {sum(calls):.2f} | {len(calls)} | "
+                f"{min(calls):.3f} | {max(calls):.3f} |")
     md.append("")
   text = "\n".join(md) + "\n"
   print(text)

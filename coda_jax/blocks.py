@@ -42,6 +42,7 @@ from coda_jax import primitives as P
 from coda_jax import qk_norm as Q
 from coda_jax import unfused
 from coda_jax.grad_primitives import RmsNormGrad
+from coda_jax.residuals import fenced
 from coda_jax.sharding import reduce_like, vary_like
 
 
@@ -172,8 +173,10 @@ def _mlp_fwd(x0, y0, p, g_next, cfg, keep_z):
   x1, h1, r1 = S.residual_norm(y0, p["wo"], x0, p["g_mlp"], cfg.eps, cfg.impl)
   z, y1 = S.norm_gated(h1, r1, p["w13"], cfg.swiglu_block, cfg.activation, cfg.impl, keep_z)
   x2, h2, r2 = S.residual_norm(y1, p["w2"], x1, g_next, cfg.eps, cfg.impl)
-  kept_y = y1 if cfg.mlp_residuals == "output" else None
-  return (x2, h2, r2), (y0, x1, z, r1, kept_y)
+  # x1 and y1 are read by the down projection too: fenced, or a layer scan's residual
+  # stacking would run their GEMMs twice (coda_jax/residuals.py)
+  saved_x1, kept_y = fenced(x1, y1 if cfg.mlp_residuals == "output" else None)
+  return (x2, h2, r2), (y0, saved_x1, z, r1, kept_y)
 
 
 def _mlp_bwd(dxa, saved, p, params, cfg):
@@ -320,7 +323,9 @@ def _shifted_fwd(x0, y0, positions, params, cfg, keep_z=True):
   p = _cast(params, x0.dtype)
   (x2, h2, r2), mlp_saved = _mlp_fwd(x0, y0, p, p["g_attn"], cfg, keep_z)
   qkv, kept = _norm_qkv(h2, r2, p["wqkv"], positions, p, cfg)
-  return (x2, qkv), (params, positions, x2, r2, kept, mlp_saved)
+  # x2 and qkv (kept without QK-norm) are also this block's outputs (residuals.py)
+  saved_x2, kept = fenced(x2, kept) if kept is qkv else (fenced(x2)[0], kept)
+  return (x2, qkv), (params, positions, saved_x2, r2, kept, mlp_saved)
 
 
 def _shifted_bwd(cfg, saved, cts):

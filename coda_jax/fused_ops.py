@@ -37,6 +37,7 @@ from coda_jax import layout
 from coda_jax import block_gemms as S
 from coda_jax import unfused
 from coda_jax.primitives import ACTIVATIONS
+from coda_jax.residuals import fenced
 from coda_jax.sharding import reduce_like, vary_like
 
 _ACT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -136,7 +137,7 @@ def _residual_rmsnorm(y, w, residual, g, eps, impl):
 
 def _residual_rmsnorm_fwd(y, w, residual, g, eps, impl):
   x, h, r = S.residual_norm(y, w.astype(y.dtype), residual, g, eps, impl)
-  return (x, h, r), (y, w, x, g, r)
+  return (x, h, r), (y, w, *fenced(x), g, r)  # x is an output too (residuals.py)
 
 
 def _residual_rmsnorm_bwd(eps, impl, saved, cts):
@@ -261,7 +262,7 @@ def _rmsnorm_qkv_rope(h, r, wqkv, positions, heads, impl):
 def _qkv_fwd(h, r, wqkv, positions, heads, impl):
   freqs = layout.qkv_freqs(*heads)
   qkv = S.norm_rope(h, r, wqkv.astype(h.dtype), positions, freqs, heads[2], impl)
-  return qkv, (h, r, wqkv, positions, qkv)
+  return qkv, (h, r, wqkv, positions, *fenced(qkv))  # the output, kept (residuals.py)
 
 
 def _qkv_bwd(heads, impl, saved, dqkv):

@@ -47,6 +47,7 @@ from coda_jax.fused_ops import check_act, check_residual, check_rows, check_weig
 from coda_jax.epilogue_gemm import epilogue_pass, gemm_epilogue
 from coda_jax.primitives import (ACTIVATIONS, AddBias, AddTile, ColSum, MulTile, Primitive,
                                  RowSum, ScaleCol, ScaleRow, Store)
+from coda_jax.residuals import fenced
 from coda_jax.sharding import reduce_like, vary_like, varying_axes
 from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 
@@ -880,7 +881,7 @@ def _residual_ln_fwd(y, w, residual, g, bias, cfg, impl):
     head, operands = [AddBias("b")], {"b": bias.astype(_F32)}
   x, h, mu, r = residual_stats(y, w.astype(y.dtype), residual, g, head, operands, cfg.eps,
                                impl)
-  return (x, h, mu, r), (y, w, x, g, mu, r, bias)
+  return (x, h, mu, r), (y, w, *fenced(x), g, mu, r, bias)  # x: an output (residuals.py)
 
 
 def _producer_grads(y, w, bias, dxt, dsum, impl):
@@ -1058,8 +1059,10 @@ def _gelu_mlp_fwd(x, h, mu, r, g, beta, w1, b1, w2, b2, g_next, impl, residuals,
   else:  # the output GEMM is residual_layernorm's program: the next norm's statistics
     out = residual_stats(first["a"], w2.astype(dt), x, g_next, [AddBias("b")],
                          {"b": b2.astype(_F32)}, cfg.eps, impl)
-    stats = (out[0], g_next, out[2], out[3])
-  saved = (h, mu, r, g, beta, w1, b1, w2, b2, tuple(first[nm] for nm in hidden), stats)
+    stats = (*fenced(out[0]), g_next, out[2], out[3])  # out[0]: an output too
+  # "a" (the "slope" residuals') is read by the output GEMM as well (residuals.py)
+  kept = tuple(fenced(first[nm])[0] if nm == "a" else first[nm] for nm in hidden)
+  saved = (h, mu, r, g, beta, w1, b1, w2, b2, kept, stats)
   return out, saved
 
 

@@ -23,6 +23,7 @@ import enum
 import functools
 import math
 import os
+import re
 from typing import Callable
 
 import jax
@@ -1610,6 +1611,18 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
   )
 
 
+def kernel_name_for(config: GemmConfig, m: int, n: int, k: int, trans_a: bool,
+                    trans_b: bool, outputs) -> str:
+  """The kernel's name in profiles: the schedule, the problem's M x N x K and operand
+  order, and its outputs' names, so that a step's profile tells its GEMMs apart, e.g.
+  ``coda_gemm_pingpong_8192x14336x4096_nt_dz_zdz`` (``coda_gemm_epilogue_only_...`` for
+  K = 0). Characters a symbol cannot hold become ``_``."""
+  kind = config.schedule.name.lower() if k > 0 else "epilogue_only"
+  order = ("t" if trans_a else "n") + ("t" if trans_b else "n")
+  outs = "_".join(o.name for o in outputs)
+  return re.sub(r"[^A-Za-z0-9_]", "_", f"coda_gemm_{kind}_{m}x{n}x{k}_{order}_{outs}")
+
+
 def gemm(a: jax.Array, b: jax.Array, *,
          inputs: dict[str, tuple[epi.InputKind, jax.Array]] | None = None,
          epilogue: Callable | None = None,
@@ -1800,8 +1813,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
         body, row_totals_pass=row_totals_pass,
         row_totals_reads=row_totals_pass_reads(row_totals_pass, staged(in_place),
                                                input_dtypes, outputs, config))
-  kernel_name = (f"coda_gemm_{config.schedule.name.lower()}" if mainloop
-                 else "coda_gemm_epilogue_only")
+  kernel_name = kernel_name_for(config, m, n, k, trans_a, trans_b, outputs)
 
   # Partial outputs span every row of tiles, past M where clip_m leaves the last row of
   # tiles reaching beyond it: a (tiles, M) row partial's rows are contiguous, and Mosaic

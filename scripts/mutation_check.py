@@ -225,10 +225,17 @@ MUTATIONS = [
         "the SwiGLU backward stores dz unscaled, which the row-scaled norm backward reads"),
     Mutation(
         "mlp_output_not_kept", "coda_jax/blocks.py",
-        'kept_y = y1 if cfg.mlp_residuals == "output" else None',
-        "kept_y = None",
+        'fenced(x1, y1 if cfg.mlp_residuals == "output" else None)',
+        "fenced(x1, None)",
         ("tests/test_blocks.py", "-k", "mlp_residuals"),
         "BlockConfig.mlp_residuals='output' keeps nothing: the backward recomputes y"),
+    Mutation(
+        "residuals_not_fenced", "coda_jax/blocks.py",
+        'saved_x1, kept_y = fenced(x1, y1 if cfg.mlp_residuals == "output" else None)',
+        'saved_x1, kept_y = (x1, y1 if cfg.mlp_residuals == "output" else None)',
+        ("tests/test_blocks.py", "-k", "fences_shared_residuals"),
+        "x1 and y1 stored unfenced: in a layer scan XLA's dynamic-slice fusion runs the "
+        "out-projection and gate-up GEMMs twice"),
     Mutation(
         "gated_grad_stores_y_anyway", "coda_jax/grad_primitives.py",
         "    if self.y is None:\n      return (zdz,)\n",

@@ -206,6 +206,77 @@ def test_shifted_block_mlp_residuals(key, kernel_impl, monkeypatch):
     dataclasses.replace(CFG, mlp_residuals="z")
 
 
+def _scanned_shifted_grad(args, pos, cfg):
+  """jax.grad (in the weights) of two shifted blocks under ``jax.lax.scan``, as a model's
+  layer loop runs them: x2 carried, the next layer's y0 read from qkv, every residual
+  stacked across the layers."""
+  x0, y0, _, _, p, _ = args
+  layers = jax.tree.map(lambda a: jnp.stack([a, a * 0.5]), p)
+  hq = HEADS["n_q_heads"] * HEADS["head_dim"]
+
+  def loss(layers):
+    def body(carry, lp):
+      x2, qkv = B.shifted_block(*carry, pos, lp, cfg)
+      return (x2, qkv[:, :hq]), None
+    (x, y), _ = jax.lax.scan(body, (x0, y0), layers)
+    return jnp.sum(x.astype(jnp.float32) ** 2) + jnp.sum(y.astype(jnp.float32))
+
+  return jax.grad(loss), layers
+
+
+def _kernel_eqns(jaxpr) -> int:
+  """GEMM kernel calls in a jaxpr and every jaxpr inside it (a scan body counts once)."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("call_exported", "pallas_call", "mosaic_gpu_call"):
+      n += 1
+      continue
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (list, tuple)) else [v]:
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          n += _kernel_eqns(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          n += _kernel_eqns(sub)
+  return n
+
+
+@pytest.mark.parametrize("mlp_residuals", B.MLP_RESIDUALS)
+def test_scanned_block_runs_each_kernel_once(key, kernel_impl, mlp_residuals):
+  """Under jax.grad of a layer scan, the compiled program holds no more GEMM kernels than
+  the traced one: XLA's dynamic-slice fusion, which writes a stacked residual straight
+  from the kernel that made it, ran a kernel twice where its output was also read
+  elsewhere (x1, x2, qkv, and y with "output"), until those residuals were fenced
+  (``coda_jax/residuals.py``; the 8B train step ran 3 of its 4 layers' QKV, out- and
+  down-projection GEMMs twice). Counted on the GPU: the fusion is a pass of XLA's GPU
+  compiler."""
+  if kernel_impl != "mosaic":
+    pytest.skip("XLA's dynamic-slice fusion is a GPU compiler pass: the compiled kernels "
+                "are counted on the GPU (the fence's placement is checked on any machine "
+                "by test_scanned_block_fences_shared_residuals)")
+  args, pos, _ = _shifted_problem(key)
+  cfg = dataclasses.replace(CFG, impl=kernel_impl, mlp_residuals=mlp_residuals)
+  grad, layers = _scanned_shifted_grad(args, pos, cfg)
+  traced = _kernel_eqns(jax.make_jaxpr(grad)(layers).jaxpr)
+  hlo = jax.jit(grad).lower(layers).compile().as_text()
+  compiled = hlo.count('custom_call_target="mosaic_gpu_v2"')
+  assert 0 < compiled <= traced, (mlp_residuals, compiled, traced)
+
+
+def test_scanned_block_fences_shared_residuals(key):
+  """The forward of a scanned shifted block stores its shared residuals (x1, x2 and qkv;
+  y too with "output") through an optimization barrier, which keeps XLA's GPU
+  dynamic-slice fusion from running their kernels twice (the GPU counts them:
+  test_scanned_block_runs_each_kernel_once). Traced only."""
+  args, pos, _ = _shifted_problem(key)
+  for mode, fenced in (("recompute", 3), ("output", 4)):
+    cfg = dataclasses.replace(CFG, impl="xla", mlp_residuals=mode)
+    grad, layers = _scanned_shifted_grad(args, pos, cfg)
+    jaxpr = jax.make_jaxpr(grad)(layers).jaxpr
+    forward = next(e for e in jaxpr.eqns if e.primitive.name == "scan").params["jaxpr"].jaxpr
+    barriers = [e for e in forward.eqns if e.primitive.name == "optimization_barrier"]
+    assert sum(len(e.outvars) for e in barriers) == fenced, (mode, barriers)
+
+
 def test_shifted_block_batched_and_vmapped(key, kernel_impl):
   """(B, T, D) inputs and vmap over B give the (M, D) results, and all three are within
   the tolerance rule of the fp32 reference. 2 x 128 rows: each vmapped problem must

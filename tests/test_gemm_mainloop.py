@@ -231,3 +231,22 @@ def test_b_column_sum_refuses_what_it_cannot_run(key):
     run(epilogue=lambda tile, acc: tile.b_column_sum("out"))
   with pytest.raises(ValueError, match="width does not apply"):
     pk.EpilogueOutput("db", pk.OutputKind.B_COLUMN_SUM, jnp.float32, width=2)
+
+
+def test_kernel_names_tell_problems_apart():
+  """Each GEMM problem's kernel has its own name in profiles (schedule, M x N x K, operand
+  order, outputs), so a training step's profile can be read problem by problem (the
+  fifty-third session found a forward kernel run twice only this way); names stay valid
+  symbols."""
+  from pallas_kernels import epilogue as epi
+  from pallas_kernels.gemm_mgpu import kernel_name_for
+  outs = (epi.EpilogueOutput("dz"), epi.EpilogueOutput("zdz"))
+  coop, ping = CONFIGS["wg_n"], CONFIGS["pingpong"]
+  assert (kernel_name_for(ping, 8192, 14336, 4096, False, True, outs)
+          == "coda_gemm_pingpong_8192x14336x4096_nt_dz_zdz")
+  assert (kernel_name_for(coop, 4096, 512, 8192, True, False, outs[:1])
+          == "coda_gemm_cooperative_4096x512x8192_tn_dz")
+  assert (kernel_name_for(coop, 64, 128, 0, False, False, outs[:1])
+          == "coda_gemm_epilogue_only_64x128x0_nn_dz")
+  odd = kernel_name_for(coop, 64, 64, 64, False, False, (epi.EpilogueOutput("a.b-c"),))
+  assert odd == "coda_gemm_cooperative_64x64x64_nn_a_b_c"
