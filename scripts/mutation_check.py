@@ -237,6 +237,13 @@ MUTATIONS = [
         "x1 and y1 stored unfenced: in a layer scan XLA's dynamic-slice fusion runs the "
         "out-projection and gate-up GEMMs twice"),
     Mutation(
+        "slope_residual_not_fenced", "coda_jax/layernorm_ops.py",
+        'fenced(first[nm])[0] if nm == "a" else first[nm]',
+        "first[nm]",
+        ("tests/test_residual_fences.py",),
+        "GPT-2's MLP keeps a (read by its output GEMM too) unfenced: in a layer scan XLA "
+        "runs the first GEMM twice"),
+    Mutation(
         "gated_grad_stores_y_anyway", "coda_jax/grad_primitives.py",
         "    if self.y is None:\n      return (zdz,)\n",
         "",
