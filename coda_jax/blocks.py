@@ -245,10 +245,11 @@ def _qk_operands(norms, cfg):
 
 
 def _norm_qkv(h, r, w, positions, norms, cfg):
-  """K4: the QKV GEMM. Returns (qkv, what the backward keeps: qkv, or u with QK-norm)."""
+  """K4: the QKV GEMM. Returns (qkv, what the backward keeps: qkv, or u with QK-norm).
+  A kept qkv is the output too, so it is fenced (``coda_jax/residuals.py``)."""
   if not cfg.qk_norm:
     qkv = S.norm_rope(h, r, w, positions, cfg.freqs(), cfg.head_dim, cfg.impl)
-    return qkv, qkv
+    return qkv, *fenced(qkv)
   return Q.norm_qknorm_rope(h, r, w, positions, cfg.freqs(), *_qk_operands(norms, cfg),
                             cfg.head_dim, cfg.eps, cfg.impl)
 
@@ -274,8 +275,6 @@ def _pre_fwd(x0, positions, g, wqkv, norms, cfg):
   r0 = unfused.rms_scale(x0, cfg.eps)
   h0 = (x0.astype(jnp.float32) * g.astype(jnp.float32)).astype(x0.dtype)
   qkv, kept = _norm_qkv(h0, r0, wqkv.astype(x0.dtype), positions, norms, cfg)
-  if kept is qkv:  # the output, kept too (residuals.py)
-    (kept,) = fenced(kept)
   return qkv, (x0, positions, g, wqkv, norms, r0, kept)
 
 
@@ -326,8 +325,7 @@ def _shifted_fwd(x0, y0, positions, params, cfg, keep_z=True):
   p = _cast(params, x0.dtype)
   (x2, h2, r2), mlp_saved = _mlp_fwd(x0, y0, p, p["g_attn"], cfg, keep_z)
   qkv, kept = _norm_qkv(h2, r2, p["wqkv"], positions, p, cfg)
-  # x2 and qkv (kept without QK-norm) are also this block's outputs (residuals.py)
-  saved_x2, kept = fenced(x2, kept) if kept is qkv else (*fenced(x2), kept)
+  (saved_x2,) = fenced(x2)  # x2 is this block's output too (residuals.py)
   return (x2, qkv), (params, positions, saved_x2, r2, kept, mlp_saved)
 
 

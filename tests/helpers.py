@@ -30,6 +30,15 @@ def mosaic_launches(fn, *args, platforms=None) -> int:
   return len(cached) + text.count("@mosaic_gpu") - len(set(cached))
 
 
+def fenced_in_forward_scan(jaxpr) -> int:
+  """Outputs of optimization barriers (``coda_jax.residuals.fenced``) in the body of the
+  first ``scan`` of ``jaxpr``: the forward loop of ``jax.grad`` over a layer scan, where
+  the residuals that are also read elsewhere must be fenced."""
+  forward = next(e for e in jaxpr.eqns if e.primitive.name == "scan").params["jaxpr"].jaxpr
+  return sum(len(e.outvars) for e in forward.eqns
+             if e.primitive.name == "optimization_barrier")
+
+
 # Added to every "2x the unfused baseline" bound, so that a baseline that happens to be
 # exact (error 0) doesn't demand bit-exactness from a differently ordered accumulation.
 EPS = 1e-6

@@ -17,7 +17,8 @@ import pytest
 
 from coda_jax import blocks as B
 from coda_jax import jnp_reference as R
-from helpers import (assert_within_baseline, f32_tree, normal, rel_err, residual_cotangent,
+from helpers import (assert_within_baseline, f32_tree, fenced_in_forward_scan,
+                     mosaic_launches, normal, rel_err, residual_cotangent,
                      record_head_stores, spread_rows, unit_rows)
 
 M, D, F, V = 128, 192, 256, 384
@@ -224,22 +225,6 @@ def _scanned_shifted_grad(args, pos, cfg):
   return jax.grad(loss), layers
 
 
-def _kernel_eqns(jaxpr) -> int:
-  """GEMM kernel calls in a jaxpr and every jaxpr inside it (a scan body counts once)."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in ("call_exported", "pallas_call", "mosaic_gpu_call"):
-      n += 1
-      continue
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, (list, tuple)) else [v]:
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          n += _kernel_eqns(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          n += _kernel_eqns(sub)
-  return n
-
-
 @pytest.mark.parametrize("mlp_residuals", B.MLP_RESIDUALS)
 def test_scanned_block_runs_each_kernel_once(key, kernel_impl, mlp_residuals):
   """Under jax.grad of a layer scan, the compiled program holds no more GEMM kernels than
@@ -256,7 +241,7 @@ def test_scanned_block_runs_each_kernel_once(key, kernel_impl, mlp_residuals):
   args, pos, _ = _shifted_problem(key)
   cfg = dataclasses.replace(CFG, impl=kernel_impl, mlp_residuals=mlp_residuals)
   grad, layers = _scanned_shifted_grad(args, pos, cfg)
-  traced = _kernel_eqns(jax.make_jaxpr(grad)(layers).jaxpr)
+  traced = mosaic_launches(grad, layers)
   # loops kept rolled, so that each body's kernels are counted once, as traced
   hlo = jax.jit(grad).lower(layers).compile(compiler_options={
       "xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_NO_UNROLL"}).as_text()
@@ -273,10 +258,7 @@ def test_scanned_block_fences_shared_residuals(key):
   for mode, fenced in (("recompute", 3), ("output", 4)):
     cfg = dataclasses.replace(CFG, impl="xla", mlp_residuals=mode)
     grad, layers = _scanned_shifted_grad(args, pos, cfg)
-    jaxpr = jax.make_jaxpr(grad)(layers).jaxpr
-    forward = next(e for e in jaxpr.eqns if e.primitive.name == "scan").params["jaxpr"].jaxpr
-    barriers = [e for e in forward.eqns if e.primitive.name == "optimization_barrier"]
-    assert sum(len(e.outvars) for e in barriers) == fenced, (mode, barriers)
+    assert fenced_in_forward_scan(jax.make_jaxpr(grad)(layers).jaxpr) == fenced, mode
 
 
 def test_shifted_block_batched_and_vmapped(key, kernel_impl):

@@ -10,6 +10,7 @@ import pytest
 
 from coda_jax import fused_ops as F
 from coda_jax import layernorm_ops as L
+from helpers import fenced_in_forward_scan, normal
 
 M, D, FF = 64, 64, 128
 BF = jnp.bfloat16
@@ -24,13 +25,11 @@ def _fenced_in_scanned_forward(step, weights, carry):
     out, _ = jax.lax.scan(lambda c, w: (step(c, w), None), carry, stacked)
     return sum(jnp.sum(v.astype(jnp.float32)) for v in jax.tree.leaves(out))
 
-  jaxpr = jax.make_jaxpr(jax.grad(loss))(stacked).jaxpr
-  forward = next(e for e in jaxpr.eqns if e.primitive.name == "scan").params["jaxpr"].jaxpr
-  return sum(len(e.outvars) for e in forward.eqns if e.primitive.name == "optimization_barrier")
+  return fenced_in_forward_scan(jax.make_jaxpr(jax.grad(loss))(stacked).jaxpr)
 
 
 def _normal(key, shape, scale=1.0):
-  return (scale * jax.random.normal(key, shape, jnp.float32)).astype(BF)
+  return (scale * normal(key, shape)).astype(BF)
 
 
 def _ops():
@@ -54,19 +53,20 @@ def _ops():
   mlp_w = {**sq, "w1": _normal(ks[3], (D, FF), 0.1), "b1": jnp.zeros((FF,), jnp.float32),
            "w2": _normal(ks[4], (FF, D), 0.1), "b2": jnp.zeros((D,), jnp.float32)}
   carry = _normal(ks[5], (M, D))
-  # (name, step, weights, barrier outputs expected in the forward)
-  return [
-      ("residual_rmsnorm: x", rms, sq, 1),
-      ("rmsnorm_qkv_rope: qkv", qkv, wide, 1),
-      ("residual_layernorm: x", ln, sq, 1),
+  # name -> (step, weights, barrier outputs expected in the forward)
+  return {
+      "residual_rmsnorm": (rms, sq, 1),  # x
+      "rmsnorm_qkv_rope": (qkv, wide, 1),  # qkv
+      "residual_layernorm": (ln, sq, 1),  # x
       # the producer's x, the MLP's output (its next norm's x), and a ("slope" only)
-      ("layernorm_gelu_mlp slope", lambda c, w: mlp(c, w, "slope"), mlp_w, 3),
-      ("layernorm_gelu_mlp recompute", lambda c, w: mlp(c, w, "recompute"), mlp_w, 2),
-  ], carry
+      "layernorm_gelu_mlp_slope": (lambda c, w: mlp(c, w, "slope"), mlp_w, 3),
+      "layernorm_gelu_mlp_recompute": (lambda c, w: mlp(c, w, "recompute"), mlp_w, 2),
+  }, carry
 
 
-@pytest.mark.parametrize("index", range(5))
-def test_fused_op_fences_shared_residuals(index):
+@pytest.mark.parametrize("op", ["residual_rmsnorm", "rmsnorm_qkv_rope", "residual_layernorm",
+                                "layernorm_gelu_mlp_slope", "layernorm_gelu_mlp_recompute"])
+def test_fused_op_fences_shared_residuals(op):
   ops, carry = _ops()
-  name, step, weights, expected = ops[index]
-  assert _fenced_in_scanned_forward(step, weights, carry) == expected, name
+  step, weights, expected = ops[op]
+  assert _fenced_in_scanned_forward(step, weights, carry) == expected, op
