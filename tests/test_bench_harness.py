@@ -361,9 +361,9 @@ def test_compare_configs_deeper_only(monkeypatch):
 
 
 def test_compare_configs_sustained_windows():
-  """``--sustained-s``: each call sized from its first run, windows in the order given
-  then reversed, each window's time per call averaged; a call's time is what the fake
-  clock advances."""
+  """``--sustained-s``: an untimed warm-up window of the first call, then each call sized
+  from its first run, windows in the order given then reversed, each window's time per
+  call averaged; a call's time is what the fake clock advances."""
   from bench import compare_configs as cc
   now, order = [0.0], []
   def call(name, cost):
@@ -377,8 +377,13 @@ def test_compare_configs_sustained_windows():
                         sync=lambda x: x, clock=lambda: now[0])
   assert got == {"a": common.Sustained(a * 1e3, 40), "b": common.Sustained(b * 1e3, 10)}
   assert got["a"].joules is None  # no power log, no energy
-  # each window: one sizing call, then its calls; a, b, b, a
-  assert order == (["a"] * 21 + ["b"] * 6 + ["b"] * 6 + ["a"] * 21)
+  # the warm-up window (a, as long as a timed one), then each window: one sizing call,
+  # then its calls; a, b, b, a
+  assert order == ["a"] * 21 + (["a"] * 21 + ["b"] * 6 + ["b"] * 6 + ["a"] * 21)
+  order.clear()
+  again = cc.sustained_ms({"a": call("a", a), "b": call("b", b)}, 20 * a,
+                          sync=lambda x: x, clock=lambda: now[0], warmup_s=0)
+  assert again == got and order == ["a"] * 21 + ["b"] * 6 + ["b"] * 6 + ["a"] * 21
   with pytest.raises(ValueError, match="must be positive"):
     cc.sustained_ms({"a": call("a", a)}, 0)
 
