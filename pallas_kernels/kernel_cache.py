@@ -12,7 +12,8 @@ most of its compile time (``bench/lowering_time.py``).
 launch) through an exported copy of it (``jax.export``, platform ``cuda``). The copy is
 found by the fingerprint of ``fn``'s traced program (``Fingerprint``: every equation, its
 parameters and constants, the kernel body included), together with jax's and jaxlib's
-versions, this package's source and the device's kind (``keyed_for`` names another
+versions, this package's Python source (not its tuned configs: the config an entry
+chooses is in the traced program) and the device's kind (``keyed_for`` names another
 device, to lower kernels for a GPU host elsewhere). It is made once per process and,
 where a cache folder is set, read from and written to that folder, so a later process
 lowers none of the kernels it has seen. Tracing a kernel and taking its fingerprint costs
@@ -151,18 +152,20 @@ class Fingerprint:
     return self.h.hexdigest()
 
 
-def source_digest(*roots: Path) -> str:
+def source_digest(*roots: Path, suffixes: tuple[str, ...] = (".py", ".json")) -> str:
   """A digest of source trees (callers read it once per process: the code a process
   lowers is the code it imported).
 
   Args:
     roots: package folders.
+    suffixes: the file kinds read (default Python sources and JSON data).
 
   Returns:
-    sha256 hex digest of every ``.py`` and ``.json`` file under them, with its path."""
+    sha256 hex digest of every file under them with one of ``suffixes``, with its
+    path."""
   h = hashlib.sha256()
   for root in roots:
-    for f in sorted(list(root.rglob("*.py")) + list(root.rglob("*.json"))):
+    for f in sorted(f for suffix in suffixes for f in root.rglob(f"*{suffix}")):
       h.update(str(f.relative_to(root.parent)).encode())
       h.update(f.read_bytes())
   return h.hexdigest()
@@ -170,7 +173,12 @@ def source_digest(*roots: Path) -> str:
 
 @functools.cache
 def _package_digest() -> str:
-  return source_digest(_PACKAGE)
+  # The Python sources only: the tuned configs (tuned/*.json) choose a kernel's config,
+  # and the config is part of the launch's traced program that ``kernel_key`` digests,
+  # so a retuned entry changes only the keys of the kernels it changes, instead of every
+  # key (which made each retune re-lower every kernel; bench/NOTES.md, fifty-fourth
+  # session).
+  return source_digest(_PACKAGE, suffixes=(".py",))
 
 
 # ---- files -------------------------------------------------------------------------------
@@ -403,7 +411,7 @@ def kernel_key(jaxpr: "jax.extend.core.ClosedJaxpr") -> str:
 
   Returns:
     A sha256 hex digest over the program (``Fingerprint``), jax's and jaxlib's versions,
-    this package's source and the platform, kind and compute capability of the default
+    this package's Python source and the platform, kind and compute capability of the default
     device (of ``keyed_for``'s inside it)."""
   fp = Fingerprint()
   fp.add(FORMAT, jax.__version__, jaxlib.__version__, _package_digest())

@@ -81,12 +81,13 @@ def test_lowered_once_then_reused_then_read_back(folder, caplog):
 
 
 def test_key_follows_the_kernel():
-  """One kernel traced twice has one key; a changed epilogue, pipeline depth or shape
-  changes it."""
-  def key(program, a=A, stages=None):
+  """One kernel traced twice has one key; a changed epilogue, shape or config field (the
+  pipeline depth, the schedule, the output slots) changes it. The key leaves the tuned
+  configs' file out of its source digest because of this: the config a tuned entry
+  chooses is in the traced program."""
+  def key(program, a=A, **fields):
     import dataclasses
-    cfg = cj.kernel_config(a, B, program, {})
-    cfg = cfg if stages is None else dataclasses.replace(cfg, stages=stages)
+    cfg = dataclasses.replace(cj.kernel_config(a, B, program, {}), **fields)
     run = lambda a, b: tuple(cj.gemm_epilogue(a, b, program, impl="mosaic", config=cfg).values())
     with KC.bypassed(), pretend():
       return KC.kernel_key(jax.make_jaxpr(run)(a, B))
@@ -95,6 +96,27 @@ def test_key_follows_the_kernel():
   assert key(SCALED) != base
   assert key(STORE, stages=cj.kernel_config(A, B, STORE, {}).stages - 1) != base
   assert key(STORE, a=jax.ShapeDtypeStruct((512, 128), jnp.bfloat16)) != base
+  assert key(STORE, schedule=pk.Schedule.COOPERATIVE, stages=3) != key(STORE, stages=3)
+  assert key(STORE, grid_tile_width=8) != base
+  assert key(STORE, epi_out_slots=1) != base
+
+
+def test_source_digest_of_the_key_reads_python_only(tmp_path):
+  """``source_digest`` reads .py and .json files by default; the kernel key's digest of
+  this package reads its Python only, so a retuned entry in tuned/*.json does not change
+  every kernel's key (the entry's config is in the traced program:
+  test_key_follows_the_kernel)."""
+  pkg = tmp_path / "pkg"
+  (pkg / "tuned").mkdir(parents=True)
+  (pkg / "a.py").write_text("x = 1\n")
+  (pkg / "tuned" / "c.json").write_text("{}")
+  both, py = KC.source_digest(pkg), KC.source_digest(pkg, suffixes=(".py",))
+  (pkg / "tuned" / "c.json").write_text('{"entries": {}}')
+  assert KC.source_digest(pkg) != both
+  assert KC.source_digest(pkg, suffixes=(".py",)) == py
+  (pkg / "a.py").write_text("x = 2\n")
+  assert KC.source_digest(pkg, suffixes=(".py",)) != py
+  assert KC._package_digest() == KC.source_digest(KC._PACKAGE, suffixes=(".py",))
 
 
 def test_damaged_file_is_lowered_again(folder, caplog):
