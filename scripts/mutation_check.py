@@ -230,6 +230,25 @@ MUTATIONS = [
         ("tests/test_blocks.py", "-k", "mlp_residuals"),
         "BlockConfig.mlp_residuals='output' keeps nothing: the backward recomputes y"),
     Mutation(
+        "sustained_without_warmup", "bench/compare_configs.py",
+        "  if names and warmup_s > 0:",
+        "  if False:",
+        ("tests/test_bench_harness.py", "-k", "sustained_windows"),
+        "compare_configs' sustained windows start from the idle clock: the first config "
+        "timed pays the climb (up to 2x on the H200)"),
+    Mutation(
+        "block_timer_without_warmup", "bench/block.py",
+        "      common.back_to_back_ms(lambda: jitted(*args), sustained_s)\n",
+        "",
+        ("tests/test_bench_harness.py", "-k", "block_timer_sustained"),
+        "the block benchmarks' sustained window starts from the idle clock after the compile"),
+    Mutation(
+        "kernel_key_reads_tuned_configs", "pallas_kernels/kernel_cache.py",
+        'return source_digest(_PACKAGE, suffixes=(".py",))',
+        "return source_digest(_PACKAGE)",
+        ("tests/test_kernel_cache.py", "-k", "digest"),
+        "the kernel key digests the tuned configs' file: every retune re-lowers every kernel"),
+    Mutation(
         "residuals_not_fenced", "coda_jax/blocks.py",
         'saved_x1, kept_y = fenced(x1, y1 if cfg.mlp_residuals == "output" else None)',
         'saved_x1, kept_y = (x1, y1 if cfg.mlp_residuals == "output" else None)',

@@ -495,12 +495,19 @@ def test_block_timer_sustained_power():
   assert f"{res['baseline_joules'] / res['ours_joules']:.3f} |" in md
 
 
-def test_block_timer_sustained_mode():
+def test_block_timer_sustained_mode(monkeypatch):
   """``--sustained-s``: the block benchmarks' timer gives wall clock per call over
-  back-to-back calls, no per-kernel list, and the function's outputs (the timer's
-  sustained path needs no CUPTI, so it runs here, pretending to be on a GPU)."""
+  back-to-back calls, after an untimed window as long (no power read there), no
+  per-kernel list, and the function's outputs (the timer's sustained path needs no
+  CUPTI, so it runs here, pretending to be on a GPU)."""
+  windows, real = [], common.back_to_back_ms
+  def recorded(call, seconds, **kw):
+    windows.append((seconds, kw.get("power") is not None))
+    return real(call, seconds, **kw)
+  monkeypatch.setattr(common, "back_to_back_ms", recorded)
   x = jax.numpy.arange(8.0)
   ms, kernels, out, window = B.timer(True, 30, sustained_s=0.05)(lambda v: v * 2, x)
+  assert windows == [(0.05, False), (0.05, True)]
   assert ms > 0 and kernels is None
   assert (out == 2 * x).all()
   md = B.markdown([], common.provenance(), True, sustained_s=0.05)
