@@ -14,7 +14,9 @@ GPT-2 and Qwen3 shifted blocks of bench/family_blocks.py (``family-gpt2_1b``,
 config, layers, batch rows). ``--list`` says where each one's config would come from:
 tuned at its shape, tuned at a nearby M or K, either on another device kind of the same
 chip (``autotune.SAME_CHIP``: "tuned on NVIDIA H100 80GB HBM3"), or NOT TUNED (the
-heuristic). Each problem is then tuned (``autotune.tune``: both schedules, tiles,
+heuristic); an entry at the problem's own key also says how many configs its search
+timed ("tuned, 3 configs timed": a ``--same-shape`` or challenge entry, worth a whole
+search). Each problem is then tuned (``autotune.tune``: both schedules, tiles,
 clusters, grid orders, epilogue widths, the deepest pipeline that fits) and written into
 ``--out``, by default the cache shipped with the library,
 ``pallas_kernels/tuned/gemm_configs.json``, unless the caches already serve the winner
@@ -316,6 +318,23 @@ def lower_kernels(problem: autotune.Problem, configs, keep, extra: bool, device)
   return {h: found[h] for h in ("lowered", "disk", "memory", "failed")}
 
 
+def listed_source(problem: autotune.Problem) -> str:
+  """Where ``--list`` says a problem's config comes from: ``autotune.lookup_with_source``'s
+  source, or "NOT TUNED"; for an entry at the problem's own key, also how many configs
+  its search timed. An entry that timed a few (``--same-shape``, a challenge) is worth a
+  whole search: the 8B SwiGLU backward's two-config entry ran 8% slower than a config
+  the same shape's other entry held (bench/NOTES.md, fifty-fourth session)."""
+  source = autotune.lookup_with_source(problem.key)[1]
+  if source is None:
+    return "NOT TUNED"
+  if source == "tuned":
+    timed = next((rec.get("timed") for key, rec in autotune.cached_entries()
+                  if key == problem.key), None)
+    if timed is not None:
+      return f"tuned, {timed} configs timed"
+  return source
+
+
 def find_problems(args) -> dict:
   """key text -> (where, problem) of every GEMM the ``--workloads`` trace."""
   from bench import gemm_epilogue as ge
@@ -412,8 +431,7 @@ def main():
   print(f"{len(problems)} GEMM problems; {prov}", flush=True)
   if args.list:
     for k, (where, problem) in problems.items():
-      source = autotune.lookup_with_source(problem.key)[1] or "NOT TUNED"
-      print(f"{where} [{source}]: {k}")
+      print(f"{where} [{listed_source(problem)}]: {k}")
     return
   out = Path(args.out)
   entries = json.loads(out.read_text())["entries"] if out.exists() else {}

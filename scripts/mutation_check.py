@@ -230,6 +230,12 @@ MUTATIONS = [
         ("tests/test_blocks.py", "-k", "mlp_residuals"),
         "BlockConfig.mlp_residuals='output' keeps nothing: the backward recomputes y"),
     Mutation(
+        "list_hides_timed_count", "bench/tune_gemm.py",
+        '      return f"tuned, {timed} configs timed"',
+        '      return "tuned"',
+        ("tests/test_bench_harness.py", "-k", "how_many_configs"),
+        "tune_gemm --list no longer says how narrow an entry's search was"),
+    Mutation(
         "sustained_without_warmup", "bench/compare_configs.py",
         "  if names and warmup_s > 0:",
         "  if False:",

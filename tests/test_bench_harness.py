@@ -216,6 +216,26 @@ def test_tune_gemm_lists_a_workloads_gemms_without_a_gpu(monkeypatch, capsys):
     tune_gemm.main()
 
 
+def test_tune_gemm_lists_how_many_configs_an_entry_timed(monkeypatch):
+  """``--list``'s source of a problem's config: for an entry at the problem's own key,
+  how many configs its search timed (a narrow entry is worth a whole search); other
+  sources as ``lookup_with_source`` names them; "NOT TUNED" where none serves."""
+  from bench import tune_gemm
+  narrow, nearby, other = (autotune.plain_problem(m, 256, 256) for m in (256, 512, 768))
+  cfg = narrow.default_config()
+  served = {narrow.key: "tuned", nearby.key: "tuned at M=256 on NVIDIA H100 80GB HBM3"}
+  monkeypatch.setattr(autotune, "lookup_with_source",
+                      lambda key, clip_m=False: (cfg, served[key]) if key in served
+                      else (None, None))
+  entries = [(nearby.key, {"timed": 40}), (narrow.key, {"timed": 3})]
+  monkeypatch.setattr(autotune, "cached_entries", lambda: iter(entries))
+  assert tune_gemm.listed_source(narrow) == "tuned, 3 configs timed"
+  assert tune_gemm.listed_source(nearby) == "tuned at M=256 on NVIDIA H100 80GB HBM3"
+  assert tune_gemm.listed_source(other) == "NOT TUNED"
+  entries[1] = (narrow.key, {})  # an entry written before the count was recorded
+  assert tune_gemm.listed_source(narrow) == "tuned"
+
+
 def test_heuristic_ab_constants_and_output_totals():
   """``bench.heuristic_ab``: knobs parse to gemm_mgpu's constants' types and are put
   back; outputs whose partials differ in count between configs compare as totals (an
