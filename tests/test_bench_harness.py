@@ -875,3 +875,55 @@ def test_train_stops_before_a_temp_buffer_that_cannot_fit():
   with pytest.raises(SystemExit, match=r"reference: .*71\.0 GiB.*gpu1.*70\.0 GiB.*--paths "
                      r"reference"):
     bt.check_temp_fits("reference", 71 * gib, [fits, too_big])
+
+
+def test_sustained_step_windows_alternate_after_a_warm_up():
+  """``bench.sustained_step``: one untimed window of the first variant, then each round
+  times every variant, the odd rounds in reverse order; a window's time per step is what
+  the fake clock advances; bad variants and round counts are refused by name."""
+  from bench import sustained_step as S
+  now, order = [0.0], []
+  def call(name, cost):
+    def fn():
+      order.append(name)
+      now[0] += cost
+      return name
+    return fn
+  a, b = 2.0 ** -10, 2.0 ** -8
+  got = S.timed_rounds({"a": call("a", a), "b": call("b", b)}, 20 * a, 3,
+                       sync=lambda x: x, clock=lambda: now[0])
+  assert got == {"a": [common.Sustained(a * 1e3, 20)] * 3,
+                 "b": [common.Sustained(b * 1e3, 5)] * 3}
+  wa, wb = ["a"] * 21, ["b"] * 6  # a window: one sizing call, then its calls
+  assert order == wa + (wa + wb) + (wb + wa) + (wa + wb)
+  assert S.parse_variant("fused") == (True, None)
+  assert S.parse_variant("reference") == (False, None)
+  assert S.parse_variant("fused:output") == (True, "output")
+  for bad in ("xla", "reference:output", "fused:kept"):
+    with pytest.raises(ValueError, match=bad.split(":")[-1]):
+      S.parse_variant(bad)
+  with pytest.raises(ValueError, match="at least one round"):
+    S.timed_rounds({"a": call("a", a)}, 1.0, 0)
+
+
+def test_sustained_step_writes_its_table(tmp_path, monkeypatch, capsys):
+  """``bench.sustained_step`` end to end on the tiny config's reference step (on a CPU: no
+  power read, so the power cells are "-"): the table and the json rows are written."""
+  import json
+  import sys
+  from bench import sustained_step as S
+  monkeypatch.setattr(sys, "argv", ["sustained_step", "--config", "tiny", "--layers", "1",
+                                    "--batch", "1", "--seq", "32", "--variants",
+                                    "reference", "--seconds", "0.02", "--rounds", "1",
+                                    "--out", str(tmp_path)])
+  S.main()
+  md = (tmp_path / "sustained_step_tiny_1l.md").read_text()
+  assert "| reference |" in md and "| 1.000 |" in md, md
+  rows = json.loads((tmp_path / "sustained_step_tiny_1l.json").read_text())
+  rows = rows if isinstance(rows, list) else rows["rows"]
+  assert rows[0]["variant"] == "reference" and rows[0]["ms"] > 0
+  assert len(rows[0]["windows"]) == 1
+  monkeypatch.setattr(sys, "argv", ["sustained_step", "--variants", "fused,fused"])
+  with pytest.raises(SystemExit):
+    S.main()
+  assert "each variant once" in capsys.readouterr().err
