@@ -105,14 +105,21 @@ def kind_of(name: str) -> str:
   return "other"
 
 
-def profile_path(cfg, fused: bool, batch: int, seq: int, iterations: int, seed: int = 0):
-  """(total ms, [(kernel name, ms)]) of one optimizer step on random tokens."""
+def step_and_batch(cfg, fused: bool, batch: int, seq: int, *, donate: bool, seed: int = 0):
+  """(jitted train step, its optimizer state, tokens, targets): a fresh model's step
+  (``train.make_train_step``) on fixed random tokens, the targets the next tokens."""
   model = Llama(cfg, rngs=nnx.Rngs(seed), fused=fused)
   graphdef, state = train.init_state(model, train.make_optimizer(total_steps=100))
   del model
-  step = train.make_train_step(graphdef, donate=False)
+  step = train.make_train_step(graphdef, donate=donate)
   tokens = jax.random.randint(jax.random.key(seed + 1), (batch, seq), 0, cfg.vocab_size)
-  targets = jnp.roll(tokens, -1, axis=1)
+  return step, state, tokens, jnp.roll(tokens, -1, axis=1)
+
+
+def profile_path(cfg, fused: bool, batch: int, seq: int, iterations: int, seed: int = 0):
+  """(total ms, [(kernel name, ms)]) of one optimizer step on random tokens."""
+  step, state, tokens, targets = step_and_batch(cfg, fused, batch, seq, donate=False,
+                                                seed=seed)
   total, per_kernel = common.time_kernels(step, state, tokens, targets,
                                           iterations=iterations)
   del state, step

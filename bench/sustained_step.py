@@ -29,12 +29,10 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # as bench.train
 
 import jax  # noqa: E402 (after the allocator's setting)
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
 
-from bench import common  # noqa: E402
+from bench import common, step_profile  # noqa: E402
 from coda_jax.blocks import MLP_RESIDUALS  # noqa: E402
-from flax_layers import Llama, get_config, train  # noqa: E402
+from flax_layers import get_config  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[bool, str | None]:
@@ -70,12 +68,8 @@ def timed_rounds(calls: dict, seconds: float, rounds: int, *, power=None,
 def stepper(cfg, fused: bool, batch: int, seq: int, seed: int = 0):
   """A function of no arguments that runs one donated train step of a fresh model on
   fixed random tokens and returns its loss, with its state kept between calls."""
-  model = Llama(cfg, rngs=nnx.Rngs(seed), fused=fused)
-  graphdef, state = train.init_state(model, train.make_optimizer(total_steps=100))
-  del model
-  step = train.make_train_step(graphdef, donate=True)
-  tokens = jax.random.randint(jax.random.key(seed + 1), (batch, seq), 0, cfg.vocab_size)
-  targets = jnp.roll(tokens, -1, axis=1)
+  step, state, tokens, targets = step_profile.step_and_batch(cfg, fused, batch, seq,
+                                                            donate=True, seed=seed)
   box = [state]
 
   def call():

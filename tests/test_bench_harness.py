@@ -380,11 +380,10 @@ def test_compare_configs_deeper_only(monkeypatch):
   assert deepest.stages == 6 and not cc.deepens(problem, {"epi_out_slots": 1, "stages": 7})
 
 
-def test_compare_configs_sustained_windows():
-  """``--sustained-s``: an untimed warm-up window of the first call, then each call sized
-  from its first run, windows in the order given then reversed, each window's time per
-  call averaged; a call's time is what the fake clock advances."""
-  from bench import compare_configs as cc
+def _fake_timed_calls():
+  """(now, order, call): a fake clock ([seconds]), the names of the calls made, in order,
+  and ``call(name, cost)``: a function of no arguments that records its name and
+  advances the clock by ``cost`` seconds."""
   now, order = [0.0], []
   def call(name, cost):
     def fn():
@@ -392,6 +391,15 @@ def test_compare_configs_sustained_windows():
       now[0] += cost
       return name
     return fn
+  return now, order, call
+
+
+def test_compare_configs_sustained_windows():
+  """``--sustained-s``: an untimed warm-up window of the first call, then each call sized
+  from its first run, windows in the order given then reversed, each window's time per
+  call averaged; a call's time is what the fake clock advances."""
+  from bench import compare_configs as cc
+  now, order, call = _fake_timed_calls()
   a, b = 2.0 ** -10, 2.0 ** -8  # seconds a call, exact in binary
   got = cc.sustained_ms({"a": call("a", a), "b": call("b", b)}, 20 * a,
                         sync=lambda x: x, clock=lambda: now[0])
@@ -882,13 +890,7 @@ def test_sustained_step_windows_alternate_after_a_warm_up():
   times every variant, the odd rounds in reverse order; a window's time per step is what
   the fake clock advances; bad variants and round counts are refused by name."""
   from bench import sustained_step as S
-  now, order = [0.0], []
-  def call(name, cost):
-    def fn():
-      order.append(name)
-      now[0] += cost
-      return name
-    return fn
+  now, order, call = _fake_timed_calls()
   a, b = 2.0 ** -10, 2.0 ** -8
   got = S.timed_rounds({"a": call("a", a), "b": call("b", b)}, 20 * a, 3,
                        sync=lambda x: x, clock=lambda: now[0])
