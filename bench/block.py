@@ -357,19 +357,18 @@ def timer(on_gpu, iterations, sustained_s=None, power_log=common.PowerLog):
   """``measure(fn, *args)`` -> (ms per call, per-kernel ms or None, fn's outputs, the
   sustained window or None): on a GPU the median of ``iterations`` calls' kernel time
   (CUPTI), or with ``sustained_s`` the wall clock per call over that many seconds of
-  back-to-back calls (``common.back_to_back_ms``: the power-capped steady state), after
-  as long again of untimed ones (the clock climbs from idle after the compile), whose
-  ``common.Sustained`` comes last, with clock and power from a ``power_log()`` read
+  back-to-back calls (``common.alternating_windows``: the power-capped steady state,
+  after as long again of untimed ones, as the clock climbs from idle after the compile),
+  whose ``common.Sustained`` comes last, with clock and power from a ``power_log()`` read
   through the window; on a CPU the interpreter's wall clock."""
   def measure(fn, *args):
     jitted, times = jax.jit(fn), []
     out = jax.block_until_ready(jitted(*args))  # the compile, and outputs to compare
     if on_gpu and sustained_s:
-      # untimed first: the GPU idled through the compile, and a window that starts from
-      # the idle clock spends its start climbing (bench/NOTES.md, fifty-fourth session)
-      common.back_to_back_ms(lambda: jitted(*args), sustained_s)
-      with power_log() as log:
-        window = common.back_to_back_ms(lambda: jitted(*args), sustained_s, power=log)
+      with power_log() as log:  # an untimed window first: the GPU idled in the compile
+        windows = common.alternating_windows({"fn": lambda: jitted(*args)}, sustained_s, 1,
+                                             power=log)
+      window = windows["fn"][0]
       return window.ms, None, out, window
     if on_gpu:
       return (*common.time_kernels(fn, *args, iterations=iterations), out, None)

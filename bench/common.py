@@ -278,6 +278,35 @@ def back_to_back_ms(call, seconds: float, *, sync=jax.block_until_ready,
   return Sustained((t1 - t0) / n * 1e3, n, *((seen["mhz"], seen["watts"]) if seen else ()))
 
 
+def alternating_windows(calls: dict, seconds: float, rounds: int, *,
+                        sync=jax.block_until_ready, clock=time.perf_counter,
+                        power: "PowerLog | None" = None,
+                        warmup_s: float | None = None) -> dict:
+  """name -> [``Sustained``, one per round]: each of ``calls`` (name -> a function of no
+  arguments) timed by ``back_to_back_ms`` once a round, the even rounds in the given
+  order and the odd ones reversed (ABBA), with ``power`` read through each window.
+
+  Before the rounds the first call runs back to back for ``warmup_s`` (default
+  ``seconds``; 0 skips it), untimed: a GPU left idle through the compiles sits at its
+  idle clock (345 MHz on an H200), and a window that starts there spends its start
+  climbing, which made the first config timed look up to 2x slower than it is
+  (bench/NOTES.md, fifty-fourth session)."""
+  if seconds <= 0:
+    raise ValueError(f"seconds={seconds}: must be positive")
+  if rounds < 1:
+    raise ValueError(f"rounds={rounds}: at least one round")
+  names = list(calls)
+  warmup_s = seconds if warmup_s is None else warmup_s
+  if names and warmup_s > 0:
+    back_to_back_ms(calls[names[0]], warmup_s, sync=sync, clock=clock)
+  out = {name: [] for name in names}
+  for r in range(rounds):
+    for name in names if r % 2 == 0 else names[::-1]:
+      out[name].append(back_to_back_ms(calls[name], seconds, sync=sync, clock=clock,
+                                       power=power))
+  return out
+
+
 def mean_sustained(windows: list[Sustained]) -> Sustained:
   """Several windows of one function as one: mean ms per call, calls summed, clock and
   power averaged over the windows that have them."""

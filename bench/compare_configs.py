@@ -108,23 +108,12 @@ def sustained_ms(calls: dict, seconds: float, *, sync=jax.block_until_ready,
                  clock=time.perf_counter, power: common.PowerLog | None = None,
                  warmup_s: float | None = None) -> dict:
   """name -> ``common.Sustained``: each of ``calls`` (name -> a function of no
-  arguments) timed by ``common.back_to_back_ms`` twice, in the given order and then
-  reversed, and the two windows averaged (``common.mean_sustained``; clock, power and
-  energy per call where ``power`` has samples).
-
-  The first call is first run back to back for ``warmup_s`` (default ``seconds``),
-  untimed: the variants are compiled before any window runs, and an H200 idle through
-  that sits at 345 MHz; the first timed window otherwise spends its start climbing to
-  the steady clock, which made the first config timed look up to 2x slower than it is
-  (bench/NOTES.md, fifty-fourth session). ``warmup_s=0`` skips it."""
-  names = list(calls)
-  warmup_s = seconds if warmup_s is None else warmup_s
-  if names and warmup_s > 0:
-    common.back_to_back_ms(calls[names[0]], warmup_s, sync=sync, clock=clock)
-  spent = {name: [] for name in names}
-  for name in names + names[::-1]:
-    spent[name].append(common.back_to_back_ms(calls[name], seconds, sync=sync,
-                                              clock=clock, power=power))
+  arguments) timed in two windows, in the given order and then reversed, after an
+  untimed warm-up window of the first (``common.alternating_windows``, whose ``warmup_s``
+  this is), and the two windows averaged (``common.mean_sustained``; clock, power and
+  energy per call where ``power`` has samples)."""
+  spent = common.alternating_windows(calls, seconds, 2, sync=sync, clock=clock,
+                                     power=power, warmup_s=warmup_s)
   return {name: common.mean_sustained(w) for name, w in spent.items()}
 
 

@@ -7,10 +7,10 @@ windows that alternate between the paths, with the GPU's clock, power and energy
 every step does. Here the steps run back to back, as a loop that does not, and the GPU
 runs at its power cap: an H200 at 700 W holds the 8B-shaped step at ~1,450-1,520 MHz,
 so a step's time is its energy over the cap's watts (bench/NOTES.md, twenty-second and
-fifty-fourth sessions). Each variant is compiled and run once. Then the first variant
-runs for one window untimed, since the GPU idled through the compiles. Then ``--rounds``
-rounds time each variant for ``--seconds`` (``common.back_to_back_ms``), in the given
-order and then reversed, alternately, with nvidia-smi sampled beside them
+fifty-fourth sessions). Each variant is compiled and run once; the first then runs for
+one window untimed, since the GPU idled through the compiles. Then ``--rounds``
+rounds time each variant for ``--seconds``, in the given order and then reversed,
+alternately (``common.alternating_windows``), with nvidia-smi sampled beside them
 (``common.PowerLog``). The table gives each variant's mean ms a step, MHz, W, joules a step
 and the first variant's time over its own ("first / this": > 1 is faster than the first).
 
@@ -28,9 +28,7 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # as bench.train
 
-import jax  # noqa: E402 (after the allocator's setting)
-
-from bench import common, step_profile  # noqa: E402
+from bench import common, step_profile  # noqa: E402 (after the allocator's setting)
 from coda_jax.blocks import MLP_RESIDUALS  # noqa: E402
 from flax_layers import get_config  # noqa: E402
 
@@ -45,24 +43,6 @@ def parse_variant(text: str) -> tuple[bool, str | None]:
     raise ValueError(f"variant {text!r}: mlp_residuals {residuals!r} is not one of "
                      f"{MLP_RESIDUALS}")
   return path == "fused", residuals or None
-
-
-def timed_rounds(calls: dict, seconds: float, rounds: int, *, power=None,
-                 sync=jax.block_until_ready, clock=time.perf_counter) -> dict:
-  """name -> [``common.Sustained``, one per round]: the first call run for one untimed
-  window, then each round times every call (``common.back_to_back_ms``), the even rounds
-  in the given order and the odd ones reversed."""
-  if rounds < 1 or seconds <= 0:
-    raise ValueError(f"rounds={rounds}, seconds={seconds}: at least one round of a "
-                     "positive number of seconds")
-  names = list(calls)
-  common.back_to_back_ms(calls[names[0]], seconds, sync=sync, clock=clock)
-  out = {name: [] for name in names}
-  for r in range(rounds):
-    for name in names if r % 2 == 0 else names[::-1]:
-      out[name].append(common.back_to_back_ms(calls[name], seconds, sync=sync,
-                                              clock=clock, power=power))
-  return out
 
 
 def stepper(cfg, fused: bool, batch: int, seq: int, seed: int = 0):
@@ -87,7 +67,8 @@ def markdown(args, rows: list[dict], prov: dict) -> str:
         f"times: wall clock, donated steps back to back, {args.rounds} windows of "
         f"{args.seconds} s per variant (alternating order), after one untimed window; MHz "
         "and W: nvidia-smi every 50 ms", "",
-        "| variant | ms a step | MHz | W | J a step | first / this |", "|---|---|---|---|---|---|"]
+        "| variant | ms a step | MHz | W | J a step | first / this |",
+        "|---|---|---|---|---|---|"]
   first = rows[0]["ms"]
   for r in rows:
     md.append(f"| {r['variant']} | {r['ms']:.2f} | {f(r['mhz'], '.0f')} | "
@@ -125,7 +106,7 @@ def main():
     print(f"{v}: compiled and ran one step in {time.perf_counter() - t0:.1f} s, loss "
           f"{loss:.4f}", flush=True)
   with common.PowerLog(interval=0.05) as log:
-    windows = timed_rounds(calls, args.seconds, args.rounds, power=log)
+    windows = common.alternating_windows(calls, args.seconds, args.rounds, power=log)
   rows = []
   for v, ws in windows.items():
     for i, w in enumerate(ws):

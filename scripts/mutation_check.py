@@ -236,7 +236,7 @@ MUTATIONS = [
         ("tests/test_bench_harness.py", "-k", "how_many_configs"),
         "tune_gemm --list no longer says how narrow an entry's search was"),
     Mutation(
-        "sustained_without_warmup", "bench/compare_configs.py",
+        "sustained_without_warmup", "bench/common.py",
         "  if names and warmup_s > 0:",
         "  if False:",
         ("tests/test_bench_harness.py", "-k", "sustained_windows"),
@@ -244,8 +244,8 @@ MUTATIONS = [
         "timed pays the climb (up to 2x on the H200)"),
     Mutation(
         "block_timer_without_warmup", "bench/block.py",
-        "      common.back_to_back_ms(lambda: jitted(*args), sustained_s)\n",
-        "",
+        "sustained_s, 1,\n                                             power=log)",
+        "sustained_s, 1,\n                                             power=log, warmup_s=0)",
         ("tests/test_bench_harness.py", "-k", "block_timer_sustained"),
         "the block benchmarks' sustained window starts from the idle clock after the compile"),
     Mutation(

@@ -886,14 +886,15 @@ def test_train_stops_before_a_temp_buffer_that_cannot_fit():
 
 
 def test_sustained_step_windows_alternate_after_a_warm_up():
-  """``bench.sustained_step``: one untimed window of the first variant, then each round
-  times every variant, the odd rounds in reverse order; a window's time per step is what
+  """``bench.sustained_step``'s windows (``common.alternating_windows``): one untimed
+  window of the first variant, then each round times every variant, the odd rounds in
+  reverse order; a window's time per step is what
   the fake clock advances; bad variants and round counts are refused by name."""
   from bench import sustained_step as S
   now, order, call = _fake_timed_calls()
   a, b = 2.0 ** -10, 2.0 ** -8
-  got = S.timed_rounds({"a": call("a", a), "b": call("b", b)}, 20 * a, 3,
-                       sync=lambda x: x, clock=lambda: now[0])
+  got = common.alternating_windows({"a": call("a", a), "b": call("b", b)}, 20 * a, 3,
+                                   sync=lambda x: x, clock=lambda: now[0])
   assert got == {"a": [common.Sustained(a * 1e3, 20)] * 3,
                  "b": [common.Sustained(b * 1e3, 5)] * 3}
   wa, wb = ["a"] * 21, ["b"] * 6  # a window: one sizing call, then its calls
@@ -905,7 +906,7 @@ def test_sustained_step_windows_alternate_after_a_warm_up():
     with pytest.raises(ValueError, match=bad.split(":")[-1]):
       S.parse_variant(bad)
   with pytest.raises(ValueError, match="at least one round"):
-    S.timed_rounds({"a": call("a", a)}, 1.0, 0)
+    common.alternating_windows({"a": call("a", a)}, 1.0, 0)
 
 
 def test_sustained_step_writes_its_table(tmp_path, monkeypatch, capsys):
