@@ -255,6 +255,12 @@ MUTATIONS = [
         ("tests/test_kernel_cache.py", "-k", "digest"),
         "the kernel key digests the tuned configs' file: every retune re-lowers every kernel"),
     Mutation(
+        "swiglu_dz_over_z", "coda_jax/block_gemms.py",
+        'P.Store("dz", dt)], operands, trans_b=True, impl=impl)',
+        'P.Store("dz", dt)], operands, trans_b=True, impl=impl,\n                      in_place={"dz": "z"})',
+        ("tests/test_bench_harness.py", "-k", "train_steps_gemms"),
+        "the SwiGLU backward writes dz over z: in the layer scan XLA copies z's slice out first"),
+    Mutation(
         "residuals_not_fenced", "coda_jax/blocks.py",
         'saved_x1, kept_y = fenced(x1, y1 if cfg.mlp_residuals == "output" else None)',
         'saved_x1, kept_y = (x1, y1 if cfg.mlp_residuals == "output" else None)',

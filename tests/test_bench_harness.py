@@ -289,6 +289,10 @@ def test_tune_gemm_lists_the_train_steps_gemms(monkeypatch, capsys):
   # 2 rows of 2048 tokens: M = 4096; the LM head's dW accumulates in place in fp32
   assert any(k.split("|")[2].startswith("4096x") for k in keys), keys
   assert any("in_place=dw<acc" in k and "dw:tile:float32" in k for k in keys), keys
+  # the SwiGLU backward writes dz to a fresh buffer: in the layer scan z is a slice of the
+  # stacked residuals, and a write over it made XLA copy the slice out each layer
+  gated = [k for k in keys if "GatedGrad(" in k]
+  assert gated and all(";in_place=;" in k for k in gated), gated
   assert all(l.split(": ", 1)[0].endswith(("[tuned]", "[NOT TUNED]")) for l in lines)
   _, matched = _listed(monkeypatch, capsys, "train tiny:1:2 ", "--workloads", "train-tiny:1:2",
                        "--match", r"\|tn\|")
