@@ -108,6 +108,7 @@ class DroppingEnv:
   def __init__(self, env, dropped):
     self._env, self._dropped = env, set(dropped)
     self.load, self.column_ids = env.load, env.column_ids
+    self.column_value, self.cond = env.column_value, env.cond
 
   def store(self, name, value):
     if name not in self._dropped:

@@ -3,6 +3,10 @@ K = 0), for one of two passes:
 
 * ``--program qk_norm`` (default): the Qwen3-1.7B QK-norm backward (M = 16384, 16 q /
   8 kv heads of 128);
+* ``--program qk_norm_split``: the same pass as the block runs it (du scaled by r per
+  row), with its per-head branch and with the pass-through mask it replaced, against its
+  q/k heads and its v heads run as passes of their own: what the v heads and the mask
+  cost;
 * ``--program layernorm``: GPT-2 1B's LayerNorm producer backward
   (``layernorm_ops.stats_cotangent``, M = 16384, D = 2048: dx, dh and x read, dxt
   written, two column partials).
@@ -50,6 +54,61 @@ class _WithoutNormGrads(Q.HeadRmsNormGrad):
     return {self.udu: jnp.sum(raw[self.udu], axis=0)}
 
 
+@dataclasses.dataclass(frozen=True)
+class _EveryHeadNormed(Q.HeadRmsNormGrad):
+  """HeadRmsNormGrad on a pass whose heads are all normed: the math without the
+  pass-through mask (what the mask costs; ``normed`` is staged but not read)."""
+
+  def apply(self, dy, env):
+    u = env.load(self.u).astype(jnp.float32)
+    w = env.load(self.weight).astype(jnp.float32)
+    d = self.head_dim
+    ns, dus, udu = [], [], 0.0
+    for i in range(0, dy.shape[1], d):
+      ub = u[:, i:i + d]
+      rho = jax.lax.rsqrt(jnp.sum(ub * ub, axis=1) * (1.0 / d) + self.eps)[:, None]
+      n = ub * rho
+      dn = dy[:, i:i + d] * w[None, i:i + d]
+      c = jnp.sum(dn * n, axis=1) * (1.0 / d)
+      du = (dn - n * c[:, None]) * rho
+      udu = udu + jnp.sum(du * ub, axis=1)
+      ns.append(n)
+      dus.append(du)
+    env.store_column_sum(self.dweight, dy * P._join(ns))
+    env.store(self.udu, udu)
+    return P._join(dus)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MaskedHeads(Q.HeadRmsNormGrad):
+  """HeadRmsNormGrad as it was before its per-head branch (fifty-eighth session): every
+  head runs the norm's math, and a 0/1 mask per column makes pass-through heads'
+  results exact."""
+
+  def apply(self, dy, env):
+    u = env.load(self.u).astype(jnp.float32)
+    w = env.load(self.weight).astype(jnp.float32)
+    sel = env.load(self.normed).astype(jnp.float32)
+    d = self.head_dim
+    ns, dus, udu = [], [], 0.0
+    for i in range(0, dy.shape[1], d):
+      ub, s = u[:, i:i + d], sel[None, i:i + d]
+      rho = jax.lax.rsqrt(jnp.sum(ub * ub, axis=1) * (1.0 / d) + self.eps)[:, None]
+      us = ub * s
+      n = (ub - us) + us * rho
+      dn = dy[:, i:i + d] * w[None, i:i + d]
+      c = jnp.sum(dn * n, axis=1) * (1.0 / d)
+      t = dn - (n * s) * c[:, None]
+      ts = t * s
+      du = (t - ts) + ts * rho
+      udu = udu + jnp.sum(du * ub, axis=1)
+      ns.append(n)
+      dus.append(du)
+    env.store_column_sum(self.dweight, dy * P._join(ns))
+    env.store(self.udu, udu)
+    return P._join(dus)
+
+
 def _copies(names, out, column_sum=False):
   """The pass kernel summing the tiles ``names`` into one (a bandwidth floor)."""
   return ([P.AddTile(nm) for nm in names] + ([P.ColSum("c")] if column_sum else [])
@@ -90,6 +149,48 @@ def qk_norm_case(key):
                                stages=2, epi_operand_slots=1),
       "128x128": GemmConfig(tile_m=128, tile_n=128, epi_tile_n=128, cluster_dim=None,
                             stages=2)}
+  return programs, configs, ("a + b", (dqkv, u)), 3 * M * n * 2
+
+
+def qk_norm_split_case(key):
+  """The QK-norm backward as the Qwen3 block runs it (``row_scaled``), whole and split
+  into its q/k heads and its v heads (each a pass of its own)."""
+  n = (HQ + 2 * HKV) * HD
+  nqk = (HQ + HKV) * HD
+  ks = jax.random.split(key, 4)
+  dqkv = jax.random.normal(ks[0], (M, n), jnp.float32).astype(jnp.bfloat16)
+  u = jax.random.normal(ks[1], (M, n), jnp.float32).astype(jnp.bfloat16)
+  pos = jax.random.randint(ks[2], (M,), 0, 4096, jnp.int32)
+  r = 1 + 0.1 * jax.random.normal(ks[3], (M,), jnp.float32)
+  w, sel = Q.head_norm_columns(jnp.ones((HD,)), jnp.ones((HD,)), HQ, HKV)
+  neg = -R.qkv_freqs(HQ, HKV, HD, 1e6, None)
+  ops = {"dqkv": dqkv, "pos": pos, "neg_freqs": neg, "u": u, "qk_w": w, "qk_sel": sel,
+         "r": r}
+  qk = {"dqkv": dqkv[:, :nqk], "pos": pos, "neg_freqs": neg[:nqk], "u": u[:, :nqk],
+        "qk_w": w[:nqk], "qk_sel": sel[:nqk], "r": r}
+  v = {"dqkv": dqkv[:, nqk:], "u": u[:, nqk:], "r": r}
+  full = Q.backward_program(HD, 1e-6, jnp.bfloat16, row_scaled=True)
+  grad = full[2]
+  free = _EveryHeadNormed(**dataclasses.asdict(grad))
+  masked = _MaskedHeads(**dataclasses.asdict(grad))
+  programs = {
+      "QK-norm backward, row-scaled, N = 4096": (full, ops),
+      "the same with a mask, no branch (before)": ([*full[:2], masked, *full[3:]], ops),
+      "its q/k heads alone, N = 3072": (full, qk),
+      "q/k heads, no pass-through mask": ([full[0], full[1], free, *full[3:]], qk),
+      "q/k heads, no mask, no RoPE^T": (
+          [full[0], free, *full[3:]], {k: a for k, a in qk.items()
+                                       if k not in ("pos", "neg_freqs")}),
+      "its v heads alone (copy, <du, u>, r), N = 1024": (
+          [P.AddTile("dqkv"), P.RowDot("u", "udu"), P.ScaleRow("r"),
+           P.Store("du", jnp.bfloat16)], v),
+      "copy2, N = 4096": (_copies({"dqkv": dqkv, "u": u}, "du"), {"dqkv": dqkv, "u": u}),
+  }
+  configs = {
+      "tuned": None,
+      "64x128 in1 next": GemmConfig(tile_m=64, tile_n=128, epi_tile_n=128, cluster_dim=None,
+                                    stages=2, epi_operand_slots=1,
+                                    epi_prefetch_next_tile=True)}
   return programs, configs, ("a + b", (dqkv, u)), 3 * M * n * 2
 
 
@@ -137,7 +238,8 @@ def layernorm_case(key, d=2048):
   return programs, configs, ("dx + dh + x", (dx, dh, x)), 4 * M * d * 2
 
 
-CASES = {"qk_norm": qk_norm_case, "layernorm": layernorm_case}
+CASES = {"qk_norm": qk_norm_case, "qk_norm_split": qk_norm_split_case,
+         "layernorm": layernorm_case}
 
 
 def main(argv=None):
@@ -147,10 +249,13 @@ def main(argv=None):
   if jax.devices()[0].platform != "gpu":
     sys.exit("bench.epilogue_pass measures on the device: run it on the GPU host")
   programs, configs, (xla_name, xla_args), nbytes = CASES[args.program](jax.random.key(0))
-  gbs = lambda ms: nbytes / ms / 1e6
+  gbs = lambda ms, b=nbytes: b / ms / 1e6
   print(common.provenance())
-  print(f"| program | config | ms | GB/s ({nbytes / 1e6:.0f} MB) |\n|---|---|---|---|")
+  print(f"| program | config | ms | GB/s (tiles read and written; {nbytes / 1e6:.0f} MB for "
+        "the whole pass) |\n|---|---|---|---|")
   for name, (program, operands) in programs.items():
+    tiles = [a for a in operands.values() if a.ndim == 2]
+    moved = sum(a.size * a.dtype.itemsize for a in tiles) + tiles[0].size * 2
     for cname, cfg in configs.items():
       fn = jax.jit(lambda o, p=program, c=cfg: epilogue_pass(p, o, impl="mosaic", config=c))
       try:
@@ -159,7 +264,7 @@ def main(argv=None):
         print(f"| {name} | {cname} | ERROR {type(e).__name__}: {str(e)[:120]} | - |",
               flush=True)
         continue
-      print(f"| {name} | {cname} | {ms:.4f} | {gbs(ms):.0f} |", flush=True)
+      print(f"| {name} | {cname} | {ms:.4f} | {gbs(ms, moved):.0f} |", flush=True)
   program, operands = next(iter(programs.values()))
   xla_pass = jax.jit(lambda o: epilogue_pass(program, o, impl="xla"))
   ms, _ = common.time_kernels(xla_pass, operands, iterations=20)

@@ -153,6 +153,15 @@ class _MatrixEnv:
   def store_column_sum(self, name, x):
     self.store(name, self.column_sum(x))
 
+  def column_value(self, name, col):
+    return self.operands[name][col]
+
+  def cond(self, pred, if_true, if_false, *args):
+    # both branches on whole matrices, then a select: elementwise work XLA fuses, where
+    # a lax.cond per head would branch at run time on a value in device memory
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), if_true(*args),
+                        if_false(*args))
+
   def b_column_sum(self, name):
     if self.b_column_sums is None:
       raise ValueError(f"output {name!r} sums the GEMM's B operand over K, but this "

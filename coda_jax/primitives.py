@@ -35,6 +35,17 @@ class Env(Protocol):
   # names output ``name`` as sum_k B[k, n], the GEMM's B operand summed over K (N,): the
   # kernel's mainloop makes it, the XLA implementation sums B
   def b_column_sum(self, name: str) -> None: ...
+  # column operand ``name`` at column ``col`` (a Python int) of the value this step sees:
+  # a scalar, one value for the whole sub-tile in the kernel
+  def column_value(self, name: str, col: int) -> jax.Array: ...
+  # if_true(*args) where the scalar ``pred`` holds, else if_false(*args); both return
+  # arrays of the same shapes. The kernel runs only the branch taken (``pred`` is the same
+  # across the sub-tile: a ``column_value`` test), the XLA implementation runs both and
+  # selects, so each must be finite wherever the other is taken. It paid in a pass with no
+  # GEMM (the QK-norm backward, 25% faster) and cost a ping-pong GEMM whose epilogue was
+  # hidden anyway (the QK-norm forward, 3-7% slower): measure (bench/NOTES.md, fifty-eighth
+  # session).
+  def cond(self, pred: jax.Array, if_true, if_false, *args): ...
 
 
 @dataclasses.dataclass(frozen=True)

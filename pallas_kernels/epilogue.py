@@ -153,7 +153,8 @@ class EpilogueTile:
   def __init__(self, *, row0, col0, shape, inputs: dict[str, tuple[InputKind, Callable]],
                outputs: dict[str, tuple[EpilogueOutput, Callable]],
                column_sum: Callable | None = None,
-               column_sum_writers: dict[str, Callable] | None = None):
+               column_sum_writers: dict[str, Callable] | None = None,
+               column_values: dict[str, Callable] | None = None):
     self.row0 = row0  # global row of the sub-tile's first element (traced int32)
     self.col0 = col0  # global column likewise
     self.shape = shape  # (epi_tile_m, epi_tile_n)
@@ -161,6 +162,7 @@ class EpilogueTile:
     self._outputs = outputs
     self._column_sum = column_sum or (lambda x: jnp.sum(x, axis=0))
     self._column_sum_writers = column_sum_writers or {}
+    self._column_values = column_values or {}
     self.stored: set[str] = set()
 
   def column_sum(self, x: jax.Array) -> jax.Array:
@@ -181,6 +183,27 @@ class EpilogueTile:
       raise KeyError(f"epilogue reads operand {name!r}, but only "
                      f"{sorted(self._inputs)} were passed")
     return self._inputs[name][1]()
+
+  def column_value(self, name: str, col: int) -> jax.Array:
+    """Column operand ``name`` at column ``col`` (a Python int) of the sub-tile: one
+    scalar, read from where the kernel staged the operand (the same value in every
+    thread, so a branch on it does not diverge)."""
+    kind = self._inputs[name][0] if name in self._inputs else None
+    if kind != InputKind.COL:
+      raise ValueError(f"column_value({name!r}): a col operand's, but {name!r} is "
+                       f"{'not passed' if kind is None else 'a ' + kind.value + ' operand'}")
+    if not 0 <= col < self.shape[1]:
+      raise ValueError(f"column_value({name!r}, {col}): the sub-tile has columns "
+                       f"[0, {self.shape[1]})")
+    if name in self._column_values:
+      return self._column_values[name](col)
+    return self.load(name)[col]  # a tile over a whole matrix (not built by the kernel)
+
+  def cond(self, pred, if_true: Callable, if_false: Callable, *args):
+    """``if_true(*args)`` where the scalar ``pred`` holds, else ``if_false(*args)``;
+    only the branch taken runs. ``pred`` must be the same across the sub-tile (a test of
+    ``column_value``), so the warpgroup does not diverge."""
+    return jax.lax.cond(pred, if_true, if_false, *args)
 
   def store(self, name: str, value: jax.Array) -> None:
     if name not in self._outputs:

@@ -1216,6 +1216,13 @@ class _Epilogue:
         return lambda: epi.load_row(smem["i_" + nm].at[wg, vslot, pl.ds(i * em, em)])
       return lambda: epi.load_col(smem["i_" + nm].at[wg, vslot, pl.ds(j * en, en)])
 
+    def column_value(nm):
+      vslot = self.vec_slot
+      return lambda col: smem["i_" + nm][wg, vslot, j * en + col]
+
+    column_values = {nm: column_value(nm) for nm, kind in self.readable.items()
+                     if kind == epi.InputKind.COL}
+
     def stage(o, value):
       if o.name in self.adds:  # the staged operand's sub-tile, added in registers
         value = value + reader(self.adds[o.name])()
@@ -1254,7 +1261,7 @@ class _Epilogue:
       return epi.EpilogueTile(
           row0=r0, col0=c0, shape=(em, en), inputs=inputs,
           outputs={o.name: (o, add_partial(o)) for o in self.totals},
-          column_sum=self._no_column_sums)
+          column_sum=self._no_column_sums, column_values=column_values)
 
     def total(nm):
       def read_total():
@@ -1276,7 +1283,8 @@ class _Epilogue:
                  if o.kind != epi.OutputKind.ROW_TOTAL},
         column_sum=column_sum,
         column_sum_writers={o.name: sum_writer(o) for o in self.outputs
-                            if o.kind == epi.OutputKind.COL_PARTIAL})
+                            if o.kind == epi.OutputKind.COL_PARTIAL},
+        column_values=column_values)
 
   def _window(self, o, r0, c0, part=0):
     """Where one store of ``o`` lands: the sub-tile at (r0, c0), or its ``part``-th
