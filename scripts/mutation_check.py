@@ -662,9 +662,39 @@ MUTATIONS = [
         "head_dim"),
     Mutation(
         "qk_norm_grad_normalises_v_heads", "coda_jax/qk_norm.py",
-        "us = ub * s  # u on normed heads", "us = ub  # u on normed heads",
+        "normed, passed,\n", "normed, normed,\n",
         ("tests/test_qk_norm.py", "-k", "backward_pass and default"),
         "the backward treats the pass-through v heads as normalised"),
+    Mutation(
+        "column_value_at_sub_tile_start", "pallas_kernels/gemm_mgpu.py",
+        'return lambda col: smem["i_" + nm][wg, vslot, j * en + col]',
+        'return lambda col: smem["i_" + nm][wg, vslot, j * en]',
+        ("tests/test_primitives.py", "-k", "no_product and head_norm_grad"),
+        "tile.column_value reads every head's flag at the sub-tile's first column"),
+    Mutation(
+        "column_value_of_first_sub_tile", "pallas_kernels/gemm_mgpu.py",
+        'return lambda col: smem["i_" + nm][wg, vslot, j * en + col]',
+        'return lambda col: smem["i_" + nm][wg, vslot, col]',
+        ("tests/test_primitives.py", "-k", "no_product and head_norm_grad"),
+        "tile.column_value reads the warpgroup tile's first sub-tile for every sub-tile"),
+    Mutation(
+        "column_value_other_vector_slot", "pallas_kernels/gemm_mgpu.py",
+        'return lambda col: smem["i_" + nm][wg, vslot, j * en + col]',
+        'return lambda col: smem["i_" + nm][wg, 0, j * en + col]',
+        ("tests/test_primitives.py", "-k", "head_branch_reads_each_tiles_flags"),
+        "tile.column_value reads the first vector buffer, not this tile's, when the next "
+        "tile's vectors load under this one"),
+    Mutation(
+        "kernel_cond_branches_swapped", "pallas_kernels/epilogue.py",
+        "return jax.lax.cond(pred, if_true, if_false, *args)",
+        "return jax.lax.cond(pred, if_false, if_true, *args)",
+        ("tests/test_qk_norm.py", "-k", "op_and_grads_kernel"),
+        "the kernel's tile.cond runs the other branch"),
+    Mutation(
+        "xla_cond_branches_swapped", "coda_jax/dispatch.py",
+        "jnp.where(pred, a, b)", "jnp.where(pred, b, a)",
+        ("tests/test_qk_norm.py", "-k", "op_and_grads_xla and hq4_hkv2_hd32"),
+        "the XLA implementation's Env.cond selects the other branch"),
     Mutation(
         "qk_norm_k_heads_get_q_weight", "coda_jax/qk_norm.py",
         "jnp.tile(k_norm_w.astype(jnp.float32), n_kv_heads)",
@@ -679,7 +709,7 @@ MUTATIONS = [
         "k_norm's gradient summed over q heads' columns"),
     Mutation(
         "qk_norm_grad_drops_projection", "coda_jax/qk_norm.py",
-        "t = dn - (n * s) * c[:, None]", "t = dn",
+        "du = (dn - n * c[:, None]) * rho", "du = dn * rho",
         ("tests/test_qk_norm.py", "-k", "op_and_grads_xla and hq4_hkv2_hd32"),
         "the per-head norm backward loses its projection term -n <dn, n> / hd"),
     Mutation(

@@ -288,6 +288,25 @@ def test_epilogue_unknown_name(ab, interpret, epilogue, match):
     pk.gemm(*ab, epilogue=epilogue, config=SMALL, interpret=interpret)
 
 
+@pytest.mark.parametrize("read,match", [
+    (lambda t: t.column_value("r", 0), r"column_value\('r'\): a col operand's, but 'r' is a "
+                                       "row operand"),
+    (lambda t: t.column_value("zz", 0), r"column_value\('zz'\): a col operand's, but 'zz' is "
+                                        "not passed"),
+    (lambda t: t.column_value("f", 64), r"column_value\('f', 64\): the sub-tile has columns "
+                                        r"\[0, 64\)"),
+], ids=["row_operand", "not_passed", "past_the_sub_tile"])
+def test_epilogue_column_value_bad(key, ab, interpret, read, match):
+  """``tile.column_value`` reads a col operand's value at a column of the sub-tile:
+  anything else is named while the kernel is traced."""
+  def epilogue(t, acc):
+    read(t)
+    t.store("out", acc)
+  inputs = {"r": (InputKind.ROW, normal(key, (M,))), "f": (InputKind.COL, normal(key, (N,)))}
+  with pytest.raises(ValueError, match=match):
+    pk.gemm(*ab, inputs=inputs, epilogue=epilogue, config=SMALL, interpret=interpret)
+
+
 def test_epilogue_store_wrong_shape(ab, interpret):
   with pytest.raises(ValueError, match=r"stores 'out' with shape \(64, 32\), expected \(64, 64\)"):
     pk.gemm(*ab, epilogue=lambda t, acc: t.store("out", acc[:, :32]), config=SMALL,

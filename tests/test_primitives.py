@@ -12,6 +12,7 @@ import coda_jax as cj
 from coda_jax import layout
 from coda_jax.layernorm_ops import LayerNormInputGrad
 from coda_jax.primitives import PickColumn
+from coda_jax.qk_norm import HeadRmsNormGrad
 import pallas_kernels
 from pallas_kernels import (EpilogueOutput, GemmConfig, InputKind, MatDim, OutputKind,
                             Schedule)
@@ -77,6 +78,9 @@ def make_operands(key, program, m, n, dtype):
       "pos": lambda: jax.random.randint(ks[3], (m,), 0, 8192, jnp.int32),
       "fr32": lambda: rope_freqs(n, P32),
       "fr64": lambda: rope_freqs(n, P64),
+      # a per-head 0/1 flag (heads of 32 columns) that changes within 64-wide sub-tiles
+      # and between them: HeadRmsNormGrad's branch reads it at each head's first column
+      "hsel": lambda: jnp.repeat((jnp.arange(n // 32) * 5 % 3 != 0).astype(jnp.float32), 32),
   }
   # other names: unit normal by their kind ((M, N) tiles in ``dtype``)
   by_kind = {InputKind.TILE: lambda k: normal(k, (m, n), dtype),
@@ -591,6 +595,10 @@ NO_PRODUCT_PROGRAMS = {
     "layernorm_input_grad": [cj.AddTile("dx"), LayerNormInputGrad("dh", "x", "g", "mu", "a",
                                                                   "b"),
                              cj.ColSum("dsum"), cj.Store("dxt")],
+    # the QK-norm backward's per-head step: one branch per head on "hsel" (normed or
+    # passed through), heads of 32 columns, two or more to a sub-tile
+    "head_norm_grad": [cj.AddTile("x0"), HeadRmsNormGrad("u", "hw", "hsel", 32, 1e-6, "dw",
+                                                         "udu"), cj.Store("y")],
 }
 NO_PRODUCT_CONFIGS = {
     "default": None,
@@ -644,6 +652,22 @@ def test_no_product(key, kernel_impl, races_checked, name, config):
   via_pass = cj.epilogue_pass(program, ops, impl=kernel_impl, config=cfg)
   for nm in got:
     np.testing.assert_array_equal(f64(via_pass[nm]), f64(got[nm]), err_msg=nm)
+  assert not races_checked.races_found(), "data race in the kernel (see stdout)"
+
+
+@pytest.mark.parametrize("config", ["next_tile", "next_tile_one_slot"])
+def test_head_branch_reads_each_tiles_flags(key, kernel_impl, races_checked, config):
+  """``tile.column_value`` while the next tile's column operands load under this one: a
+  (128, 512) pass on 128-wide CTA tiles, so each of the interpreter's two SMs runs two
+  tiles of different column blocks, whose per-head flags ("hsel") differ and sit in the
+  two vector buffers in turn; under the race detector when interpreted."""
+  program = NO_PRODUCT_PROGRAMS["head_norm_grad"]
+  m, n = 128, 512
+  ops = make_operands(key, program, m, n, jnp.bfloat16)
+  flags = np.asarray(ops["hsel"]).reshape(4, 128)
+  assert (flags[0] != flags[2]).any() and (flags[1] != flags[3]).any()
+  a, b = jnp.zeros((m, 0), jnp.bfloat16), jnp.zeros((0, n), jnp.bfloat16)
+  check_program(a, b, program, ops, kernel_impl, config=NO_PRODUCT_CONFIGS[config])
   assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 
 
