@@ -55,52 +55,37 @@ class _WithoutNormGrads(Q.HeadRmsNormGrad):
 
 
 @dataclasses.dataclass(frozen=True)
-class _EveryHeadNormed(Q.HeadRmsNormGrad):
-  """HeadRmsNormGrad on a pass whose heads are all normed: the math without the
-  pass-through mask (what the mask costs; ``normed`` is staged but not read)."""
+class _MaskedHeads(Q.HeadRmsNormGrad):
+  """HeadRmsNormGrad as it was before its per-head branch (fifty-eighth session): every
+  head runs the norm's math, and a 0/1 mask per column makes pass-through heads' results
+  exact. With ``mask=False`` every head is taken as normed and the mask's arithmetic is
+  left out (``normed`` is staged but not read): what the mask costs on a pass with no
+  pass-through heads."""
+  mask: bool = True
 
   def apply(self, dy, env):
     u = env.load(self.u).astype(jnp.float32)
     w = env.load(self.weight).astype(jnp.float32)
+    sel = env.load(self.normed).astype(jnp.float32) if self.mask else None
     d = self.head_dim
     ns, dus, udu = [], [], 0.0
     for i in range(0, dy.shape[1], d):
       ub = u[:, i:i + d]
       rho = jax.lax.rsqrt(jnp.sum(ub * ub, axis=1) * (1.0 / d) + self.eps)[:, None]
-      n = ub * rho
+      if self.mask:
+        s = sel[None, i:i + d]
+        us = ub * s
+        n = (ub - us) + us * rho
+      else:
+        n = ub * rho
       dn = dy[:, i:i + d] * w[None, i:i + d]
       c = jnp.sum(dn * n, axis=1) * (1.0 / d)
-      du = (dn - n * c[:, None]) * rho
-      udu = udu + jnp.sum(du * ub, axis=1)
-      ns.append(n)
-      dus.append(du)
-    env.store_column_sum(self.dweight, dy * P._join(ns))
-    env.store(self.udu, udu)
-    return P._join(dus)
-
-
-@dataclasses.dataclass(frozen=True)
-class _MaskedHeads(Q.HeadRmsNormGrad):
-  """HeadRmsNormGrad as it was before its per-head branch (fifty-eighth session): every
-  head runs the norm's math, and a 0/1 mask per column makes pass-through heads'
-  results exact."""
-
-  def apply(self, dy, env):
-    u = env.load(self.u).astype(jnp.float32)
-    w = env.load(self.weight).astype(jnp.float32)
-    sel = env.load(self.normed).astype(jnp.float32)
-    d = self.head_dim
-    ns, dus, udu = [], [], 0.0
-    for i in range(0, dy.shape[1], d):
-      ub, s = u[:, i:i + d], sel[None, i:i + d]
-      rho = jax.lax.rsqrt(jnp.sum(ub * ub, axis=1) * (1.0 / d) + self.eps)[:, None]
-      us = ub * s
-      n = (ub - us) + us * rho
-      dn = dy[:, i:i + d] * w[None, i:i + d]
-      c = jnp.sum(dn * n, axis=1) * (1.0 / d)
-      t = dn - (n * s) * c[:, None]
-      ts = t * s
-      du = (t - ts) + ts * rho
+      if self.mask:
+        t = dn - (n * s) * c[:, None]
+        ts = t * s
+        du = (t - ts) + ts * rho
+      else:
+        du = (dn - n * c[:, None]) * rho
       udu = udu + jnp.sum(du * ub, axis=1)
       ns.append(n)
       dus.append(du)
@@ -171,11 +156,11 @@ def qk_norm_split_case(key):
   v = {"dqkv": dqkv[:, nqk:], "u": u[:, nqk:], "r": r}
   full = Q.backward_program(HD, 1e-6, jnp.bfloat16, row_scaled=True)
   grad = full[2]
-  free = _EveryHeadNormed(**dataclasses.asdict(grad))
-  masked = _MaskedHeads(**dataclasses.asdict(grad))
+  free = _MaskedHeads(**dataclasses.asdict(grad), mask=False)
   programs = {
       "QK-norm backward, row-scaled, N = 4096": (full, ops),
-      "the same with a mask, no branch (before)": ([*full[:2], masked, *full[3:]], ops),
+      "the same with a mask, no branch (before)": (
+          [*full[:2], _MaskedHeads(**dataclasses.asdict(grad)), *full[3:]], ops),
       "its q/k heads alone, N = 3072": (full, qk),
       "q/k heads, no pass-through mask": ([full[0], full[1], free, *full[3:]], qk),
       "q/k heads, no mask, no RoPE^T": (

@@ -812,6 +812,37 @@ def test_ablate_epilogue_main_prints_each_table(monkeypatch, capsys):
   assert "ran twice" in out and "| plain |" not in out, out
 
 
+def test_epilogue_pass_split_case_adds_up(monkeypatch):
+  """``bench.epilogue_pass --program qk_norm_split`` at M = 128, on the XLA program: the
+  pass's q/k heads and its v heads, run apart, give the whole pass's du, <du, u> and
+  (on q and k) weight sums; the mask it replaced gives the same bits as the per-head
+  branch, and so does the maskless variant on the q/k heads (where nothing passes
+  through)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from bench import epilogue_pass as E
+  import coda_jax as cj
+  monkeypatch.setattr(E, "M", 128)
+  programs, _, _, _ = E.qk_norm_split_case(jax.random.key(3))
+  run = lambda name: cj.epilogue_pass(*programs[name], impl="xla")
+  f = lambda x: np.asarray(x, np.float32)
+  whole = run("QK-norm backward, row-scaled, N = 4096")
+  before = run("the same with a mask, no branch (before)")
+  for nm in whole:
+    np.testing.assert_array_equal(f(before[nm]), f(whole[nm]), err_msg=nm)
+  qk = run("its q/k heads alone, N = 3072")
+  v = run("its v heads alone (copy, <du, u>, r), N = 1024")
+  nqk = (E.HQ + E.HKV) * E.HD
+  np.testing.assert_array_equal(f(qk["du"]), f(whole["du"][:, :nqk]))
+  np.testing.assert_array_equal(f(v["du"]), f(whole["du"][:, nqk:]))
+  np.testing.assert_array_equal(f(qk["dweight"]), f(whole["dweight"][:nqk]))
+  np.testing.assert_allclose(f(qk["udu"]) + f(v["udu"]), f(whole["udu"]), rtol=1e-5, atol=1e-3)
+  free = run("q/k heads, no pass-through mask")
+  for nm in free:
+    np.testing.assert_array_equal(f(free[nm]), f(qk[nm]), err_msg=nm)
+
+
 def test_train_job_refuses_shard_map_with_cudnn_attention(monkeypatch):
   """bench.train: ``--partitioner shard_map`` with cuDNN attention (which segfaults jax
   0.11.2's GPU compiler; docs/known_issues.md) stops before any step, naming the flags
