@@ -8,7 +8,10 @@ issued before the mainloop) and writes the outputs it declared.
 
 Operand kinds, by the shape of the array passed for them (M x N is the GEMM output):
   row   (M,)    one value per output row; ``tile.load`` gives (epi_tile_m,)
-  col   (N,)    one value per output column; ``tile.load`` gives (epi_tile_n,)
+  col   (N,)    one value per output column; ``tile.load`` gives (epi_tile_n,),
+                ``tile.column_value(name, j)`` the one at the sub-tile's column j, a scalar
+                the whole warpgroup shares (``tile.cond`` branches on such a scalar
+                without diverging)
   tile  (M, N)  ``tile.load`` gives (epi_tile_m, epi_tile_n) in the operand's dtype
 
   wide_tile (M, 2N)  twice the output's width (a gated pair's operand in the backward of
