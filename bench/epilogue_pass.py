@@ -58,40 +58,25 @@ class _WithoutNormGrads(Q.HeadRmsNormGrad):
 class _MaskedHeads(Q.HeadRmsNormGrad):
   """HeadRmsNormGrad as it was before its per-head branch (fifty-eighth session): every
   head runs the norm's math, and a 0/1 mask per column makes pass-through heads' results
-  exact. With ``mask=False`` every head is taken as normed and the mask's arithmetic is
-  left out (``normed`` is staged but not read): what the mask costs on a pass with no
-  pass-through heads."""
+  exact. With ``mask=False`` every head runs the normed head's math, with no mask and
+  no branch (``normed`` is staged but not read): what the mask, and the branch, cost on
+  a pass with no pass-through heads."""
   mask: bool = True
 
-  def apply(self, dy, env):
-    u = env.load(self.u).astype(jnp.float32)
-    w = env.load(self.weight).astype(jnp.float32)
-    sel = env.load(self.normed).astype(jnp.float32) if self.mask else None
+  def _head(self, env, col, ub, dyb, wb):
+    if not self.mask:
+      return self._normed_head(ub, dyb, wb)
     d = self.head_dim
-    ns, dus, udu = [], [], 0.0
-    for i in range(0, dy.shape[1], d):
-      ub = u[:, i:i + d]
-      rho = jax.lax.rsqrt(jnp.sum(ub * ub, axis=1) * (1.0 / d) + self.eps)[:, None]
-      if self.mask:
-        s = sel[None, i:i + d]
-        us = ub * s
-        n = (ub - us) + us * rho
-      else:
-        n = ub * rho
-      dn = dy[:, i:i + d] * w[None, i:i + d]
-      c = jnp.sum(dn * n, axis=1) * (1.0 / d)
-      if self.mask:
-        t = dn - (n * s) * c[:, None]
-        ts = t * s
-        du = (t - ts) + ts * rho
-      else:
-        du = (dn - n * c[:, None]) * rho
-      udu = udu + jnp.sum(du * ub, axis=1)
-      ns.append(n)
-      dus.append(du)
-    env.store_column_sum(self.dweight, dy * P._join(ns))
-    env.store(self.udu, udu)
-    return P._join(dus)
+    s = env.load(self.normed).astype(jnp.float32)[None, col:col + d]
+    rho = jax.lax.rsqrt(jnp.sum(ub * ub, axis=1) * (1.0 / d) + self.eps)[:, None]
+    us = ub * s
+    n = (ub - us) + us * rho
+    dn = dyb * wb
+    c = jnp.sum(dn * n, axis=1) * (1.0 / d)
+    t = dn - (n * s) * c[:, None]
+    ts = t * s
+    du = (t - ts) + ts * rho
+    return n, du, jnp.sum(du * ub, axis=1)
 
 
 def _copies(names, out, column_sum=False):

@@ -121,29 +121,35 @@ class HeadRmsNormGrad(P.Primitive):
   def column_group(self):
     return self.head_dim
 
+  def _normed_head(self, ub, dyb, wb):
+    """(n, du, <du, u>) of a normed head: u, dy (rows, head_dim) and w (1, head_dim)."""
+    d = self.head_dim
+    rho = jax.lax.rsqrt(jnp.sum(ub * ub, axis=1) * (1.0 / d) + self.eps)[:, None]
+    n = ub * rho
+    dn = dyb * wb
+    c = jnp.sum(dn * n, axis=1) * (1.0 / d)
+    du = (dn - n * c[:, None]) * rho
+    return n, du, jnp.sum(du * ub, axis=1)
+
+  def _passed_head(self, ub, dyb, wb):
+    """The same of a pass-through head: n = u, du = dy * w."""
+    du = dyb * wb
+    return ub, du, jnp.sum(du * ub, axis=1)
+
+  def _head(self, env, col, ub, dyb, wb):
+    """One head's (n, du, <du, u>), the head starting at column ``col`` of the value: a
+    branch on its ``normed`` flag, read at that column."""
+    return env.cond(env.column_value(self.normed, col) != 0, self._normed_head,
+                    self._passed_head, ub, dyb, wb)
+
   def apply(self, dy, env):
     u = env.load(self.u).astype(jnp.float32)
     w = env.load(self.weight).astype(jnp.float32)
     d = self.head_dim
-
-    def normed(ub, dyb, wb):
-      rho = jax.lax.rsqrt(jnp.sum(ub * ub, axis=1) * (1.0 / d) + self.eps)[:, None]
-      n = ub * rho
-      dn = dyb * wb
-      c = jnp.sum(dn * n, axis=1) * (1.0 / d)
-      du = (dn - n * c[:, None]) * rho
-      return n, du, jnp.sum(du * ub, axis=1)
-
-    def passed(ub, dyb, wb):  # a pass-through head: n = u, du = dy * w
-      du = dyb * wb
-      return ub, du, jnp.sum(du * ub, axis=1)
-
     ns, dus = [], []
     udu = 0.0
     for i in range(0, dy.shape[1], d):
-      # one branch per head: its ``normed`` flag, read at its first column
-      n, du, udu_head = env.cond(env.column_value(self.normed, i) != 0, normed, passed,
-                                 u[:, i:i + d], dy[:, i:i + d], w[None, i:i + d])
+      n, du, udu_head = self._head(env, i, u[:, i:i + d], dy[:, i:i + d], w[None, i:i + d])
       udu = udu + udu_head
       ns.append(n)
       dus.append(du)

@@ -662,7 +662,7 @@ MUTATIONS = [
         "head_dim"),
     Mutation(
         "qk_norm_grad_normalises_v_heads", "coda_jax/qk_norm.py",
-        "normed, passed,\n", "normed, normed,\n",
+        "self._passed_head, ub, dyb, wb)", "self._normed_head, ub, dyb, wb)",
         ("tests/test_qk_norm.py", "-k", "backward_pass and default"),
         "the backward treats the pass-through v heads as normalised"),
     Mutation(

@@ -66,10 +66,6 @@ if ! $workers_given; then
   fi
   echo "test: $workers worker process(es), --dist $dist (CODA_JAX_TEST_WORKERS to change)" >&2
 fi
-# Test files or ids among the arguments (tests/test_x.py, tests/test_x.py::name) run
-# instead of the whole of tests/.
-targets=(tests)
-for arg in "$@"; do
-  case "$arg" in -*) ;; *) if [ -e "${arg%%::*}" ]; then targets=(); break; fi ;; esac
-done
-exec "$py" -m pytest "${targets[@]}" "${extra[@]}" "$@"
+# No test path of our own: pyproject.toml's testpaths is tests/, which pytest collects when
+# the arguments name no files or ids (tests/test_x.py, tests/test_x.py::name).
+exec "$py" -m pytest "${extra[@]}" "$@"
