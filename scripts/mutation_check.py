@@ -678,6 +678,24 @@ MUTATIONS = [
         ("tests/test_primitives.py", "-k", "no_product and head_norm_grad"),
         "tile.column_value reads the warpgroup tile's first sub-tile for every sub-tile"),
     Mutation(
+        "xla_block_column_ids_local", "coda_jax/dispatch.py",
+        "    return jax.lax.broadcasted_iota(jnp.int32, self.shape, 1) + self.col0\n",
+        "    return jax.lax.broadcasted_iota(jnp.int32, self.shape, 1)\n",
+        ("tests/test_dispatch.py", "-k", "column_groups_per_block"),
+        "the XLA program's column blocks see their own columns as 0.., not global ids"),
+    Mutation(
+        "xla_block_row_partials_summed", "coda_jax/dispatch.py",
+        "      raw[o.name] = v  # (blocks, M)\n",
+        "      raw[o.name] = jnp.sum(v, axis=0)[None]\n",
+        ("tests/test_dispatch.py", "-k", "column_groups_per_block"),
+        "the blocks' row partials are added before the step's finish (a log-sum-exp's maxima)"),
+    Mutation(
+        "xla_whole_matrix_for_column_groups", "coda_jax/dispatch.py",
+        "  return group if group > 1 and n % group == 0 else n\n",
+        "  return n\n",
+        ("tests/test_dispatch.py", "-k", "column_groups_per_block or program_size"),
+        "the XLA program runs column-grouped steps on the whole matrix (a slice per head)"),
+    Mutation(
         "column_value_other_vector_slot", "pallas_kernels/gemm_mgpu.py",
         'return lambda col: smem["i_" + nm][wg, vslot, j * en + col]',
         'return lambda col: smem["i_" + nm][wg, 0, j * en + col]',

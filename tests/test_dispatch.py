@@ -284,3 +284,82 @@ def test_rows_are_not_padded_under_a_step_that_moves_zero(key, kernel_calls):
     dispatch.padded_shape(call, a, b, {})
   got = cj.gemm_epilogue(a, b, program, impl="auto")
   assert got["cs"].shape == (256,) and kernel_calls == []
+
+
+def _grouped_programs(key, m):
+  """Programs whose steps work per column group, with operands: (name, a, b, program,
+  operands, trans_a). Each has two to four column blocks, and between them every kind of
+  operand and output the per-block XLA run splits or joins."""
+  from coda_jax import grad_primitives as G
+  from coda_jax import qk_norm as Q
+  ks = iter(jax.random.split(key, 16))
+  nk = lambda shape, dtype=jnp.float32: normal(next(ks), shape, dtype)
+  a, b = gemm_inputs(next(ks), m, 128, 64, jnp.bfloat16)
+  pos = jax.random.randint(next(ks), (m,), 0, 4096, jnp.int32)
+  freqs = jnp.tile(1.0 / 1e4 ** (jnp.arange(16) / 16), 8)
+  t = jax.random.randint(next(ks), (m,), -2, 130, jnp.int32)  # some outside [0, N)
+  w, sel = Q.head_norm_columns(1 + 0.1 * nk((32,)), 1 + 0.1 * nk((32,)), 2, 1)
+  ab, bb = gemm_inputs(next(ks), 128, 128, m, jnp.bfloat16, trans_a=True)
+  return [
+      ("gated, log-sum-exp", a, b,
+       [cj.ScaleRow("r"), cj.Gated(16), cj.RowLogSumExp("lse"), cj.Store("y")],
+       {"r": 1 + 0.1 * nk((m,))}, False),
+      ("rotate, picked column, column sums", a, b,
+       [cj.AddTile("x0"), cj.PickColumn("t", "pick"), cj.Rotate("pos", "fr", 16),
+        cj.ColSum("cs"), cj.Store("q")],
+       {"x0": nk((m, 128), jnp.bfloat16), "t": t, "pos": pos, "fr": freqs}, False),
+      ("gated backward (wide z, y)", a, b,
+       [G.GatedGrad("z", 16, "y", "zdz"), cj.Store("dz")],
+       {"z": nk((m, 256), jnp.bfloat16)}, False),
+      ("QK-norm forward", a, b, Q.forward_program(32, 1e-6, jnp.bfloat16),
+       {"r": 1 + 0.1 * nk((m,)), "pos": pos, "freqs": freqs, "qk_w": w, "qk_sel": sel}, False),
+      ("QK-norm backward", a, b, Q.backward_program(32, 1e-6, jnp.bfloat16, row_scaled=True),
+       {"dqkv": nk((m, 128), jnp.bfloat16), "pos": pos, "neg_freqs": -freqs,
+        "u": nk((m, 128), jnp.bfloat16), "qk_w": w, "qk_sel": sel,
+        "r": 1 + 0.1 * nk((m,))}, False),
+      ("B's column sums, gated", ab, bb, [cj.BColumnSum("db"), cj.Gated(32), cj.Store("y")],
+       {}, True),
+  ]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_xla_runs_column_groups_per_block(key, monkeypatch, case):
+  """impl="xla" runs a program with column groups once per block of columns under
+  ``jax.vmap`` (``dispatch.column_block``), as the kernel runs it per sub-tile: every
+  output equals the same program run on the whole matrix at once, within fp32 rounding
+  (sums in another order), at rows that tile no kernel."""
+  name, a, b, program, ops_, trans_a = _grouped_programs(key, 40)[case]
+  n = b.shape[1]
+  assert dispatch.column_block(program, n) < n, name  # the blocked path runs
+  got = cj.gemm_epilogue(a, b, program, ops_, trans_a=trans_a, impl="xla")
+  monkeypatch.setattr(dispatch, "column_block", lambda program, n: n)
+  want = cj.gemm_epilogue(a, b, program, ops_, trans_a=trans_a, impl="xla")
+  assert set(got) == set(want), name
+  for nm in want:
+    assert got[nm].shape == want[nm].shape and got[nm].dtype == want[nm].dtype, (name, nm)
+    g, w = np.asarray(got[nm], np.float32), np.asarray(want[nm], np.float32)
+    if want[nm].dtype == jnp.bfloat16:  # one rounding apart at most
+      np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=1e-6, err_msg=f"{name}: {nm}")
+    else:
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4 * np.abs(w).max(),
+                                 err_msg=f"{name}: {nm}")
+
+
+def test_xla_program_size_does_not_grow_with_heads(key):
+  """The per-block XLA run traces each step once, however many heads the matrix has:
+  the QK-norm backward's jaxpr is as long at 16 heads as at 4 (on the whole matrix, a
+  step sliced out every head and concatenated them again)."""
+  from coda_jax import qk_norm as Q
+  program = Q.backward_program(32, 1e-6, jnp.bfloat16)
+  outputs = tuple(o for p in program for o in p.outputs(1))
+
+  def size(heads):
+    n = 32 * heads
+    w, sel = Q.head_norm_columns(jnp.ones((32,)), jnp.ones((32,)), heads // 2, heads // 4)
+    ops_ = {"dqkv": jnp.zeros((8, n), jnp.bfloat16), "u": jnp.zeros((8, n), jnp.bfloat16),
+            "pos": jnp.zeros((8,), jnp.int32), "neg_freqs": jnp.zeros((n,)), "qk_w": w,
+            "qk_sel": sel}
+    jaxpr = jax.make_jaxpr(lambda x, o: dispatch.apply_program(x, program, o, outputs))(
+        jnp.zeros((8, n)), ops_)
+    return len(jaxpr.eqns)
+  assert size(16) == size(4)
