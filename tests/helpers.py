@@ -186,9 +186,13 @@ def check_model_loss_and_grads(make_model, toks, tgt, n_grads):
   assert_within_baseline(per_token["ours"], per_token["truth"], per_token["base"],
                          "per-token loss")
   counted = np.asarray(tgt) != -100
-  for name in ("ours", "truth"):
+  # The two losses come from programs compiled apart (the mean's under value_and_grad,
+  # the per-token one without), whose bf16 activations XLA may round apart: 1.1e-5 for
+  # the Qwen3 model's "xla" path on an H200 (bench/NOTES.md, fifty-ninth session). A token
+  # counted wrongly moves the mean by ~1/(tokens counted), 1/125 in test_flax_layers.
+  for name, rtol in (("ours", 1e-4), ("truth", 1e-5)):
     mean = np.asarray(per_token[name], np.float64)[counted].mean()
-    np.testing.assert_allclose(float(runs[name][0]), mean, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(float(runs[name][0]), mean, rtol=rtol, err_msg=name)
   paths = [jax.tree_util.keystr(p) for p, _ in
            jax.tree_util.tree_flatten_with_path(runs["truth"][1])[0]]
   grads = [jax.tree.leaves(runs[n][1]) for n in ("ours", "truth", "base")]
