@@ -836,7 +836,10 @@ def test_epilogue_pass_split_case_adds_up(monkeypatch):
   nqk = (E.HQ + E.HKV) * E.HD
   np.testing.assert_array_equal(f(qk["du"]), f(whole["du"][:, :nqk]))
   np.testing.assert_array_equal(f(v["du"]), f(whole["du"][:, nqk:]))
-  np.testing.assert_array_equal(f(qk["dweight"]), f(whole["dweight"][:nqk]))
+  # column sums over the rows of (M, blocks, 128): XLA's GPU reduction of 24 blocks and of
+  # 32 may add the rows in different orders (3.8e-6 apart at most on the H200, of sums ~10)
+  np.testing.assert_allclose(f(qk["dweight"]), f(whole["dweight"][:nqk]), rtol=1e-5,
+                             atol=1e-6 * np.abs(f(whole["dweight"])).max())
   np.testing.assert_allclose(f(qk["udu"]) + f(v["udu"]), f(whole["udu"]), rtol=1e-5, atol=1e-3)
   free = run("q/k heads, no pass-through mask")
   for nm in free:
