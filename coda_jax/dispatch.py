@@ -128,7 +128,8 @@ class Call:
 
 
 class _MatrixEnv:
-  """``primitives.Env`` over whole matrices, for the XLA implementation."""
+  """``primitives.Env`` over a whole (M, N) matrix, or over one (M, w) block of its
+  columns (``apply_program``), for the XLA implementation."""
 
   def __init__(self, operands, shape, adds=None, b_column_sums=None, col0=0):
     self.operands = operands
@@ -159,8 +160,9 @@ class _MatrixEnv:
     return self.operands[name][col]
 
   def cond(self, pred, if_true, if_false, *args):
-    # both branches on whole matrices, then a select: elementwise work XLA fuses, where
-    # a lax.cond per head would branch at run time on a value in device memory
+    # both branches, then a select: elementwise work XLA fuses, where a lax.cond per head
+    # would branch at run time on a value in device memory (and, per block under vmap,
+    # would run both anyway)
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), if_true(*args),
                         if_false(*args))
 
