@@ -68,7 +68,7 @@ class _MaskedHeads(Q.HeadRmsNormGrad):
       return self._normed_head(ub, dyb, wb)
     d = self.head_dim
     s = env.load(self.normed).astype(jnp.float32)[None, col:col + d]
-    rho = jax.lax.rsqrt(jnp.sum(ub * ub, axis=1) * (1.0 / d) + self.eps)[:, None]
+    rho = Q._inv_rms(ub, self.eps)[:, None]
     us = ub * s
     n = (ub - us) + us * rho
     dn = dyb * wb

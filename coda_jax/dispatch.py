@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -179,10 +178,10 @@ def finish(program, raw: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def column_block(program, n: int) -> int:
-  """The columns the XLA implementation runs ``program`` on at a time: the least common
-  multiple of its steps' column groups (a head, a gated pair block), or all ``n`` when no
-  step has one (or the groups do not tile ``n``)."""
-  group = math.lcm(1, *(g for prim in program if (g := prim.column_group()) is not None))
+  """The columns the XLA implementation runs ``program`` on at a time: its column group
+  (``primitives.program_column_group``: a head, a gated pair block), or all ``n`` when no
+  step has one (or the group does not tile ``n``)."""
+  group = P.program_column_group(program)
   return group if group > 1 and n % group == 0 else n
 
 

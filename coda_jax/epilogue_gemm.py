@@ -13,7 +13,6 @@ Outputs are returned finished: ``Store`` outputs as stored, ``RowSum`` as (M,),
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import jax
@@ -45,7 +44,7 @@ def scalar_operand(value, n: int) -> jax.Array:
 def _declared(program, m, n):
   inputs: dict[str, pk.InputKind] = {}
   outputs: list[pk.EpilogueOutput] = []
-  width, group = 1, 1
+  width = 1
   for prim in program:
     if not isinstance(prim, P.Primitive):
       raise ValueError(f"program step {prim!r} is not a coda_jax primitive")
@@ -61,7 +60,6 @@ def _declared(program, m, n):
                        "width is not supported")
     outputs += prim.outputs(width)
     if prim.column_group() is not None:
-      group = math.lcm(group, prim.column_group())
       if n % prim.column_group():
         raise ValueError(f"{type(prim).__name__}: N={n} must be a multiple of its column "
                          f"group (pair block) {prim.column_group()}")
@@ -71,7 +69,7 @@ def _declared(program, m, n):
     raise ValueError(f"program declares duplicate outputs: {names}")
   if not outputs:
     raise ValueError("program stores nothing: add a Store or a reduction")
-  return inputs, tuple(outputs), group
+  return inputs, tuple(outputs), P.program_column_group(program)
 
 
 def _check_epilogue_operands(inputs, operands, m, n):

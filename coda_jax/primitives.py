@@ -572,6 +572,14 @@ def _dtype_spelled_once(prim: Primitive) -> Primitive:
   return dataclasses.replace(prim, **fixed) if fixed else prim
 
 
+def program_column_group(program: Sequence[Primitive]) -> int:
+  """The columns a program needs in one piece: the least common multiple of its steps'
+  ``column_group()`` (a head, a pair block), 1 when no step has one. The kernel's epilogue
+  sub-tile holds a multiple of it; the XLA program runs on blocks of it
+  (``dispatch.column_block``)."""
+  return math.lcm(1, *(g for prim in program if (g := prim.column_group()) is not None))
+
+
 def program_id(program: Sequence[Primitive]) -> str:
   """The program as the GEMM tuning cache names it.
 

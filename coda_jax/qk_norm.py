@@ -39,6 +39,12 @@ from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 KERNEL_MAX_HEAD_DIM = 128
 
 
+def _inv_rms(xb, eps):
+  """rsqrt(mean(xb^2) + eps) over each row of one head's columns xb (rows, head_dim): the
+  forward's statistic, which the backward recomputes."""
+  return jax.lax.rsqrt(jnp.sum(xb * xb, axis=1) * (1.0 / xb.shape[1]) + eps)
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadRmsNorm(P.Primitive):
   """Per head (each ``head_dim``-wide column block): x -> x * w[n] * rsqrt(mean(x^2) +
@@ -79,7 +85,7 @@ class HeadRmsNorm(P.Primitive):
     out = []
     for i in range(0, x.shape[1], d):
       xb = x[:, i:i + d]
-      rstd = jax.lax.rsqrt(jnp.sum(xb * xb, axis=1) * (1.0 / d) + self.eps)
+      rstd = _inv_rms(xb, self.eps)
       y = xb * w[None, i:i + d]
       ys = y * sel[None, i:i + d]  # y on normed heads, 0 on pass-through ones: exact
       out.append((y - ys) + ys * rstd[:, None])
@@ -124,7 +130,7 @@ class HeadRmsNormGrad(P.Primitive):
   def _normed_head(self, ub, dyb, wb):
     """(n, du, <du, u>) of a normed head: u, dy (rows, head_dim) and w (1, head_dim)."""
     d = self.head_dim
-    rho = jax.lax.rsqrt(jnp.sum(ub * ub, axis=1) * (1.0 / d) + self.eps)[:, None]
+    rho = _inv_rms(ub, self.eps)[:, None]
     n = ub * rho
     dn = dyb * wb
     c = jnp.sum(dn * n, axis=1) * (1.0 / d)

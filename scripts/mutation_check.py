@@ -649,8 +649,8 @@ MUTATIONS = [
     # ---- issue 13: QK-norm (coda_jax/qk_norm.py) ------------------------------------------
     Mutation(
         "qk_norm_over_whole_tile", "coda_jax/qk_norm.py",
-        "rstd = jax.lax.rsqrt(jnp.sum(xb * xb, axis=1) * (1.0 / d) + self.eps)",
-        "rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=1) + self.eps)",
+        "rstd = _inv_rms(xb, self.eps)",
+        "rstd = _inv_rms(x, self.eps)",
         ("tests/test_qk_norm.py", "-k", "forward_against_float64 or op_and_grads_kernel"),
         "HeadRmsNorm's mean runs over the whole sub-tile, not the head's head_dim columns "
         "(the XLA program runs one head per block since 063c375, so only a kernel sub-tile "
@@ -742,15 +742,15 @@ MUTATIONS = [
         "the forward takes its eps from the wrong slot of the heads tuple (theta)"),
     Mutation(
         "qk_norm_eps_dropped_forward", "coda_jax/qk_norm.py",
-        "rstd = jax.lax.rsqrt(jnp.sum(xb * xb, axis=1) * (1.0 / d) + self.eps)",
-        "rstd = jax.lax.rsqrt(jnp.sum(xb * xb, axis=1) * (1.0 / d))",
+        "rstd = _inv_rms(xb, self.eps)",
+        "rstd = _inv_rms(xb, 0.0)",
         ("tests/test_qk_norm.py", "-k", "near_and_at_zero and xla"),
         "the per-head norm forgets eps: a zero head gives 0 * inf = NaN, a head with mean "
         "square near eps moves by ~40% (missed until test_heads_near_and_at_zero)"),
     Mutation(
         "qk_norm_eps_dropped_backward", "coda_jax/qk_norm.py",
-        "rho = jax.lax.rsqrt(jnp.sum(ub * ub, axis=1) * (1.0 / d) + self.eps)",
-        "rho = jax.lax.rsqrt(jnp.sum(ub * ub, axis=1) * (1.0 / d))",
+        "rho = _inv_rms(ub, self.eps)",
+        "rho = _inv_rms(ub, 0.0)",
         ("tests/test_qk_norm.py", "-k", "near_and_at_zero and xla"),
         "the per-head norm's backward forgets eps (missed until "
         "test_heads_near_and_at_zero)"),
