@@ -32,7 +32,8 @@ problem's shape (or a nearby M or K) and the heuristic: a new program at a shape
 for another gets a measured entry in seconds instead of a whole search.
 ``--challenge-tile-m 192`` times each problem's current config against the search's
 192-row candidates only, and keeps the current one unless another is more than 1%
-faster (a new tile height, without a whole search). ``--challenge-variant
+faster (a new tile height, without a whole search); ``--challenge-tile-n 192`` likewise
+against the 192-column ones, and both together against the candidates with both. ``--challenge-variant
 'epi_column_sums_per_tile=True'`` does the same against the current config with those
 fields replaced (a new knob, without a whole search).
 
@@ -155,13 +156,14 @@ def train_problems(spec: str):
 CHALLENGE_MARGIN = 0.01
 
 
-def challengers(problem: autotune.Problem, tile_m: int, extra: bool = False):
+def challengers(problem: autotune.Problem, tile_m: int | None, extra: bool = False,
+                tile_n: int | None = None):
   """The current config of ``problem`` (from the cache at ``autotune.lookup``'s path,
-  or the heuristic) first, then the search's candidates with ``tile_m``-row warpgroup
-  tiles; None when no such candidate tiles the problem and fits. ``autotune.tune``
-  times them (and the heuristic) in one process and keeps the current config unless
-  another is faster by more than ``CHALLENGE_MARGIN``."""
-  found, _ = problem.candidates(extra=extra, tile_m=tile_m)
+  or the heuristic) first, then the search's candidates with ``tile_m``-row and
+  ``tile_n``-column warpgroup tiles (None: any); None when no such candidate tiles the
+  problem and fits. ``autotune.tune`` times them (and the heuristic) in one process and
+  keeps the current config unless another is faster by more than ``CHALLENGE_MARGIN``."""
+  found, _ = problem.candidates(extra=extra, tile_m=tile_m, tile_n=tile_n)
   if not found:
     return None
   current, _ = autotune.chosen_config(problem)
@@ -255,7 +257,7 @@ def plan(problem: autotune.Problem, args, overrides: dict | None, entries: dict)
   Args:
     problem: the tuning problem.
     args: the parsed command line (``--same-shape``, ``--challenge-tile-m``,
-      ``--extra``).
+      ``--challenge-tile-n``, ``--extra``).
     overrides: ``--challenge-variant``'s fields, or None.
     entries: key text -> cache record of the ``--out`` file.
 
@@ -267,10 +269,10 @@ def plan(problem: autotune.Problem, args, overrides: dict | None, entries: dict)
     if configs is None:
       return "no other program's entry at this shape: left for a whole search"
     return configs, incumbent(problem, entries)
-  if args.challenge_tile_m is not None:
-    configs = challengers(problem, args.challenge_tile_m, args.extra)
+  if args.challenge_tile_m is not None or args.challenge_tile_n is not None:
+    configs = challengers(problem, args.challenge_tile_m, args.extra, args.challenge_tile_n)
     if configs is None:
-      return "no candidate that tall tiles it: kept"
+      return "no candidate of that tile shape tiles it: kept"
   elif overrides is not None:
     configs = variant_challenger(problem, overrides)
     if configs is None:
@@ -381,6 +383,9 @@ def main():
                  "only the search's candidates with warpgroup tiles this tall, in one "
                  "process; a challenger replaces it when more than 1%% faster (problems "
                  "--out has are included)")
+  p.add_argument("--challenge-tile-n", type=int, default=None,
+                 help="as --challenge-tile-m, against the candidates with warpgroup tiles "
+                 "this wide (with --challenge-tile-m: both)")
   p.add_argument("--challenge-variant", default=None, metavar="FIELD=VALUE,...",
                  help="time each problem's current config against the same config with "
                  "these GemmConfig fields replaced (as bench.compare_configs' --variant, "
@@ -400,9 +405,10 @@ def main():
                  "flags) reads them, and only compiles and times")
   args = p.parse_args()
   overrides = None
+  tile_challenge = args.challenge_tile_m is not None or args.challenge_tile_n is not None
   if args.challenge_variant is not None:
-    if args.challenge_tile_m is not None:
-      sys.exit("--challenge-variant and --challenge-tile-m: pass one of them")
+    if tile_challenge:
+      sys.exit("--challenge-variant and --challenge-tile-m/-n: pass one of them")
     from bench import compare_configs  # it imports this module
     try:
       _, overrides, num_sms = compare_configs.parse_variant("v=" + args.challenge_variant)
@@ -410,10 +416,10 @@ def main():
       sys.exit(str(e).replace("--variant v", "--challenge-variant"))
     if num_sms is not None or "clip_m" in overrides:
       sys.exit("--challenge-variant: only GemmConfig fields (not num_sms or clip_m)")
-  challenge = args.challenge_tile_m is not None or overrides is not None
+  challenge = tile_challenge or overrides is not None
   if challenge and args.same_shape:
-    sys.exit("--same-shape is a search of its own: pass it without --challenge-tile-m or "
-             "--challenge-variant")
+    sys.exit("--same-shape is a search of its own: pass it without --challenge-tile-m/-n "
+             "or --challenge-variant")
   on_gpu = jax.devices()[0].platform == "gpu"
   if on_gpu and (args.device is not None or args.lower_only is not None):
     sys.exit("--device and --lower-only are for a machine without a GPU: on the GPU host "

@@ -475,7 +475,8 @@ class Problem:
         min_epi_tile_n=self.min_epi_tile_n, num_sms=num_sms,
         column_sum_turns=self.column_sum_turns, clip_m=self.clip_m))
 
-  def candidates(self, extra: bool = False, tile_m: int | None = None
+  def candidates(self, extra: bool = False, tile_m: int | None = None,
+                 tile_n: int | None = None
                  ) -> tuple[list[g.GemmConfig], list[tuple[str, str]]]:
     """``candidates`` (the search) for this problem: (configs, [(description, why
     skipped)])."""
@@ -483,7 +484,7 @@ class Problem:
     return candidates(k.m, k.n, k.k, self.a.dtype, self.staged_kinds, self.input_dtypes,
                       self.outputs, trans_a=k.trans_a, trans_b=k.trans_b,
                       min_epi_tile_n=self.min_epi_tile_n, extra=extra, clip_m=self.clip_m,
-                      tile_m=tile_m)
+                      tile_m=tile_m, tile_n=tile_n)
 
   def deepest_fitting(self, config: g.GemmConfig) -> g.GemmConfig | None:
     """``g.deepest_fitting`` for this problem: ``config`` with the most stages, at most
@@ -656,7 +657,8 @@ class SearchStructure:
 def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: dict,
                outputs: tuple, *, trans_a: bool, trans_b: bool, min_epi_tile_n: int = 1,
                max_stages: int = 7, extra: bool = False, clip_m: bool = False,
-               tile_m: int | None = None) -> tuple[list[g.GemmConfig], list[tuple[str, str]]]:
+               tile_m: int | None = None, tile_n: int | None = None
+               ) -> tuple[list[g.GemmConfig], list[tuple[str, str]]]:
   """The search space for one problem: both schedules, the tile shapes, clusters and
   grid orders below, each with epilogue sub-tiles of 64 or 32 columns (a multiple of
   the column group; wider ones are also tried with their tile outputs stored in halves:
@@ -679,8 +681,15 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   Ping-pong also tries 192-row warpgroup tiles: 192 accumulator registers a thread,
   1.2x the operand reuse of 128 x 128 (3.6% faster than our cooperative GEMM on the
   H100 at 16384 x 8192 x 2048, level on the heavy GPT-2 epilogues; bench/NOTES.md,
-  eighteenth session); they tile M = 16384 only with ``clip_m``. ``tile_m``: only the
-  structures with warpgroup tiles that tall (``bench.tune_gemm --challenge-tile-m``).
+  eighteenth session); they tile M = 16384 only with ``clip_m``. Both schedules also try
+  128 x 192 warpgroup tiles (192 registers too), clustered along M or N, and the
+  cooperative one 192 x 128: two m64n192 wgmmas a K step read 11% fewer shared-memory
+  bytes per multiply than three m64n128, and on the H200 (bench/NOTES.md, sixtieth
+  session) plain GEMMs at 16384 x 6144 x 2048 and 16384 x 12288 x 2048 ran 4% faster in
+  ping-pong 128 x 192 tiles clustered along M than in the heuristic's cooperative
+  256 x 128, within 1.4-2.1% of cuBLAS; they tile only N (M) a multiple of 192.
+  ``tile_m``, ``tile_n``: only the structures with warpgroup tiles that tall, that wide
+  (``bench.tune_gemm --challenge-tile-m``, ``--challenge-tile-n``).
 
   Args:
     m: rows of A and of the product.
@@ -699,6 +708,7 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
     extra: also search the wider space above.
     clip_m: ``gemm``'s: M need not be a multiple of the config's cluster tile.
     tile_m: keep only the structures whose ``tile_m`` is this; None keeps all.
+    tile_n: keep only the structures whose ``tile_n`` is this; None keeps all.
 
   Returns:
     ``(configs, skipped)``: the candidate configs, and ``(description, reason)`` for
@@ -709,14 +719,19 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   PP, CO = g.Schedule.PINGPONG, g.Schedule.COOPERATIVE
   # Pruned by measurement on the H100 (bench/NOTES.md, issue 10): 64-row or 64-column
   # warpgroup tiles, tile_k 32, bands of 8 and staging every tile operand sub-tile
-  # during the mainloop (it costs pipeline stages) never won.
+  # during the mainloop (it costs pipeline stages) never won. On the H200 (sixtieth
+  # session) 64 x 256 warpgroup tiles ran level at best in cooperative CTAs and up to
+  # 1.6x slower in ping-pong, over the Qwen3 block's problems.
   S = SearchStructure
   structures = [S(CO, 128, 128, M_, N_, N_), S(CO, 128, 128, M_, None, N_),
                 S(PP, 128, 128, M_, N_, N_), S(PP, 128, 128, M_, M_, M_),
                 S(PP, 128, 128, M_, N_, M_, epi_widths=(32,)),
                 S(PP, 128, 128, M_, M_, N_, epi_widths=(32,)),
                 S(PP, 192, 128, M_, N_, N_, epi_widths=(32,)),
-                S(PP, 192, 128, M_, N_, M_, epi_widths=(32,))]
+                S(PP, 192, 128, M_, N_, M_, epi_widths=(32,)),
+                S(PP, 128, 192, M_, M_, N_), S(PP, 128, 192, M_, N_, N_),
+                S(CO, 128, 192, M_, M_, N_), S(CO, 128, 192, M_, N_, N_),
+                S(CO, 192, 128, M_, N_, N_)]
   if k == 0:  # an epilogue pass: unclustered cooperative tiles (gemm_mgpu._no_product_config)
     # With no mainloop to hide a sub-tile's load and store latency under, sub-tiles as
     # tall as the warpgroup tile halve their count: GPT-2's LayerNorm pass ran 9% faster
@@ -728,6 +743,8 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
     structures += [dataclasses.replace(s, grid_tile_width=8) for s in structures]
   if tile_m is not None:
     structures = [s for s in structures if s.tile_m == tile_m]
+  if tile_n is not None:
+    structures = [s for s in structures if s.tile_n == tile_n]
   mn_major = trans_a or not trans_b
   tile_ks = (64,) if mn_major or not extra else (64, 32)
   has_tiles = any(kind in g._TILE_KINDS for kind in input_kinds.values())

@@ -130,8 +130,10 @@ class GemmConfig:
   the cooperative schedule the CTA tile is two of them side by side (along
   ``wg_dim``); under ping-pong each warpgroup works on a tile of its own. A warpgroup
   tile holds tile_m x tile_n / 128 fp32 accumulator registers a thread: 128 for the
-  default 128x128, 192 for the tuner's tall 192x128 ping-pong tiles (1.2x the operand
-  reuse, with 40 registers left for the epilogue).
+  default 128x128, 192 for the tuner's tall 192x128 and wide 128x192 tiles (1.2x the
+  operand reuse, with 40 registers left for the epilogue; 128x192 also reads 11% fewer
+  shared-memory bytes per multiply, in two m64n192 wgmmas a K step instead of three
+  m64n128).
   """
   tile_m: int = 128
   tile_n: int = 128

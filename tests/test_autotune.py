@@ -209,13 +209,16 @@ def test_candidates_fit_or_say_why():
 
 
 def test_tall_pingpong_candidates():
-  """The search has 192-row ping-pong tiles where they tile M (or with clip_m), and
-  ``tile_m`` keeps only those (``bench.tune_gemm --challenge-tile-m``)."""
+  """The search has 192-row tiles where they tile M (or with clip_m): ping-pong ones in
+  32-wide sub-tiles, cooperative ones; ``tile_m`` keeps only those
+  (``bench.tune_gemm --challenge-tile-m``)."""
   outs = (EpilogueOutput("out"),)
   found, skipped = autotune.candidates(768, 512, 256, jnp.bfloat16, {}, {}, outs,
                                        trans_a=False, trans_b=True)
   tall = [c for c in found if c.tile_m == 192]
-  assert tall and all(c.schedule == Schedule.PINGPONG and c.epi_tile_n == 32 for c in tall)
+  assert {c.schedule for c in tall} == set(Schedule)
+  assert all(c.epi_tile_n == 32 for c in tall if c.schedule == Schedule.PINGPONG)
+  assert all(c.tile_n == 128 for c in tall)
   assert len(tall) < len(found)
   only, _ = autotune.candidates(768, 512, 256, jnp.bfloat16, {}, {}, outs,
                                 trans_a=False, trans_b=True, tile_m=192)
@@ -227,6 +230,33 @@ def test_tall_pingpong_candidates():
   clipped, _ = autotune.candidates(512, 512, 256, jnp.bfloat16, {}, {}, outs,
                                    trans_a=False, trans_b=True, tile_m=192, clip_m=True)
   assert {c.tile_m for c in clipped} == {192}
+
+
+def test_wide_candidates():
+  """The search has 128 x 192 warpgroup tiles under both schedules, clustered along M
+  and along N, where N is a multiple of 192 (384 clustered along N); ``tile_n`` keeps
+  only those (``bench.tune_gemm --challenge-tile-n``)."""
+  outs = (EpilogueOutput("out"),)
+  found, _ = autotune.candidates(512, 768, 256, jnp.bfloat16, {}, {}, outs,
+                                 trans_a=False, trans_b=True)
+  wide = [c for c in found if c.tile_n == 192]
+  assert {c.schedule for c in wide} == set(Schedule)
+  assert {c.cluster_dim for c in wide} == {MatDim.M, MatDim.N}
+  assert all(c.tile_m == 128 for c in wide) and len(wide) < len(found)
+  for cfg in wide:
+    gemm_mgpu._check_tiling(512, 768, 256, cfg, False, True)
+  only, _ = autotune.candidates(512, 768, 256, jnp.bfloat16, {}, {}, outs,
+                                trans_a=False, trans_b=True, tile_n=192)
+  assert only == wide
+  # N = 576 = 3 x 192: clustered along M only (a cluster along N is 384 wide)
+  odd, skipped = autotune.candidates(512, 576, 256, jnp.bfloat16, {}, {}, outs,
+                                     trans_a=False, trans_b=True, tile_n=192)
+  assert odd and {c.cluster_dim for c in odd} == {MatDim.M}
+  assert any("must be multiples of the cluster tile" in why for _, why in skipped)
+  # N = 512: none
+  none, skipped = autotune.candidates(512, 512, 256, jnp.bfloat16, {}, {}, outs,
+                                      trans_a=False, trans_b=True, tile_n=192)
+  assert not none and skipped
 
 
 def test_pick_best_keeps_the_incumbent_within_the_margin():

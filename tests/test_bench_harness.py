@@ -12,6 +12,7 @@ import pytest
 from bench import block as B
 from bench import common
 from bench import family_blocks as fb
+import pallas_kernels
 from pallas_kernels import autotune
 
 
@@ -547,8 +548,8 @@ def test_block_timer_sustained_mode(monkeypatch):
 
 
 def test_tune_gemm_challengers():
-  """``--challenge-tile-m``: the problem's current config first, then only the
-  search's candidates that tall; None where none tiles the problem."""
+  """``--challenge-tile-m`` (``-n``): the problem's current config first, then only the
+  search's candidates that tall (wide); None where none tiles the problem."""
   from bench import tune_gemm
   problem = autotune.plain_problem(768, 512, 256, trans_b=True)
   current, _ = autotune.chosen_config(problem)
@@ -556,6 +557,18 @@ def test_tune_gemm_challengers():
   assert configs[0] == current and current.tile_m != 192
   assert len(configs) > 1 and all(c.tile_m == 192 for c in configs[1:])
   assert tune_gemm.challengers(autotune.plain_problem(512, 512, 256, trans_b=True), 192) is None
+  # --challenge-tile-n: the 192-column candidates (N a multiple of 192), of both schedules
+  wide = autotune.plain_problem(512, 768, 256, trans_b=True)
+  current, _ = autotune.chosen_config(wide)
+  configs = tune_gemm.challengers(wide, None, tile_n=192)
+  assert configs[0] == current and current.tile_n != 192
+  assert all(c.tile_n == 192 for c in configs[1:])
+  assert {c.schedule for c in configs[1:]} == set(pallas_kernels.Schedule)
+  assert {c.cluster_dim for c in configs[1:]} == {pallas_kernels.MatDim.M, pallas_kernels.MatDim.N}
+  assert tune_gemm.challengers(autotune.plain_problem(512, 512, 256, trans_b=True), None,
+                               tile_n=192) is None
+  # both: 192 x 192 warpgroup tiles are not in the search
+  assert tune_gemm.challengers(wide, 192, tile_n=192) is None
 
 
 def test_tune_gemm_variant_challenger(monkeypatch):
@@ -606,7 +619,8 @@ def test_tune_gemm_lower_only_fills_a_folder_an_h200_reads(monkeypatch, capsys, 
     (problem,) = [p for _, p in tune_gemm.bench_problems([(256, 128, 256)], "plain").values()]
   assert problem.key.device_kind == "NVIDIA H200"
   configs, keep = tune_gemm.plan(problem, argparse.Namespace(
-      same_shape=False, challenge_tile_m=None, extra=False), {"epi_tile_n": 16}, {})
+      same_shape=False, challenge_tile_m=None, challenge_tile_n=None, extra=False),
+      {"epi_tile_n": 16}, {})
   planned, _, _ = autotune.search_configs(problem, configs, keep=keep)
   assert len(planned) >= 2 and len(files) == len(planned), (out, files, planned)
   assert f"kernels: {len(planned)} lowered, 0 already there, 0 failed" in out, out
@@ -664,7 +678,8 @@ def test_tune_gemm_same_shape(monkeypatch, tmp_path):
                  (key, base)]:  # the problem's own entry is not a candidate
     autotune.store(k, {"config": autotune.config_to_dict(cfg), "ms": 0.1})
   assert tune_gemm.same_shape_configs(problem) == [own, sibling, near]
-  args = argparse.Namespace(same_shape=True, challenge_tile_m=None, extra=False)
+  args = argparse.Namespace(same_shape=True, challenge_tile_m=None, challenge_tile_n=None,
+                            extra=False)
   configs, keep = tune_gemm.plan(problem, args, None, {})
   assert configs == [own, sibling, near] and keep == base  # what serves it now, as a search
   assert "left for a whole search" in tune_gemm.plan(alone, args, None, {})

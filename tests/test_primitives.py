@@ -283,6 +283,35 @@ def test_tall_pingpong_tiles(key, kernel_impl, races_checked):
   assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 
 
+# 192-column warpgroup tiles (two m64n192 wgmmas a K step) and the cooperative 192-row
+# ones (bench/NOTES.md, sixtieth session), each over several tiles per warpgroup:
+# (config, M, N)
+WIDE_TILE_CONFIGS = {
+    "pingpong_128x192_clM": (GemmConfig(tile_m=128, tile_n=192, tile_k=64, stages=3,
+                                        epi_tile_n=64, cluster_dim=MatDim.M,
+                                        schedule=Schedule.PINGPONG), 512, 384),
+    "cooperative_128x192_clN": (GemmConfig(tile_m=128, tile_n=192, tile_k=64, stages=2,
+                                           epi_tile_n=64, cluster_dim=MatDim.N), 512, 768),
+    "cooperative_192x128_clN": (GemmConfig(tile_m=192, tile_n=128, tile_k=64, stages=2,
+                                           epi_tile_n=64, cluster_dim=MatDim.N), 768, 512),
+}
+
+
+@pytest.mark.parametrize("name", ["everything", "silu32"])
+@pytest.mark.parametrize("config", WIDE_TILE_CONFIGS)
+def test_wide_and_tall_tiles(key, kernel_impl, races_checked, config, name):
+  """128 x 192 warpgroup tiles (both schedules) and cooperative 192 x 128 ones, with a
+  scaled store, a tile operand and row and column partials, and with a gated pair
+  program (pair blocks across the 192 columns); under the race detector when
+  interpreted."""
+  cfg, m, n = WIDE_TILE_CONFIGS[config]
+  program = PROGRAMS[name]
+  a, b = gemm_inputs(key, m, n, K, jnp.bfloat16)
+  ops = make_operands(jax.random.fold_in(key, 1), program, m, n, a.dtype)
+  check_program(a, b, program, ops, kernel_impl, config=cfg)
+  assert not races_checked.races_found(), "data race in the kernel (see stdout)"
+
+
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
 @pytest.mark.parametrize("name", ["residual_norm", "norm_rope", "colsum_store"])
 def test_race_free(key, race_detector, name, schedule):
