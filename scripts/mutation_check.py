@@ -1242,6 +1242,25 @@ MUTATIONS = [
         "the challenge times only the tall candidates, so a slower one replaces the "
         "current config"),
     Mutation(
+        "challenge_tile_n_ignored", "bench/tune_gemm.py",
+        "  found, _ = problem.candidates(extra=extra, tile_m=tile_m, tile_n=tile_n)",
+        "  found, _ = problem.candidates(extra=extra, tile_m=tile_m)",
+        ("tests/test_bench_harness.py", "-k", "challengers"),
+        "--challenge-tile-n times every candidate of the search, not only the 192-wide ones"),
+    Mutation(
+        "candidates_tile_n_filter_dropped", "pallas_kernels/autotune.py",
+        "    structures = [s for s in structures if s.tile_n == tile_n]",
+        "    structures = structures",
+        ("tests/test_autotune.py", "-k", "wide_candidates"),
+        "the search's tile_n filter keeps every structure"),
+    Mutation(
+        "wide_tiles_cluster_along_n_only", "pallas_kernels/autotune.py",
+        "                S(PP, 128, 192, M_, M_, N_), S(PP, 128, 192, M_, N_, N_),",
+        "                S(PP, 128, 192, M_, N_, N_), S(PP, 128, 192, M_, N_, N_),",
+        ("tests/test_autotune.py", "-k", "wide_candidates"),
+        "the ping-pong 128 x 192 tiles (the H200's fastest plain GEMM at N = 6144 and 12288) "
+        "are never clustered along M"),
+    Mutation(
         "pick_best_ignores_margin", "pallas_kernels/autotune.py",
         "  if keep is not None and keep in times and times[keep] <= times[best] * (1 + keep_within):",
         "  if keep is not None and keep in times and times[keep] <= times[best]:",

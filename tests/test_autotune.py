@@ -240,8 +240,8 @@ def test_wide_candidates():
   found, _ = autotune.candidates(512, 768, 256, jnp.bfloat16, {}, {}, outs,
                                  trans_a=False, trans_b=True)
   wide = [c for c in found if c.tile_n == 192]
-  assert {c.schedule for c in wide} == set(Schedule)
-  assert {c.cluster_dim for c in wide} == {MatDim.M, MatDim.N}
+  assert {(c.schedule, c.cluster_dim) for c in wide} == {
+      (s, d) for s in Schedule for d in (MatDim.M, MatDim.N)}
   assert all(c.tile_m == 128 for c in wide) and len(wide) < len(found)
   for cfg in wide:
     gemm_mgpu._check_tiling(512, 768, 256, cfg, False, True)
