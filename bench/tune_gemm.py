@@ -33,9 +33,9 @@ for another gets a measured entry in seconds instead of a whole search.
 ``--challenge-tile-m 192`` times each problem's current config against the search's
 192-row candidates only, and keeps the current one unless another is more than 1%
 faster (a new tile height, without a whole search); ``--challenge-tile-n 192`` likewise
-against the 192-column ones, and both together against the candidates with both. ``--challenge-variant
-'epi_column_sums_per_tile=True'`` does the same against the current config with those
-fields replaced (a new knob, without a whole search).
+against the 192-column ones, and both together against the candidates with both.
+``--challenge-variant 'epi_column_sums_per_tile=True'`` does the same against the
+current config with those fields replaced (a new knob, without a whole search).
 
 Most of a cold search's time on the GPU host is lowering the candidates' kernels (Mosaic
 GPU lowers in Python, 1-3 s a kernel; the compile and the timing after it take far
