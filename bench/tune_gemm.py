@@ -249,6 +249,12 @@ def already_served(problem: autotune.Problem, config) -> str | None:
   return source if served == config else None
 
 
+def tile_challenge(args) -> bool:
+  """Whether the command line asks for a tile-shape challenge (``--challenge-tile-m``
+  or ``--challenge-tile-n``)."""
+  return args.challenge_tile_m is not None or args.challenge_tile_n is not None
+
+
 def plan(problem: autotune.Problem, args, overrides: dict | None, entries: dict):
   """What the search does for ``problem`` under ``args``: ``(configs, keep)`` for
   ``autotune.tune`` (configs None: the whole search), or a line saying why it is kept
@@ -269,7 +275,7 @@ def plan(problem: autotune.Problem, args, overrides: dict | None, entries: dict)
     if configs is None:
       return "no other program's entry at this shape: left for a whole search"
     return configs, incumbent(problem, entries)
-  if args.challenge_tile_m is not None or args.challenge_tile_n is not None:
+  if tile_challenge(args):
     configs = challengers(problem, args.challenge_tile_m, args.extra, args.challenge_tile_n)
     if configs is None:
       return "no candidate of that tile shape tiles it: kept"
@@ -405,9 +411,8 @@ def main():
                  "flags) reads them, and only compiles and times")
   args = p.parse_args()
   overrides = None
-  tile_challenge = args.challenge_tile_m is not None or args.challenge_tile_n is not None
   if args.challenge_variant is not None:
-    if tile_challenge:
+    if tile_challenge(args):
       sys.exit("--challenge-variant and --challenge-tile-m/-n: pass one of them")
     from bench import compare_configs  # it imports this module
     try:
@@ -416,7 +421,7 @@ def main():
       sys.exit(str(e).replace("--variant v", "--challenge-variant"))
     if num_sms is not None or "clip_m" in overrides:
       sys.exit("--challenge-variant: only GemmConfig fields (not num_sms or clip_m)")
-  challenge = tile_challenge or overrides is not None
+  challenge = tile_challenge(args) or overrides is not None
   if challenge and args.same_shape:
     sys.exit("--same-shape is a search of its own: pass it without --challenge-tile-m/-n "
              "or --challenge-variant")

@@ -270,23 +270,13 @@ def _check_slots(key, kernel_impl, races_checked, name, **config_fields):
   assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 
 
-def test_tall_pingpong_tiles(key, kernel_impl, races_checked):
-  """Ping-pong 192-row warpgroup tiles (three rows of sub-tiles) with a scaled store, a
-  tile operand and row and column partials, over several tiles per warpgroup; under the
-  race detector when interpreted."""
-  program = PROGRAMS["everything"]
-  a, b = gemm_inputs(key, 384, 512, K, jnp.bfloat16)
-  ops = make_operands(jax.random.fold_in(key, 1), program, 384, 512, a.dtype)
-  config = GemmConfig(tile_m=192, tile_n=128, tile_k=64, stages=3, epi_tile_n=64,
-                      cluster_dim=MatDim.N, schedule=Schedule.PINGPONG)
-  check_program(a, b, program, ops, kernel_impl, config=config)
-  assert not races_checked.races_found(), "data race in the kernel (see stdout)"
-
-
-# 192-column warpgroup tiles (two m64n192 wgmmas a K step) and the cooperative 192-row
-# ones (bench/NOTES.md, sixtieth session), each over several tiles per warpgroup:
-# (config, M, N)
+# Warpgroup tiles other than 128 x 128, each over several tiles per warpgroup: ping-pong
+# 192-row ones (three rows of sub-tiles), 192-column ones (two m64n192 wgmmas a K step)
+# and the cooperative 192-row ones (bench/NOTES.md, sixtieth session): (config, M, N)
 WIDE_TILE_CONFIGS = {
+    "pingpong_192x128_clN": (GemmConfig(tile_m=192, tile_n=128, tile_k=64, stages=3,
+                                        epi_tile_n=64, cluster_dim=MatDim.N,
+                                        schedule=Schedule.PINGPONG), 384, 512),
     "pingpong_128x192_clM": (GemmConfig(tile_m=128, tile_n=192, tile_k=64, stages=3,
                                         epi_tile_n=64, cluster_dim=MatDim.M,
                                         schedule=Schedule.PINGPONG), 512, 384),
@@ -300,9 +290,9 @@ WIDE_TILE_CONFIGS = {
 @pytest.mark.parametrize("name", ["everything", "silu32"])
 @pytest.mark.parametrize("config", WIDE_TILE_CONFIGS)
 def test_wide_and_tall_tiles(key, kernel_impl, races_checked, config, name):
-  """128 x 192 warpgroup tiles (both schedules) and cooperative 192 x 128 ones, with a
-  scaled store, a tile operand and row and column partials, and with a gated pair
-  program (pair blocks across the 192 columns); under the race detector when
+  """192-row ping-pong tiles, 128 x 192 tiles (both schedules) and cooperative 192 x 128
+  ones, with a scaled store, a tile operand and row and column partials, and with a
+  gated pair program (pair blocks across the 192 columns); under the race detector when
   interpreted."""
   cfg, m, n = WIDE_TILE_CONFIGS[config]
   program = PROGRAMS[name]
