@@ -62,19 +62,30 @@ def constants(values: dict):
       setattr(g, k, v)
 
 
+def _lse_max_of(name: str, outputs: dict) -> str | None:
+  """The ``_max`` partials a ``_sumexp`` output's sums are relative to: its own
+  (``lse_max`` for ``lse_sumexp``), or for a ``RowLogSumExp``'s ``rest`` sums (named
+  freely) the row maxima of the log-sum-exp they come with, the ``_max`` output whose
+  stem is the longest prefix of theirs (``lse_max`` for ``lse_rest_sumexp``)."""
+  stem = name.removesuffix("_sumexp")
+  stems = [m.removesuffix("_max") for m in outputs if m.endswith("_max")]
+  stems = [s for s in stems if stem == s or stem.startswith(s + "_")]
+  return max(stems, key=len) + "_max" if stems else None
+
+
 def totals(outputs: dict, whole: bool) -> dict:
   """Each output as float64; with ``whole``, partials per sub-tile (axis 0) as their
-  totals: sums, maxima, and a ``RowLogSumExp``'s sums of exp(x - max) as the row's LSE
-  (``primitives.finish_lse``, run in float64)."""
+  totals: sums, maxima, and a ``RowLogSumExp``'s sums of exp(x - max) (its ``rest``
+  sums too) as the row's LSE (``primitives.finish_lse``, run in float64)."""
   res = {}
   for nm, v in outputs.items():
     v = np.asarray(v, np.float64)
-    lse_max = nm.removesuffix("_sumexp") + "_max"
+    lse_max = _lse_max_of(nm, outputs) if nm.endswith("_sumexp") else None
     if not whole:
       res[nm] = v
     elif nm.endswith("_max"):
       res[nm] = v.max(axis=0)
-    elif nm.endswith("_sumexp") and lse_max in outputs:
+    elif lse_max is not None:
       with jax.enable_x64(True):
         res[nm] = np.asarray(primitives.finish_lse(
             np.asarray(outputs[lse_max], np.float64), v))
@@ -83,11 +94,22 @@ def totals(outputs: dict, whole: bool) -> dict:
   return res
 
 
+def rel_diff(x: np.ndarray, y: np.ndarray) -> float:
+  """||x - y|| / ||y|| over the finite elements, where both have the same non-finite
+  ones (random inputs overflow an exp; both configs then give the same inf); inf where
+  they differ in which elements are finite, or in those elements' values."""
+  finite = np.isfinite(y)
+  if not np.array_equal(np.isfinite(x), finite) or not np.array_equal(
+      x[~finite], y[~finite], equal_nan=True):
+    return float("inf")
+  x, y = x[finite], y[finite]
+  return float(np.linalg.norm(x - y) / (np.linalg.norm(y) + 1e-30))
+
+
 def max_rel_diff(got: dict, want: dict) -> float:
   whole = any(np.shape(got[nm]) != np.shape(want[nm]) for nm in want)
   x, y = totals(got, whole), totals(want, whole)
-  return max(float(np.linalg.norm(x[nm] - y[nm]) / (np.linalg.norm(y[nm]) + 1e-30))
-             for nm in want)
+  return max(rel_diff(x[nm], y[nm]) for nm in want)
 
 
 def main(argv=None):

@@ -384,10 +384,74 @@ def _tall_tiles_pay(m: int, n: int, k: int, trans_a: bool, clip_m: bool, outputs
     return False
   if any(o.kind == epi.OutputKind.B_COLUMN_SUM for o in outputs):
     return False
-  if m % TALL_TILE_M == 0:
+  return _rows_tile(m, TALL_TILE_M, clip_m)
+
+
+def _rows_tile(m: int, tile_m: int, clip_m: bool) -> bool:
+  """Whether rows of ``tile_m`` tile M: exactly, or clipped with at most
+  TALL_TILE_MAX_WASTE of M past its end."""
+  if m % tile_m == 0:
     return True
-  padded = -(-m // TALL_TILE_M) * TALL_TILE_M
+  padded = -(-m // tile_m) * tile_m
   return clip_m and (padded - m) <= TALL_TILE_MAX_WASTE * m
+
+
+# The heuristic's wide tiles: 128 x WIDE_TILE_N warpgroup tiles. Two m64n192 wgmmas a K
+# step read 0.67 bytes of shared memory per multiply, against 0.75 for 128-wide tiles
+# (bench/NOTES.md, sixtieth session). Ping-pong (``_wide_pingpong_pays``): for GEMMs
+# with a light epilogue, N a multiple of WIDE_TILE_N, K up to WIDE_PINGPONG_MAX_K (0
+# turns them off), A stored (M, K) unless WIDE_PINGPONG_TRANS_A, and the tall tiles'
+# bounds on output size, clipped rows, stages and carried registers. Cooperative
+# (``_wide_cooperative_pays``): 256 x WIDE_TILE_N CTA tiles where their rounds of tiles
+# over HEURISTIC_NUM_SMS SMs, 1.5x as long each, take at most (1 + WIDE_COOPERATIVE_GAIN)
+# the 256 x 128 tiles' time (a negative gain turns them off).
+WIDE_TILE_N = 192
+WIDE_PINGPONG_MAX_K = 4096
+WIDE_PINGPONG_TRANS_A = 0
+WIDE_COOPERATIVE_GAIN = 0.03
+HEURISTIC_NUM_SMS = 132  # H100 SXM and H200; the heuristic is a function of shape only
+
+
+def _wide_pingpong_pays(m: int, n: int, k: int, trans_a: bool, clip_m: bool,
+                        outputs) -> bool:
+  """Whether the heuristic tries 128 x 192 ping-pong tiles in clusters along M (a 256 x
+  192 cluster tile multicasting the wider B tile) first, for a light epilogue.
+
+  Measured on the H200 with ``bench.heuristic_ab`` against the heuristic without wide
+  tiles (bench/NOTES.md, sixty-first session; bench/results/nvidia_h200/
+  heuristic_wide_tiles_*.md): at K = 2048, where it had picked the tall 192 x 128 tiles
+  of the same area, 0.965x-0.997x on 14 problems, and at M = 2048 (the LM head's row
+  chunks, which 192-row tiles clip) 0.92x-0.97x; at K = 3072 and 4096, where it had
+  picked cooperative 256 x 128 tiles, 0.92x-1.00x on 8 problems, where 256 x 192
+  cooperative tiles ran 0.95x-1.02x. With A stored (K, M) one problem was timed (an LM
+  head's weight gradient, 0.95x against 0.97x cooperative): left out. The bounds the
+  tall tiles keep (output size, stages, carried column partials, no B column sums)
+  apply unchanged: both hold 192 accumulators a thread."""
+  if (n % WIDE_TILE_N or k > WIDE_PINGPONG_MAX_K or m * n < TALL_TILE_MIN_OUTPUT
+      or (trans_a and not WIDE_PINGPONG_TRANS_A)):
+    return False
+  if any(o.kind == epi.OutputKind.B_COLUMN_SUM for o in outputs):
+    return False
+  return _rows_tile(m, 256, clip_m)
+
+
+def _wide_cooperative_pays(m: int, n: int) -> bool:
+  """Whether the heuristic tries 256 x 192 cooperative CTA tiles before 256 x 128 ones.
+
+  A persistent grid runs ceil(tiles / SMs) rounds of tiles; a wide tile takes 1.5x a
+  narrow one's time less what its fewer shared-memory reads save (WIDE_COOPERATIVE_GAIN).
+  So where the rounds come out level the wide tiles win by that, where they save a
+  round by more, and where they add part of a round they lose. Measured on the H200
+  (``_wide_pingpong_pays`` names where): weight gradients 2048 x 12288, 2048 x 6144,
+  4096 x 6144 (K = 8192, 16384) and an LM head's 4096 x 128256 x 2048 0.96x-0.99x;
+  2048 x 3072 x 16384, 128 wide tiles in one round against 192 narrow ones in two,
+  0.77x."""
+  if n % WIDE_TILE_N or WIDE_COOPERATIVE_GAIN < 0:
+    return False
+  rows = -(-m // 256)
+  narrow = -(-rows * -(-n // 128) // HEURISTIC_NUM_SMS)
+  wide = -(-rows * (n // WIDE_TILE_N) // HEURISTIC_NUM_SMS)
+  return wide * 1.5 <= narrow * (1 + WIDE_COOPERATIVE_GAIN)
 
 
 def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=None,
@@ -402,7 +466,11 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
   and light epilogues. Epilogues that move many bytes per element for their K (see
   ``epilogue_bytes_per_element``) get the ping-pong schedule first; large problems with
   a light epilogue and K up to 2048 get tall 192 x 128 ping-pong tiles first where 4
-  stages fit (``_tall_tiles_pay``, measured on the H100 and H200). Programs with
+  stages fit (``_tall_tiles_pay``, measured on the H100 and H200), and where N is a
+  multiple of 192 wide 128 x 192 ones before those, up to K = 4096
+  (``_wide_pingpong_pays``); cooperative tiles are 256 x 192 first where the rounds of
+  tiles over the SMs favour them (``_wide_cooperative_pays``; both measured on the
+  H200). Programs with
   column partials carry them down the warpgroup tile (``epi_column_sums_per_tile``)
   where that takes few registers (``COLUMN_SUMS_PER_TILE_MAX_REGISTERS``). The tuning
   cache (``autotune``) overrides all of this where it has the problem.
@@ -434,6 +502,9 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
       (128, 128, MatDim.M, MatDim.N), (128, 128, MatDim.M, None), (128, 128, MatDim.N, None),
       (128, 64, MatDim.N, None), (64, 128, MatDim.M, None), (64, 64, MatDim.N, None),
       (64, 32, MatDim.N, None), (128, 64, MatDim.M, None), (64, 64, MatDim.M, None)]
+  if _wide_cooperative_pays(m, n):
+    cooperative[:0] = [(128, WIDE_TILE_N, MatDim.M, MatDim.M),
+                       (128, WIDE_TILE_N, MatDim.M, MatDim.N)]
   candidates = [(Schedule.COOPERATIVE, *c) for c in cooperative]
   if epilogue_bytes_per_element(input_kinds, input_dtypes, outputs) * 2048 / k > 4:
     # The epilogue moves more than ~4 bytes per output element per 2048 of K: ping-pong
@@ -441,8 +512,11 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
     # (measured on the H100: bench/NOTES.md, issue 10). Deep rings before wide
     # epilogue sub-tiles, as below.
     candidates.insert(0, (Schedule.PINGPONG, 128, 128, MatDim.M, MatDim.N))
-  elif _tall_tiles_pay(m, n, k, trans_a, clip_m, outputs):
-    candidates.insert(0, (Schedule.PINGPONG, TALL_TILE_M, 128, MatDim.M, MatDim.N))
+  else:
+    if _tall_tiles_pay(m, n, k, trans_a, clip_m, outputs):
+      candidates.insert(0, (Schedule.PINGPONG, TALL_TILE_M, 128, MatDim.M, MatDim.N))
+    if _wide_pingpong_pays(m, n, k, trans_a, clip_m, outputs):
+      candidates.insert(0, (Schedule.PINGPONG, 128, WIDE_TILE_N, MatDim.M, MatDim.M))
   # (tile_k, stages), deepest K in flight first: with a large epilogue, 5 stages of 32
   # beat 2 of 64 by 10% (bench/NOTES.md, the SwiGLU backward GEMM).
   depths = [(64, 4), (64, 3), (32, 6), (32, 5), (32, 4), (64, 2), (32, 3), (16, 6), (16, 4),
@@ -453,8 +527,12 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
     stage_depths = depths
     if schedule == Schedule.PINGPONG:  # its stages hold half as much: more of them
       stage_depths = [(64, st) for st in (5, 4, 3)]
-    if tm == TALL_TILE_M:  # fewer than TALL_TILE_MIN_STAGES lost (_tall_tiles_pay)
+    wide_or_tall = tm == TALL_TILE_M or tn == WIDE_TILE_N
+    if wide_or_tall and schedule == Schedule.PINGPONG:
+      # fewer than TALL_TILE_MIN_STAGES lost (_tall_tiles_pay)
       stage_depths = [(64, st) for st in range(5, TALL_TILE_MIN_STAGES - 1, -1)]
+    elif wide_or_tall:  # 256 x 192 CTA tiles: three stages of 64 fit, four do not
+      stage_depths = [(64, 4), (64, 3)]
     for tk, stages in stage_depths:
       probe = GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, wg_dim=wg, cluster_dim=cl,
                          epi_tile_n=min(64, tn), schedule=schedule)
@@ -465,14 +543,18 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
         continue
       # Pipeline depth matters more than epilogue sub-tile width: try narrower sub-tiles
       # (smaller epilogue buffers) before fewer stages.
-      for en in ((32,) if schedule == Schedule.PINGPONG else (64, 32, 16)):
+      # 32-wide sub-tiles under 128 x 192 cooperative tiles too: level with 64-wide on
+      # plain products and weight gradients, 4-11% faster on the LM head's log-sum-exp
+      # (bench/results/nvidia_h200/tune_gemm_challenge_n192_f9b3aba.log).
+      for en in ((32,) if schedule == Schedule.PINGPONG or wide_or_tall
+                 else (64, 32, 16)):
         en = max(min(en, tn), min_epi_tile_n)
         if tn % en or en % min_epi_tile_n:
           continue
         for store_n in store_widths(en):
           cfg = dataclasses.replace(probe, epi_tile_n=en, stages=stages, epi_store_n=store_n)
-          if tm == TALL_TILE_M and (carried_column_registers(cfg, outputs)
-                                    > TALL_TILE_MAX_CARRIED_REGISTERS):
+          if wide_or_tall and (carried_column_registers(cfg, outputs)
+                               > TALL_TILE_MAX_CARRIED_REGISTERS):
             continue
           if smem_bytes(cfg, dtype, input_kinds, input_dtypes, outputs) <= SMEM_LIMIT_BYTES:
             return _column_sums_per_tile_if_cheap(cfg, outputs)

@@ -1484,6 +1484,34 @@ MUTATIONS = [
         "> 2 * TALL_TILE_MAX_CARRIED_REGISTERS):",
         ("tests/test_autotune.py", "-k", "heuristic_tall"),
         "two column partials carried down a 192-row tile: 32 of the 40 registers left"),
+    # ---- the heuristic's wide tiles (sixty-first session) ---------------------------------
+    Mutation(
+        "wide_pingpong_at_any_k", "pallas_kernels/gemm_mgpu.py",
+        "k > WIDE_PINGPONG_MAX_K or", "k > 4 * WIDE_PINGPONG_MAX_K or",
+        ("tests/test_autotune.py", "-k", "heuristic_wide"),
+        "128 x 192 ping-pong tiles past K = 4096, where nothing was measured"),
+    Mutation(
+        "wide_cooperative_rounds_ignored", "pallas_kernels/gemm_mgpu.py",
+        "  return wide * 1.5 <= narrow * (1 + WIDE_COOPERATIVE_GAIN)\n",
+        "  return True\n",
+        ("tests/test_autotune.py", "-k", "heuristic_wide"),
+        "256 x 192 cooperative tiles where their one round runs 1.5x the narrow tiles' one"),
+    Mutation(
+        "wide_cooperative_epi_64", "pallas_kernels/gemm_mgpu.py",
+        "if schedule == Schedule.PINGPONG or wide_or_tall\n",
+        "if schedule == Schedule.PINGPONG\n",
+        ("tests/test_autotune.py", "-k", "heuristic_wide"),
+        "64-wide sub-tiles under 256 x 192 cooperative tiles: 1.07x on the 8B LM head"),
+    Mutation(
+        "heuristic_ab_sums_lse_rest", "bench/heuristic_ab.py",
+        'if stem == s or stem.startswith(s + "_")]', "if stem == s]",
+        ("tests/test_bench_harness.py", "-k", "heuristic_ab"),
+        "an LSE's rest sums, relative to partial maxima, compared as plain sums (0.31 apart)"),
+    Mutation(
+        "heuristic_ab_inf_is_nan", "bench/heuristic_ab.py",
+        "  x, y = x[finite], y[finite]\n", "",
+        ("tests/test_bench_harness.py", "-k", "heuristic_ab"),
+        "an overflowed exp in both configs' outputs makes the check nan, which passes"),
     Mutation(
         "one_output_slot_at_any_depth", "pallas_kernels/autotune.py",
         "deeper.stages > cfg.stages else None",

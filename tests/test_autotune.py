@@ -662,7 +662,7 @@ def test_heuristic_carries_column_sums_down_the_tile_where_cheap():
 @pytest.mark.parametrize("m,n,k,trans_a,clip_m,col_partials,tall", [
     (16384, 2048, 2048, False, True, 0, True),     # clipped: 0.8% of a row wasted
     (12288, 4096, 1024, False, False, 0, True),    # M a multiple of 192
-    (2048, 128256, 2048, False, True, 0, True),    # an LM head's logits
+    (2048, 128000, 2048, False, True, 0, True),    # an LM head's logits (N % 192 != 0)
     (16384, 2048, 2048, False, False, 0, False),   # 192 does not divide M, no clip
     (16384, 2048, 4096, False, True, 0, False),    # K past TALL_TILE_MAX_K
     (16384, 2048, 2048, True, True, 0, False),     # a weight gradient (A is (K, M))
@@ -695,6 +695,53 @@ def test_heuristic_tall_tiles(m, n, k, trans_a, clip_m, col_partials, tall):
                                    outputs=(EpilogueOutput("out"), EpilogueOutput("o2")),
                                    trans_a=trans_a, clip_m=clip_m)
   assert heavy.tile_m == 128, heavy.describe()
+
+
+@pytest.mark.parametrize("m,n,k,trans_a,col_partials,heavy,want", [
+    (16384, 6144, 2048, False, 0, False, "pingpong"),   # was tall 192 x 128
+    (2048, 128256, 2048, False, 0, False, "pingpong"),  # an LM head's logits, M = 2048
+    (16384, 6144, 4096, False, 0, False, "pingpong"),   # was cooperative 256 x 128
+    (16384, 6144, 8192, False, 0, False, "cooperative"),  # K past WIDE_PINGPONG_MAX_K
+    (2048, 3072, 16384, True, 0, False, "cooperative"),   # dW: one round for two
+    (2048, 12288, 16384, True, 0, False, "cooperative"),  # dW: 4 rounds for 6
+    (1024, 4224, 16384, True, 0, False, None),  # 132 narrow tiles, one round: as long
+    (16384, 4096, 2048, False, 0, False, None),         # 192 does not divide N
+    (16384, 6144, 2048, False, 2, False, None),         # two column partials carried
+    (16384, 6144, 2048, False, 0, True, None),          # a heavy epilogue: 128 x 128
+])
+def test_heuristic_wide_tiles(m, n, k, trans_a, col_partials, heavy, want, monkeypatch):
+  """The heuristic picks 128 x 192 ping-pong tiles (clusters along M) for large
+  problems with a light epilogue, N a multiple of 192, K <= WIDE_PINGPONG_MAX_K and A
+  stored (M, K); 256 x 192 cooperative CTA tiles (32-wide sub-tiles) where the rounds
+  of tiles over 132 SMs favour them (``gemm_mgpu._wide_pingpong_pays``,
+  ``_wide_cooperative_pays``); with both turned off, what it picked before."""
+  outs = (EpilogueOutput("out"),) + tuple(
+      EpilogueOutput(f"cs{i}", OutputKind.COL_PARTIAL, jnp.float32)
+      for i in range(col_partials))
+  kinds = {"x0": InputKind.TILE, "x1": InputKind.TILE} if heavy else {}
+  dtypes = {"x0": jnp.float32, "x1": jnp.float32} if heavy else {}
+  if heavy:
+    outs += (EpilogueOutput("o2"),)
+
+  def heuristic():
+    return gemm_mgpu.default_config(m, n, k, input_kinds=kinds, input_dtypes=dtypes,
+                                    outputs=outs, trans_a=trans_a, clip_m=True)
+
+  cfg = heuristic()
+  got = cfg.schedule.name.lower() if cfg.tile_n == gemm_mgpu.WIDE_TILE_N else None
+  assert got == want, cfg.describe()
+  if want == "pingpong":
+    assert (cfg.tile_m, cfg.cluster_dim) == (128, MatDim.M), cfg.describe()
+    assert cfg.stages >= gemm_mgpu.TALL_TILE_MIN_STAGES, cfg.describe()
+  if want == "cooperative":
+    assert (cfg.tile_m, cfg.wg_dim, cfg.epi_tile_n) == (128, MatDim.M, 32), cfg.describe()
+    assert cfg.cta_tile == (256, gemm_mgpu.WIDE_TILE_N), cfg.describe()
+  monkeypatch.setattr(gemm_mgpu, "WIDE_PINGPONG_MAX_K", 0)
+  monkeypatch.setattr(gemm_mgpu, "WIDE_COOPERATIVE_GAIN", -1.0)
+  before = heuristic()
+  assert before.tile_n == 128, before.describe()
+  if want is None:
+    assert before == cfg, (before.describe(), cfg.describe())
 
 
 def test_heuristic_tall_tiles_need_four_stages(monkeypatch):

@@ -256,17 +256,31 @@ def test_heuristic_ab_constants_and_output_totals():
   assert gemm_mgpu.default_config(12288, 4096, 1024).tile_m == 192
   x = np.random.default_rng(0).normal(size=(64, 10)) * 5  # 64 columns, 10 rows
 
+  rest = np.arange(64)[:, None] != 5  # a RowLogSumExp's rest: all columns but one
+
   def partials(parts, scale=1.0):
     xs = np.split(x * scale, parts, axis=0)
+    keep = np.split(rest, parts, axis=0)
     return {"lse_max": np.stack([p.max(0) for p in xs]),
             "lse_sumexp": np.stack([np.exp(p - p.max(0)).sum(0) for p in xs]),
+            # relative to lse_max, as RowLogSumExp stores it (there is no lse_rest_max)
+            "lse_rest_sumexp": np.stack([(np.exp(p - p.max(0)) * k).sum(0)
+                                         for p, k in zip(xs, keep)]),
             "c": np.stack([p.sum(0) for p in xs])}
 
   assert H.max_rel_diff(partials(2), partials(4)) < 1e-12
   assert H.max_rel_diff(partials(2, 1.01), partials(4)) > 1e-3
-  lse = H.totals(partials(4), whole=True)["lse_sumexp"]
+  whole = H.totals(partials(4), whole=True)
   want = np.log(np.exp(x - x.max(0)).sum(0)) + x.max(0)
-  np.testing.assert_allclose(lse, want, rtol=1e-12)
+  np.testing.assert_allclose(whole["lse_sumexp"], want, rtol=1e-12)
+  want_rest = np.log((np.exp(x - x.max(0)) * rest).sum(0)) + x.max(0)
+  np.testing.assert_allclose(whole["lse_rest_sumexp"], want_rest, rtol=1e-12)
+  # an overflowed exp: the same inf in both compares equal; inf in one only does not
+  y = np.array([1.0, np.inf, 2.0])
+  assert H.rel_diff(y.copy(), y) == 0.0
+  assert H.rel_diff(np.array([1.0, 3.0, 2.0]), y) == np.inf
+  assert H.rel_diff(np.array([1.0, -np.inf, 2.0]), y) == np.inf
+  assert H.rel_diff(np.array([1.5, np.inf, 2.0]), y) > 0.1
 
 
 def test_heuristic_ab_refuses_off_the_gpu():
