@@ -420,13 +420,13 @@ def _wide_pingpong_pays(m: int, n: int, k: int, trans_a: bool, clip_m: bool,
   Measured on the H200 with ``bench.heuristic_ab`` against the heuristic without wide
   tiles (bench/NOTES.md, sixty-first session; bench/results/nvidia_h200/
   heuristic_wide_tiles_*.md): at K = 2048, where it had picked the tall 192 x 128 tiles
-  of the same area, 0.965x-0.997x on 14 problems, and at M = 2048 (the LM head's row
-  chunks, which 192-row tiles clip) 0.92x-0.97x; at K = 3072 and 4096, where it had
-  picked cooperative 256 x 128 tiles, 0.92x-1.00x on 8 problems, where 256 x 192
-  cooperative tiles ran 0.95x-1.02x. With A stored (K, M) one problem was timed (an LM
-  head's weight gradient, 0.95x against 0.97x cooperative): left out. The bounds the
-  tall tiles keep (output size, stages, carried column partials, no B column sums)
-  apply unchanged: both hold 192 accumulators a thread."""
+  of the same area, 0.965x-0.997x on 10 problems, and 0.923x on an LM head's 2048 x
+  128256 (M = 2048, which 192-row tiles clip); at K = 3072 and 4096, where it had
+  picked cooperative 256 x 128 tiles, 0.917x-0.996x on 8 problems, where 256 x 192
+  cooperative tiles ran 0.951x-1.019x. With A stored (K, M) one problem was timed (an
+  LM head's weight gradient, 0.949x against 0.968x cooperative, in one call): left out.
+  The bounds the tall tiles keep (output size, stages, carried column partials, no B
+  column sums) apply unchanged: both hold 192 accumulators a thread."""
   if (n % WIDE_TILE_N or k > WIDE_PINGPONG_MAX_K or m * n < TALL_TILE_MIN_OUTPUT
       or (trans_a and not WIDE_PINGPONG_TRANS_A)):
     return False
@@ -443,9 +443,9 @@ def _wide_cooperative_pays(m: int, n: int) -> bool:
   So where the rounds come out level the wide tiles win by that, where they save a
   round by more, and where they add part of a round they lose. Measured on the H200
   (``_wide_pingpong_pays`` names where): weight gradients 2048 x 12288, 2048 x 6144,
-  4096 x 6144 (K = 8192, 16384) and an LM head's 4096 x 128256 x 2048 0.96x-0.99x;
+  4096 x 6144 (K = 8192, 16384) and an LM head's 4096 x 128256 x 2048 0.961x-0.990x;
   2048 x 3072 x 16384, 128 wide tiles in one round against 192 narrow ones in two,
-  0.77x."""
+  0.769x. No problem where the rule says no was timed."""
   if n % WIDE_TILE_N or WIDE_COOPERATIVE_GAIN < 0:
     return False
   rows = -(-m // 256)
