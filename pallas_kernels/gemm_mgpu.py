@@ -406,6 +406,7 @@ def _rows_tile(m: int, tile_m: int, clip_m: bool) -> bool:
 # over HEURISTIC_NUM_SMS SMs, 1.5x as long each, take at most (1 + WIDE_COOPERATIVE_GAIN)
 # the 256 x 128 tiles' time (a negative gain turns them off).
 WIDE_TILE_N = 192
+WIDE_ROWS = 256  # rows the rules count in: a ping-pong cluster along M, a cooperative CTA
 WIDE_PINGPONG_MAX_K = 4096
 WIDE_PINGPONG_TRANS_A = 0
 WIDE_COOPERATIVE_GAIN = 0.03
@@ -432,7 +433,7 @@ def _wide_pingpong_pays(m: int, n: int, k: int, trans_a: bool, clip_m: bool,
     return False
   if any(o.kind == epi.OutputKind.B_COLUMN_SUM for o in outputs):
     return False
-  return _rows_tile(m, 256, clip_m)
+  return _rows_tile(m, WIDE_ROWS, clip_m)
 
 
 def _wide_cooperative_pays(m: int, n: int) -> bool:
@@ -449,10 +450,10 @@ def _wide_cooperative_pays(m: int, n: int) -> bool:
   narrow tiles, the wide ones as many rounds) they ran 1.33x-1.42x."""
   if n % WIDE_TILE_N or WIDE_COOPERATIVE_GAIN < 0:
     return False
-  rows = -(-m // 256)
+  rows = -(-m // WIDE_ROWS)
   narrow = -(-rows * -(-n // 128) // HEURISTIC_NUM_SMS)
   wide = -(-rows * (n // WIDE_TILE_N) // HEURISTIC_NUM_SMS)
-  return wide * 1.5 <= narrow * (1 + WIDE_COOPERATIVE_GAIN)
+  return wide * (WIDE_TILE_N / 128) <= narrow * (1 + WIDE_COOPERATIVE_GAIN)
 
 
 def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=None,
@@ -533,7 +534,7 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
       # fewer than TALL_TILE_MIN_STAGES lost (_tall_tiles_pay)
       stage_depths = [(64, st) for st in range(5, TALL_TILE_MIN_STAGES - 1, -1)]
     elif wide_or_tall:  # 256 x 192 CTA tiles: three stages of 64 fit, four do not
-      stage_depths = [(64, 4), (64, 3)]
+      stage_depths = [(64, 3)]
     for tk, stages in stage_depths:
       probe = GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, wg_dim=wg, cluster_dim=cl,
                          epi_tile_n=min(64, tn), schedule=schedule)

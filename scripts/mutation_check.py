@@ -1492,7 +1492,7 @@ MUTATIONS = [
         "128 x 192 ping-pong tiles past K = 4096, where nothing was measured"),
     Mutation(
         "wide_cooperative_rounds_ignored", "pallas_kernels/gemm_mgpu.py",
-        "  return wide * 1.5 <= narrow * (1 + WIDE_COOPERATIVE_GAIN)\n",
+        "  return wide * (WIDE_TILE_N / 128) <= narrow * (1 + WIDE_COOPERATIVE_GAIN)\n",
         "  return True\n",
         ("tests/test_autotune.py", "-k", "heuristic_wide"),
         "256 x 192 cooperative tiles where their one round runs 1.5x the narrow tiles' one"),
