@@ -421,7 +421,8 @@ def _wide_pingpong_pays(m: int, n: int, k: int, trans_a: bool, clip_m: bool,
   Measured on the H200 with ``bench.heuristic_ab`` against the heuristic without wide
   tiles (bench/NOTES.md, sixty-first session; bench/results/nvidia_h200/
   heuristic_wide_tiles_*.md): at K = 2048, where it had picked the tall 192 x 128 tiles
-  of the same area, 0.965x-0.997x on 10 problems, and 0.923x on an LM head's 2048 x
+  of the same area, 0.965x-0.997x on 10 problems (Qwen3's gate-up with z and y 1.003x in
+  a third run), and 0.923x on an LM head's 2048 x
   128256 (M = 2048, which 192-row tiles clip); at K = 3072 and 4096, where it had
   picked cooperative 256 x 128 tiles, 0.917x-0.996x on 8 problems, where 256 x 192
   cooperative tiles ran 0.951x-1.019x. With A stored (K, M) one problem was timed (an
