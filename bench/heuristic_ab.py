@@ -89,6 +89,10 @@ def totals(outputs: dict, whole: bool) -> dict:
       with jax.enable_x64(True):
         res[nm] = np.asarray(primitives.finish_lse(
             np.asarray(outputs[lse_max], np.float64), v))
+    elif nm.endswith("_sumexp"):  # summed, its partials would compare as noise
+      raise ValueError(f"output {nm!r}: no _max output names the maxima its sums of "
+                       "exp are relative to; name a RowLogSumExp's rest after its name "
+                       "(lse -> lse_rest)")
     else:
       res[nm] = v.sum(axis=0)
   return res

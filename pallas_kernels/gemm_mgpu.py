@@ -380,19 +380,23 @@ def _tall_tiles_pay(m: int, n: int, k: int, trans_a: bool, clip_m: bool, outputs
   TALL_TILE_MAX_CARRIED_REGISTERS of them (one 32-wide partial: GPT-2's GELU backward,
   16384 x 8192 x 2048, ran 0.86x to 0.90x in three runs on the H200). B's column sums
   have no measurement and are left out."""
-  if trans_a or k > TALL_TILE_MAX_K or m * n < TALL_TILE_MIN_OUTPUT:
+  return not trans_a and _large_pingpong_tiles_pay(m, n, k, clip_m, outputs,
+                                                   max_k=TALL_TILE_MAX_K, rows=TALL_TILE_M)
+
+
+def _large_pingpong_tiles_pay(m: int, n: int, k: int, clip_m: bool, outputs, *,
+                              max_k: int, rows: int) -> bool:
+  """The bounds the tall and the wide ping-pong tiles share (both hold 192
+  accumulators a thread): K up to ``max_k``, an output of at least TALL_TILE_MIN_OUTPUT
+  elements, no B column sums (not measured), and rows of ``rows`` that tile M exactly
+  or clipped with at most TALL_TILE_MAX_WASTE of M past its end."""
+  if k > max_k or m * n < TALL_TILE_MIN_OUTPUT:
     return False
   if any(o.kind == epi.OutputKind.B_COLUMN_SUM for o in outputs):
     return False
-  return _rows_tile(m, TALL_TILE_M, clip_m)
-
-
-def _rows_tile(m: int, tile_m: int, clip_m: bool) -> bool:
-  """Whether rows of ``tile_m`` tile M: exactly, or clipped with at most
-  TALL_TILE_MAX_WASTE of M past its end."""
-  if m % tile_m == 0:
+  if m % rows == 0:
     return True
-  padded = -(-m // tile_m) * tile_m
+  padded = -(-m // rows) * rows
   return clip_m and (padded - m) <= TALL_TILE_MAX_WASTE * m
 
 
@@ -422,19 +426,17 @@ def _wide_pingpong_pays(m: int, n: int, k: int, trans_a: bool, clip_m: bool,
   tiles (bench/NOTES.md, sixty-first session; bench/results/nvidia_h200/
   heuristic_wide_tiles_*.md): at K = 2048, where it had picked the tall 192 x 128 tiles
   of the same area, 0.965x-0.997x on 10 problems (Qwen3's gate-up with z and y 1.003x in
-  a third run), and 0.923x on an LM head's 2048 x
-  128256 (M = 2048, which 192-row tiles clip); at K = 3072 and 4096, where it had
+  a third run), and 0.923x on an LM head's 2048 x 128256 (M = 2048, which 192-row tiles
+  clip); at K = 3072 and 4096, where it had
   picked cooperative 256 x 128 tiles, 0.917x-0.996x on 8 problems, where 256 x 192
   cooperative tiles ran 0.951x-1.019x. With A stored (K, M) one problem was timed (an
   LM head's weight gradient, 0.949x against 0.968x cooperative, in one call): left out.
-  The bounds the tall tiles keep (output size, stages, carried column partials, no B
-  column sums) apply unchanged: both hold 192 accumulators a thread."""
-  if (n % WIDE_TILE_N or k > WIDE_PINGPONG_MAX_K or m * n < TALL_TILE_MIN_OUTPUT
-      or (trans_a and not WIDE_PINGPONG_TRANS_A)):
+  The bounds the tall tiles keep (output size, clipped rows, stages, carried column
+  partials, no B column sums; ``_large_pingpong_tiles_pay``) apply unchanged."""
+  if n % WIDE_TILE_N or (trans_a and not WIDE_PINGPONG_TRANS_A):
     return False
-  if any(o.kind == epi.OutputKind.B_COLUMN_SUM for o in outputs):
-    return False
-  return _rows_tile(m, WIDE_ROWS, clip_m)
+  return _large_pingpong_tiles_pay(m, n, k, clip_m, outputs, max_k=WIDE_PINGPONG_MAX_K,
+                                   rows=WIDE_ROWS)
 
 
 def _wide_cooperative_pays(m: int, n: int) -> bool:

@@ -1487,7 +1487,7 @@ MUTATIONS = [
     # ---- the heuristic's wide tiles (sixty-first session) ---------------------------------
     Mutation(
         "wide_pingpong_at_any_k", "pallas_kernels/gemm_mgpu.py",
-        "k > WIDE_PINGPONG_MAX_K or", "k > 4 * WIDE_PINGPONG_MAX_K or",
+        "max_k=WIDE_PINGPONG_MAX_K,", "max_k=4 * WIDE_PINGPONG_MAX_K,",
         ("tests/test_autotune.py", "-k", "heuristic_wide"),
         "128 x 192 ping-pong tiles past K = 4096, where nothing was measured"),
     Mutation(

@@ -659,6 +659,14 @@ def test_heuristic_carries_column_sums_down_the_tile_where_cheap():
   assert gemm_mgpu.carried_column_registers(wide, (col,)) == 64
 
 
+def _heavy_epilogue():
+  """(input kinds, input dtypes, outputs) of an epilogue the heuristic gives 128 x 128
+  ping-pong tiles: two fp32 tile operands and two tile outputs."""
+  return ({"x0": InputKind.TILE, "x1": InputKind.TILE},
+          {"x0": jnp.float32, "x1": jnp.float32},
+          (EpilogueOutput("out"), EpilogueOutput("o2")))
+
+
 @pytest.mark.parametrize("m,n,k,trans_a,clip_m,col_partials,tall", [
     (16384, 2048, 2048, False, True, 0, True),     # clipped: 0.8% of a row wasted
     (12288, 4096, 1024, False, False, 0, True),    # M a multiple of 192
@@ -689,11 +697,9 @@ def test_heuristic_tall_tiles(m, n, k, trans_a, clip_m, col_partials, tall):
             <= gemm_mgpu.TALL_TILE_MAX_CARRIED_REGISTERS)
     assert cfg.epi_column_sums_per_tile == bool(col_partials), cfg.describe()
   # a heavy epilogue (two tile operands, two tile outputs) keeps 128 x 128 ping-pong
-  kinds = {"x0": InputKind.TILE, "x1": InputKind.TILE}
-  dtypes = {"x0": jnp.float32, "x1": jnp.float32}
+  kinds, dtypes, outs = _heavy_epilogue()
   heavy = gemm_mgpu.default_config(m, n, k, input_kinds=kinds, input_dtypes=dtypes,
-                                   outputs=(EpilogueOutput("out"), EpilogueOutput("o2")),
-                                   trans_a=trans_a, clip_m=clip_m)
+                                   outputs=outs, trans_a=trans_a, clip_m=clip_m)
   assert heavy.tile_m == 128, heavy.describe()
 
 
@@ -718,10 +724,9 @@ def test_heuristic_wide_tiles(m, n, k, trans_a, col_partials, heavy, want, monke
   outs = (EpilogueOutput("out"),) + tuple(
       EpilogueOutput(f"cs{i}", OutputKind.COL_PARTIAL, jnp.float32)
       for i in range(col_partials))
-  kinds = {"x0": InputKind.TILE, "x1": InputKind.TILE} if heavy else {}
-  dtypes = {"x0": jnp.float32, "x1": jnp.float32} if heavy else {}
+  kinds, dtypes = {}, {}
   if heavy:
-    outs += (EpilogueOutput("o2"),)
+    kinds, dtypes, outs = _heavy_epilogue()
 
   def heuristic():
     return gemm_mgpu.default_config(m, n, k, input_kinds=kinds, input_dtypes=dtypes,

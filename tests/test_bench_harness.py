@@ -275,6 +275,9 @@ def test_heuristic_ab_constants_and_output_totals():
   np.testing.assert_allclose(whole["lse_sumexp"], want, rtol=1e-12)
   want_rest = np.log((np.exp(x - x.max(0)) * rest).sum(0)) + x.max(0)
   np.testing.assert_allclose(whole["lse_rest_sumexp"], want_rest, rtol=1e-12)
+  unpaired = {"lse_sumexp": partials(4)["lse_sumexp"], "c": partials(4)["c"]}
+  with pytest.raises(ValueError, match="lse_sumexp"):
+    H.totals(unpaired, whole=True)
   # an overflowed exp: the same inf in both compares equal; inf in one only does not
   y = np.array([1.0, np.inf, 2.0])
   assert H.rel_diff(y.copy(), y) == 0.0
