@@ -404,15 +404,15 @@ def _large_pingpong_tiles_pay(m: int, n: int, k: int, clip_m: bool, outputs, *,
 # step read 0.67 bytes of shared memory per multiply, against 0.75 for 128-wide tiles
 # (bench/NOTES.md, sixtieth session). Ping-pong (``_wide_pingpong_pays``): for GEMMs
 # with a light epilogue, N a multiple of WIDE_TILE_N, K up to WIDE_PINGPONG_MAX_K (0
-# turns them off), A stored (M, K) unless WIDE_PINGPONG_TRANS_A, and the tall tiles'
-# bounds on output size, clipped rows, stages and carried registers. Cooperative
-# (``_wide_cooperative_pays``): 256 x WIDE_TILE_N CTA tiles where their rounds of tiles
-# over HEURISTIC_NUM_SMS SMs, 1.5x as long each, take at most (1 + WIDE_COOPERATIVE_GAIN)
-# the 256 x 128 tiles' time (a negative gain turns them off).
+# turns them off), A in either order (WIDE_PINGPONG_TRANS_A = 0 keeps them to A stored
+# (M, K)), and the tall tiles' bounds on output size, clipped rows, stages and carried
+# registers. Cooperative (``_wide_cooperative_pays``): 256 x WIDE_TILE_N CTA tiles where
+# their rounds of tiles over HEURISTIC_NUM_SMS SMs, 1.5x as long each, take at most
+# (1 + WIDE_COOPERATIVE_GAIN) the 256 x 128 tiles' time (a negative gain turns them off).
 WIDE_TILE_N = 192
 WIDE_ROWS = 256  # rows the rules count in: a ping-pong cluster along M, a cooperative CTA
 WIDE_PINGPONG_MAX_K = 4096
-WIDE_PINGPONG_TRANS_A = 0
+WIDE_PINGPONG_TRANS_A = 1
 WIDE_COOPERATIVE_GAIN = 0.03
 HEURISTIC_NUM_SMS = 132  # H100 SXM and H200; the heuristic is a function of shape only
 
@@ -420,7 +420,8 @@ HEURISTIC_NUM_SMS = 132  # H100 SXM and H200; the heuristic is a function of sha
 def _wide_pingpong_pays(m: int, n: int, k: int, trans_a: bool, clip_m: bool,
                         outputs) -> bool:
   """Whether the heuristic tries 128 x 192 ping-pong tiles in clusters along M (a 256 x
-  192 cluster tile multicasting the wider B tile) first, for a light epilogue.
+  192 cluster tile multicasting the wider B tile) first, for a light epilogue, A in
+  either order.
 
   Measured on the H200 with ``bench.heuristic_ab`` against the heuristic without wide
   tiles (bench/NOTES.md, sixty-first session; bench/results/nvidia_h200/
@@ -429,10 +430,13 @@ def _wide_pingpong_pays(m: int, n: int, k: int, trans_a: bool, clip_m: bool,
   a third run), and 0.923x on an LM head's 2048 x 128256 (M = 2048, which 192-row tiles
   clip); at K = 3072 and 4096, where it had
   picked cooperative 256 x 128 tiles, 0.917x-0.996x on 8 problems, where 256 x 192
-  cooperative tiles ran 0.951x-1.019x. With A stored (K, M) one problem was timed (an
-  LM head's weight gradient, 0.949x against 0.968x cooperative, in one call): left out.
-  The bounds the tall tiles keep (output size, clipped rows, stages, carried column
-  partials, no B column sums; ``_large_pingpong_tiles_pay``) apply unchanged."""
+  cooperative tiles ran 0.951x-1.019x. With A stored (K, M) (an LM head's chunked weight
+  gradient, 4096 x 128256 x 2048, the only such problem of the workloads that passes the
+  bounds), against the 256 x 192 cooperative tiles the heuristic picked otherwise: 0.949x
+  (sixty-first session), 0.958x in three rounds and, as the tuner timed them, 0.917x
+  (sixty-second). The bounds the tall tiles keep (output size, clipped rows, stages,
+  carried column partials, no B column sums; ``_large_pingpong_tiles_pay``) apply
+  unchanged."""
   if n % WIDE_TILE_N or (trans_a and not WIDE_PINGPONG_TRANS_A):
     return False
   return _large_pingpong_tiles_pay(m, n, k, clip_m, outputs, max_k=WIDE_PINGPONG_MAX_K,

@@ -708,6 +708,7 @@ def test_heuristic_tall_tiles(m, n, k, trans_a, clip_m, col_partials, tall):
     (2048, 128256, 2048, False, 0, False, "pingpong"),  # an LM head's logits, M = 2048
     (16384, 6144, 4096, False, 0, False, "pingpong"),   # was cooperative 256 x 128
     (16384, 6144, 8192, False, 0, False, "cooperative"),  # K past WIDE_PINGPONG_MAX_K
+    (4096, 128256, 2048, True, 0, False, "pingpong"),   # an LM head's dW chunk, A (K, M)
     (2048, 3072, 16384, True, 0, False, "cooperative"),   # dW: one round for two
     (2048, 12288, 16384, True, 0, False, "cooperative"),  # dW: 4 rounds for 6
     (1024, 4224, 16384, True, 0, False, None),  # 132 narrow tiles, one round: as long
@@ -717,8 +718,8 @@ def test_heuristic_tall_tiles(m, n, k, trans_a, clip_m, col_partials, tall):
 ])
 def test_heuristic_wide_tiles(m, n, k, trans_a, col_partials, heavy, want, monkeypatch):
   """The heuristic picks 128 x 192 ping-pong tiles (clusters along M) for large
-  problems with a light epilogue, N a multiple of 192, K <= WIDE_PINGPONG_MAX_K and A
-  stored (M, K); 256 x 192 cooperative CTA tiles (32-wide sub-tiles) where the rounds
+  problems with a light epilogue, N a multiple of 192 and K <= WIDE_PINGPONG_MAX_K, A in
+  either order; 256 x 192 cooperative CTA tiles (32-wide sub-tiles) where the rounds
   of tiles over 132 SMs favour them (``gemm_mgpu._wide_pingpong_pays``,
   ``_wide_cooperative_pays``); with both turned off, what it picked before."""
   outs = (EpilogueOutput("out"),) + tuple(
