@@ -1755,7 +1755,9 @@ def gemm(a: jax.Array, b: jax.Array, *,
       caller donates it), e.g. accumulating a gradient into its previous value. Each
       element is read before it is written, by the same CTA; where the output adds to
       that very operand (``EpilogueOutput.adds_to``), nothing reads it: the TMA store
-      adds to the buffer (compiled kernels; the interpreter stages and adds).
+      adds to the buffer (compiled kernels; the interpreter stages and adds). For whole
+      buffers only: XLA copies a slice of a larger array (a scan's xs, a stacked
+      residual) out to a buffer of its own first, a pass over memory that saves nothing.
     config: tuning; default the tuned config for this problem from the on-disk cache
       (``autotune.lookup``), else ``default_config``'s heuristic.
     num_sms: size of the persistent grid; default the device's SM count.
