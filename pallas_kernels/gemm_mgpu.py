@@ -409,11 +409,14 @@ def _large_pingpong_tiles_pay(m: int, n: int, k: int, clip_m: bool, outputs, *,
 # registers. Cooperative (``_wide_cooperative_pays``): 256 x WIDE_TILE_N CTA tiles where
 # their rounds of tiles over HEURISTIC_NUM_SMS SMs, 1.5x as long each, take at most
 # (1 + WIDE_COOPERATIVE_GAIN) the 256 x 128 tiles' time (a negative gain turns them off).
+# Heavy epilogues (``_wide_heavy_pays``): ping-pong tiles clustered along N, K up to
+# WIDE_HEAVY_MAX_K (0 turns them off), where their rounds are no longer.
 WIDE_TILE_N = 192
 WIDE_ROWS = 256  # rows the rules count in: a ping-pong cluster along M, a cooperative CTA
 WIDE_PINGPONG_MAX_K = 4096
 WIDE_PINGPONG_TRANS_A = 1
 WIDE_COOPERATIVE_GAIN = 0.03
+WIDE_HEAVY_MAX_K = 2048
 HEURISTIC_NUM_SMS = 132  # H100 SXM and H200; the heuristic is a function of shape only
 
 
@@ -443,24 +446,53 @@ def _wide_pingpong_pays(m: int, n: int, k: int, trans_a: bool, clip_m: bool,
                                    rows=WIDE_ROWS)
 
 
-def _wide_cooperative_pays(m: int, n: int) -> bool:
-  """Whether the heuristic tries 256 x 192 cooperative CTA tiles before 256 x 128 ones.
+def _wide_heavy_pays(m: int, n: int, k: int, clip_m: bool, outputs) -> bool:
+  """Whether the heuristic tries 128 x 192 ping-pong tiles in clusters along N before
+  the 128 x 128 ones it gives a heavy epilogue (one that moves more than ~4 bytes an
+  element per 2048 of K): N a multiple of 192, K up to WIDE_HEAVY_MAX_K (0 turns them
+  off), rounds of tiles over the SMs no longer than the 128 x 128 tiles'
+  (``_wide_rounds_pay`` with no gain), and the tall tiles' other bounds
+  (``_large_pingpong_tiles_pay``; ``default_config`` keeps their 4 stages).
 
-  A persistent grid runs ceil(tiles / SMs) rounds of tiles; a wide tile takes 1.5x a
-  narrow one's time less what its fewer shared-memory reads save (WIDE_COOPERATIVE_GAIN).
-  So where the rounds come out level the wide tiles win by that, where they save a
-  round by more, and where they add part of a round they lose. Measured on the H200
-  (``_wide_pingpong_pays`` names where): weight gradients 2048 x 12288, 2048 x 6144,
-  4096 x 6144 (K = 8192, 16384) and an LM head's 4096 x 128256 x 2048 0.961x-0.990x;
-  2048 x 3072 x 16384, 128 wide tiles in one round against 192 narrow ones in two,
-  0.769x-0.773x. Where the rule says no (1024 and 2048 x 4224 x 8192: 132 and 264
-  narrow tiles, the wide ones as many rounds) they ran 1.33x-1.42x."""
-  if n % WIDE_TILE_N or WIDE_COOPERATIVE_GAIN < 0:
+  Measured on the H200 with ``bench.heuristic_ab`` (bench/NOTES.md, sixty-second
+  session; bench/results/nvidia_h200/heuristic_wide_heavy_3a14563.md), residual + sum
+  of squares and bias + LayerNorm statistics at K = 2048: at 16384 x 3072, 32768 x 1536
+  and 4096 x 12288, where the rounds come out level, 0.951x-1.003x (0.970x in geometric
+  mean over 6); at 16384 x 6144, where they take 48 rounds' time for 47, 0.999x-1.012x,
+  which the rounds check turns down. The SwiGLU backward's z operand, twice as wide,
+  leaves 128 x 192 tiles fewer than 4 stages (with fewer they ran 1.025x and slower on
+  Qwen3's 16384 x 6144 x 2048; sixtieth session), so it keeps 128 x 128 tiles."""
+  if n % WIDE_TILE_N:
     return False
-  rows = -(-m // WIDE_ROWS)
+  return (_wide_rounds_pay(-(-m // 128), n, gain=0.0)
+          and _large_pingpong_tiles_pay(m, n, k, clip_m, outputs, max_k=WIDE_HEAVY_MAX_K,
+                                        rows=128))
+
+
+def _wide_rounds_pay(rows: int, n: int, gain: float) -> bool:
+  """Whether ``rows`` rows of tiles 192 wide take at most (1 + gain) the time of the same
+  rows of 128-wide tiles over N, counted in rounds of tiles over HEURISTIC_NUM_SMS SMs,
+  a wide tile 1.5x a narrow one's time: where the rounds come out level the wide tiles
+  win by what their fewer shared-memory reads save, where they save a round by more,
+  and where they add part of a round they lose."""
   narrow = -(-rows * -(-n // 128) // HEURISTIC_NUM_SMS)
   wide = -(-rows * (n // WIDE_TILE_N) // HEURISTIC_NUM_SMS)
-  return wide * (WIDE_TILE_N / 128) <= narrow * (1 + WIDE_COOPERATIVE_GAIN)
+  return wide * (WIDE_TILE_N / 128) <= narrow * (1 + gain)
+
+
+def _wide_cooperative_pays(m: int, n: int) -> bool:
+  """Whether the heuristic tries 256 x 192 cooperative CTA tiles before 256 x 128 ones:
+  where their rounds of tiles favour them by WIDE_COOPERATIVE_GAIN
+  (``_wide_rounds_pay``; a negative gain turns them off).
+
+  Measured on the H200 (``_wide_pingpong_pays`` names where): weight gradients 2048 x
+  12288, 2048 x 6144, 4096 x 6144 (K = 8192, 16384) and an LM head's 4096 x 128256 x
+  2048 0.961x-0.990x; 2048 x 3072 x 16384, 128 wide tiles in one round against 192
+  narrow ones in two, 0.769x-0.773x. Where the rule says no (1024 and 2048 x 4224 x
+  8192: 132 and 264 narrow tiles, the wide ones as many rounds) they ran 1.33x-1.42x."""
+  if n % WIDE_TILE_N or WIDE_COOPERATIVE_GAIN < 0:
+    return False
+  return _wide_rounds_pay(-(-m // WIDE_ROWS), n, WIDE_COOPERATIVE_GAIN)
 
 
 def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=None,
@@ -477,9 +509,10 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
   a light epilogue and K up to 2048 get tall 192 x 128 ping-pong tiles first where 4
   stages fit (``_tall_tiles_pay``, measured on the H100 and H200), and where N is a
   multiple of 192 wide 128 x 192 ones before those, up to K = 4096
-  (``_wide_pingpong_pays``); cooperative tiles are 256 x 192 first where the rounds of
-  tiles over the SMs favour them (``_wide_cooperative_pays``; both measured on the
-  H200). Programs with
+  (``_wide_pingpong_pays``), as do heavy epilogues up to K = 2048 where the rounds of
+  tiles over the SMs are no longer (``_wide_heavy_pays``); cooperative tiles are 256 x
+  192 first where those rounds favour them (``_wide_cooperative_pays``; all three
+  measured on the H200). Programs with
   column partials carry them down the warpgroup tile (``epi_column_sums_per_tile``)
   where that takes few registers (``COLUMN_SUMS_PER_TILE_MAX_REGISTERS``). The tuning
   cache (``autotune``) overrides all of this where it has the problem.
@@ -521,6 +554,8 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
     # (measured on the H100: bench/NOTES.md, issue 10). Deep rings before wide
     # epilogue sub-tiles, as below.
     candidates.insert(0, (Schedule.PINGPONG, 128, 128, MatDim.M, MatDim.N))
+    if _wide_heavy_pays(m, n, k, clip_m, outputs):
+      candidates.insert(0, (Schedule.PINGPONG, 128, WIDE_TILE_N, MatDim.M, MatDim.N))
   else:
     if _tall_tiles_pay(m, n, k, trans_a, clip_m, outputs):
       candidates.insert(0, (Schedule.PINGPONG, TALL_TILE_M, 128, MatDim.M, MatDim.N))

@@ -1496,8 +1496,14 @@ MUTATIONS = [
         ("tests/test_autotune.py", "-k", "heuristic_wide"),
         "the LM head's chunked dW back on cooperative 256 x 192 tiles, 4-8% slower"),
     Mutation(
+        "wide_heavy_rounds_ignored", "pallas_kernels/gemm_mgpu.py",
+        "  return (_wide_rounds_pay(-(-m // 128), n, gain=0.0)\n          and ",
+        "  return (True\n          and ",
+        ("tests/test_autotune.py", "-k", "heuristic_wide"),
+        "heavy epilogues in 128 x 192 tiles where they add part of a round (1.012x)"),
+    Mutation(
         "wide_cooperative_rounds_ignored", "pallas_kernels/gemm_mgpu.py",
-        "  return wide * (WIDE_TILE_N / 128) <= narrow * (1 + WIDE_COOPERATIVE_GAIN)\n",
+        "  return _wide_rounds_pay(-(-m // WIDE_ROWS), n, WIDE_COOPERATIVE_GAIN)\n",
         "  return True\n",
         ("tests/test_autotune.py", "-k", "heuristic_wide"),
         "256 x 192 cooperative tiles where their one round runs 1.5x the narrow tiles' one"),

@@ -750,6 +750,42 @@ def test_heuristic_wide_tiles(m, n, k, trans_a, col_partials, heavy, want, monke
     assert before == cfg, (before.describe(), cfg.describe())
 
 
+@pytest.mark.parametrize("m,n,k,wide_operand,wide", [
+    (16384, 3072, 2048, False, True),    # rounds level: 16 of 1.5 for 24
+    (32768, 1536, 2048, False, True),
+    (4096, 12288, 2048, False, True),
+    (16384, 6144, 2048, False, False),   # 32 rounds of 1.5 for 47: turned down
+    (16384, 3072, 2048, True, False),    # SwiGLU's double-width z: fewer than 4 stages
+    (16384, 2048, 2048, False, False),   # 192 does not divide N
+])
+def test_heuristic_wide_tiles_heavy_epilogue(m, n, k, wide_operand, wide, monkeypatch):
+  """A heavy epilogue gets 128 x 192 ping-pong tiles clustered along N before 128 x 128
+  ones where N is a multiple of 192, K <= WIDE_HEAVY_MAX_K, 4 stages fit (not beside a
+  double-width tile operand) and its rounds of tiles over the SMs are no longer
+  (``gemm_mgpu._wide_heavy_pays``); with WIDE_HEAVY_MAX_K = 0, the 128 x 128 tiles. The
+  epilogue is shaped as residual + statistics (a bf16 tile operand, two bf16 tile
+  outputs, row partials: 6 bytes an element)."""
+  kinds, dtypes = {"x0": InputKind.TILE}, {"x0": jnp.bfloat16}
+  outs = (EpilogueOutput("x1"), EpilogueOutput("h"),
+          EpilogueOutput("ss", OutputKind.ROW_PARTIAL, jnp.float32))
+  if wide_operand:
+    kinds = dict(kinds, z=InputKind.WIDE_TILE)
+    dtypes = dict(dtypes, z=jnp.bfloat16)
+
+  def heuristic():
+    return gemm_mgpu.default_config(m, n, k, input_kinds=kinds, input_dtypes=dtypes,
+                                    outputs=outs, clip_m=True)
+
+  cfg = heuristic()
+  assert cfg.schedule == Schedule.PINGPONG, cfg.describe()
+  assert (cfg.tile_m, cfg.tile_n) == ((128, 192) if wide else (128, 128)), cfg.describe()
+  if wide:
+    assert cfg.cluster_dim == MatDim.N, cfg.describe()
+    assert cfg.stages >= gemm_mgpu.TALL_TILE_MIN_STAGES, cfg.describe()
+  monkeypatch.setattr(gemm_mgpu, "WIDE_HEAVY_MAX_K", 0)
+  assert heuristic().tile_n == 128, heuristic().describe()
+
+
 def test_heuristic_tall_tiles_need_four_stages(monkeypatch):
   """Where only 3 stages of 64 fit beside the epilogue's buffers (a bf16 tile operand
   in 128-wide sub-tiles), the heuristic passes over the tall tiles: 3 stages ran up to
