@@ -714,7 +714,7 @@ def test_heuristic_tall_tiles(m, n, k, trans_a, clip_m, col_partials, tall):
     (1024, 4224, 16384, True, 0, False, None),  # 132 narrow tiles, one round: as long
     (16384, 4096, 2048, False, 0, False, None),         # 192 does not divide N
     (16384, 6144, 2048, False, 2, False, None),         # two column partials carried
-    (16384, 6144, 2048, False, 0, True, None),          # a heavy epilogue: 128 x 128
+    (16384, 6144, 2048, False, 0, True, None),  # heavy, fp32 operands: under 4 stages
 ])
 def test_heuristic_wide_tiles(m, n, k, trans_a, col_partials, heavy, want, monkeypatch):
   """The heuristic picks 128 x 192 ping-pong tiles (clusters along M) for large
