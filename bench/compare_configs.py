@@ -32,7 +32,9 @@ memory it frees buys a stage (bench/NOTES.md, fortieth session).
 ``--trace DIR`` runs each (problem, variant) once more with Mosaic GPU's on-device
 profiler (``gemm_mgpu.traced``), writes its trace under ``DIR/<problem>/<variant>/``, and
 prints a second table: per tile, the cycles of the warpgroups' mainloop, epilogue and the
-epilogue's waits (``bench.kernel_trace``). ``--shapes`` and ``--programs`` choose the
+epilogue's waits (``bench.kernel_trace``). ``--trace-waits off`` leaves the waits out, so
+that a kernel with little shared memory to spare traces its steady state, not only its
+first tiles (the table's "per wg" column says how many it got). ``--shapes`` and ``--programs`` choose the
 ``bench`` workload's problems, as in ``bench.tune_gemm``.
 
 ``--xla-dot`` adds a row per problem: the plain product at its shape and operand order
@@ -141,13 +143,15 @@ def deepens(problem: autotune.Problem, overrides: dict) -> bool:
 XLA_DOT = "xla dot"
 
 
-def traced_run(problem: autotune.Problem, cfg, num_sms, inputs, folder: str) -> dict:
+def traced_run(problem: autotune.Problem, cfg, num_sms, inputs, folder: str,
+               waits: bool = True) -> dict:
   """Runs ``problem`` once under ``cfg`` on ``inputs`` (a, b, operands) with the
   on-device profiler, its trace written into ``folder`` (made; must hold no trace yet),
-  and returns ``kernel_trace``'s summary of it."""
+  and returns ``kernel_trace``'s summary of it. ``waits``: as ``gemm_mgpu.traced``'s
+  (False: mainloops and epilogues only, for many more tiles)."""
   if glob.glob(os.path.join(folder, "*.json")):
     raise ValueError(f"--trace: {folder} holds traces already; name an empty folder")
-  with g.traced(folder):
+  with g.traced(folder, waits=waits):
     fn = problem.jitted(cfg, num_sms)  # traced afresh, under the profiler
     jax.block_until_ready(fn(*inputs))
   found = glob.glob(os.path.join(folder, "*.json"))
@@ -158,11 +162,13 @@ def traced_run(problem: autotune.Problem, cfg, num_sms, inputs, folder: str) -> 
 
 def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
         sustained_s: float | None = None, xla_dot: bool = False,
-        trace_dir: str | None = None, where: str = "") -> list[dict]:
+        trace_dir: str | None = None, where: str = "", trace_waits: bool = True
+        ) -> list[dict]:
   """The problem under its chosen config ("base") and each variant, and with
   ``xla_dot`` the plain product at its shape and operand order through
   ``lax.dot_general`` (cuBLAS, no epilogue: the row named ``XLA_DOT``). With
-  ``trace_dir``, each config's row also gets ``trace``: ``traced_run``'s summary."""
+  ``trace_dir``, each config's row also gets ``trace``: ``traced_run``'s summary
+  (``trace_waits``: its ``waits``)."""
   base, source = autotune.chosen_config(problem)
   a, b, ops = problem.random_inputs(seed=1)
   rows, calls = [], {}
@@ -201,7 +207,7 @@ def run(problem: autotune.Problem, variants, iterations: int, ncu: bool,
             trace_dir, common.device_slug(f"{where} {k.m}x{k.n}x{k.k} {k.order} {digest}"),
             common.device_slug(name))
         row["trace"] = traced_run(dataclasses.replace(problem, clip_m=clip_m), cfg,
-                                  num_sms, (a, b, ops), folder)
+                                  num_sms, (a, b, ops), folder, waits=trace_waits)
     except Exception as e:  # noqa: BLE001  a variant that does not fit is reported
       row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
     rows.append(row)
@@ -238,6 +244,10 @@ def main():
   p.add_argument("--trace", default=None, metavar="DIR",
                  help="also run each config once under the on-device profiler, traces "
                  "into DIR, and print cycles per tile by region (bench.kernel_trace)")
+  p.add_argument("--trace-waits", choices=("on", "off"), default="on",
+                 help="with --trace: 'off' notes mainloops and epilogues only, so the "
+                 "profiler's buffer holds ~10x more tiles (a kernel that leaves little "
+                 "shared memory otherwise traces only its first few)")
   p.add_argument("--plain", action="append", default=[], help="MxNxK:ORDER plain GEMMs")
   p.add_argument("--variant", action="append", default=[],
                  help="NAME=FIELD=VALUE,... (repeatable)")
@@ -288,7 +298,7 @@ def main():
   for where, problem in problems:
     k = problem.key
     rows, source = run(problem, variants, args.iterations, args.ncu, args.sustained_s,
-                       args.xla_dot, args.trace, where)
+                       args.xla_dot, args.trace, where, args.trace_waits == "on")
     program = k.signature.split(";")[0][:60]
     traced.update({f"{where}: {program} {k.m}x{k.n}x{k.k} {row['variant']}": row["trace"]
                    for row in rows if "trace" in row})

@@ -18,6 +18,14 @@ writes one Chrome trace (JSON; open it in Perfetto to see the timeline).
 ``summarise`` reduces a trace to one row: per tile of a compute warpgroup, in cycles
 (medians over the warpgroups' tiles, the first and last tile of each left out):
 
+- ``tiles``: how many tiles the medians are over; ``per wg``: the fewest of them any one
+  compute warpgroup gave. The profiler's buffer lives in the shared memory the config
+  leaves, and a tile notes a region per K step and two per epilogue sub-tile, so a
+  heavy program's trace may hold each warpgroup's first two or three tiles only: under
+  ``STEADY_TILES`` a row describes the kernel's start (the table says so). Trace
+  without the waits (``traced(waits=False)``, ``compare_configs --trace-waits off``)
+  to reach the steady state: the wait columns then read "-";
+
 - ``period``: from one of its mainloops' start to its next one's. Ping-pong warpgroups
   take every other tile, so a period holds two tiles' mainloops (its own and the
   other warpgroup's) and one epilogue;
@@ -45,12 +53,15 @@ import argparse
 import collections
 import glob
 import json
+import math
 import statistics
 from pathlib import Path
 
 WAITS = ("wait_turn", "wait_operand", "wait_store")
-COLUMNS = ("tiles", "period", "mainloop", "first", "stages", "epilogue", "turn", "operand",
-           "store", "work", "slot")
+COLUMNS = ("tiles", "per wg", "period", "mainloop", "first", "stages", "epilogue", "turn",
+           "operand", "store", "work", "slot")
+# Fewer middle tiles than this per compute warpgroup: the trace holds the kernel's start.
+STEADY_TILES = 4
 
 
 def regions(path: str | Path) -> dict[int, list[tuple[str, float, float]]]:
@@ -95,6 +106,9 @@ def tiles(rs: list[tuple[str, float, float]]) -> list[dict]:
   epilogue; dicts of cycles."""
   mains = [r for r in rs if r[0] == "mainloop"]
   epis = [r for r in rs if r[0] == "epilogue"]
+  # A trace without waits (traced(waits=False)) gives NaN for them, not zero.
+  noted_waits = any(r[0].startswith("wait_") for r in rs)
+  nan = float("nan")
   out = []
   for i, (_, m0, m1) in enumerate(mains):
     nxt = mains[i + 1][1] if i + 1 < len(mains) else float("inf")
@@ -103,9 +117,10 @@ def tiles(rs: list[tuple[str, float, float]]) -> list[dict]:
       continue  # the buffer ran out before this tile's epilogue was noted
     waits = [r[2] - r[1] for r in rs if r[0] == "wait_stage" and m0 <= r[1] < m1]
     row = dict(start=m0, mainloop=m1 - m0, epilogue=epi[2] - epi[1], stage_waits=waits)
-    row["first"], row["stages"] = (waits[0], sum(waits[1:])) if waits else (0.0, 0.0)
+    row["first"], row["stages"] = (waits[0], sum(waits[1:])) if waits else (nan, nan)
     for w in WAITS:
-      row[w] = sum(r[2] - r[1] for r in rs if r[0] == w and epi[1] <= r[1] < epi[2])
+      row[w] = (sum(r[2] - r[1] for r in rs if r[0] == w and epi[1] <= r[1] < epi[2])
+                if noted_waits else nan)
     out.append(row)
   for a, b in zip(out, out[1:]):
     a["period"] = b["start"] - a["start"]
@@ -119,6 +134,15 @@ def _middle_tiles(compute: dict) -> list[dict]:
   return [t for rs in compute.values() for t in tiles(rs)[1:-1]]
 
 
+def middle_tiles_per_warpgroup(compute: dict) -> int:
+  """The fewest middle tiles (``_middle_tiles``) any compute warpgroup's trace holds.
+  Below ``STEADY_TILES`` the summary describes the kernel's first tiles, which run
+  beside the pipelines filling and every SM's first loads, not its steady state: the
+  SwiGLU backward's tiles 1 and 2 ran 58,000 and 49,000 cycles a period against
+  ~41,000 later (bench/NOTES.md, sixty-third session)."""
+  return min((max(len(tiles(rs)) - 2, 0) for rs in compute.values()), default=0)
+
+
 def summarise(path: str | Path) -> dict:
   """One trace file -> medians per tile (``COLUMNS``) over ``_middle_tiles``."""
   traces = regions(path)
@@ -130,9 +154,10 @@ def summarise(path: str | Path) -> dict:
     raise ValueError(f"{path}: no compute warpgroup traced two whole tiles; raise "
                      "traced(regions=...) or trace a larger problem")
   med = lambda key: statistics.median(r[key] for r in rows)
-  out = dict(tiles=len(rows), period=med("period"), mainloop=med("mainloop"),
-             first=med("first"), stages=med("stages"), epilogue=med("epilogue"),
-             turn=med("wait_turn"), operand=med("wait_operand"), store=med("wait_store"))
+  out = {"tiles": len(rows), "per wg": middle_tiles_per_warpgroup(compute),
+         "period": med("period"), "mainloop": med("mainloop"), "first": med("first"),
+         "stages": med("stages"), "epilogue": med("epilogue"), "turn": med("wait_turn"),
+         "operand": med("wait_operand"), "store": med("wait_store")}
   out["work"] = statistics.median(
       r["epilogue"] - sum(r[w] for w in WAITS) for r in rows)
   out["slot"] = statistics.median(slot) if slot else float("nan")
@@ -156,14 +181,38 @@ def stage_waits_by_step(path: str | Path) -> list[float]:
   return [statistics.fmean(w) for w in zip(*steps)]
 
 
+def by_tile(path: str | Path) -> list[dict]:
+  """One trace file -> per tile index of a compute warpgroup (its first tile, its
+  second, ...): how many warpgroups reached it, and the medians over them of its
+  ``period`` (to the next tile's mainloop), ``mainloop`` and ``epilogue``, in cycles.
+  Where the rows settle is the steady state; the first rows are the kernel's start."""
+  per = collections.defaultdict(lambda: collections.defaultdict(list))
+  for rs in _compute_traces(regions(path)).values():
+    for i, t in enumerate(tiles(rs)):
+      for key in ("period", "mainloop", "epilogue"):
+        if key in t:
+          per[i][key].append(t[key])
+  nan = float("nan")
+  return [dict(tile=i, warpgroups=len(per[i]["mainloop"]),
+               **{key: statistics.median(per[i][key]) if per[i][key] else nan
+                  for key in ("period", "mainloop", "epilogue")})
+          for i in sorted(per)]
+
+
 def table(named: dict[str, dict]) -> str:
   """name -> ``summarise``'s dict -> a markdown table, cycles per tile."""
   lines = ["| kernel | " + " | ".join(COLUMNS) + " |",
            "|---|" + "---|" * len(COLUMNS)]
+  cell = lambda c, v: (str(v) if c in ("tiles", "per wg") else "-" if math.isnan(v)
+                       else f"{v:.2f}" if c == "slot" else f"{v:,.0f}")
   for name, s in named.items():
-    lines.append(f"| {name} | " + " | ".join(
-        str(s[c]) if c == "tiles" else f"{s[c]:.2f}" if c == "slot" else f"{s[c]:,.0f}"
-        for c in COLUMNS) + " |")
+    lines.append(f"| {name} | " + " | ".join(cell(c, s[c]) for c in COLUMNS) + " |")
+  few = [name for name, s in named.items() if s["per wg"] < STEADY_TILES]
+  if few:
+    lines.append(f"\nper wg: the fewest middle tiles a compute warpgroup's trace holds. "
+                 f"Under {STEADY_TILES} ({', '.join(few)}) the medians are the kernel's "
+                 "first tiles, not its steady state: trace without the waits "
+                 "(traced(waits=False), compare_configs --trace-waits off) for more tiles.")
   return "\n".join(lines)
 
 
@@ -172,6 +221,9 @@ def main():
   p.add_argument("files", nargs="+", help="trace files (JSON) or globs")
   p.add_argument("--by-step", action="store_true",
                  help="also print each file's mean stage wait per K step, in cycles")
+  p.add_argument("--by-tile", action="store_true",
+                 help="also print each file's period, mainloop and epilogue by tile index "
+                 "(medians over the compute warpgroups): the start against the steady state")
   args = p.parse_args()
   paths = [q for f in args.files for q in sorted(glob.glob(f))]
   if not paths:
@@ -181,6 +233,14 @@ def main():
     print("\nmean stage wait by K step, cycles (step 0: the wait for the turn):")
     for q in paths:
       print(f"{Path(q).stem}: " + " ".join(f"{w:.0f}" for w in stage_waits_by_step(q)))
+  if args.by_tile:
+    for q in paths:
+      print(f"\n{Path(q).stem}, by tile index (medians, cycles):\n"
+            "| tile | warpgroups | period | mainloop | epilogue |\n|---|---|---|---|---|")
+      for r in by_tile(q):
+        print(f"| {r['tile']} | {r['warpgroups']} | " + " | ".join(
+            "-" if math.isnan(r[k]) else f"{r[k]:,.0f}"
+            for k in ("period", "mainloop", "epilogue")) + " |")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ _trace: dict | None = None
 
 
 @contextlib.contextmanager
-def traced(directory: str, regions: int = 512):
+def traced(directory: str, regions: int = 512, waits: bool = True):
   """Kernels that ``gemm`` builds inside this context record their named regions.
 
   Each warpgroup's first thread notes the SM cycle counter as it enters and leaves
@@ -64,6 +64,11 @@ def traced(directory: str, regions: int = 512):
     regions: at most this many regions per warpgroup, fewer where shared memory left
       over by the kernel's config holds fewer. Regions past the buffer are dropped, so
       a long kernel's trace covers its first tiles.
+    waits: also note the waits inside the mainloop and the epilogue. A ping-pong tile
+      notes one ``wait_stage`` per K step and two waits per epilogue sub-tile, so a
+      config that leaves a few KiB of shared memory holds only a warpgroup's first two
+      or three tiles: the kernel's start, not its steady state. ``waits=False`` notes
+      ``mainloop`` and ``epilogue`` alone, two regions a tile.
 
   Only kernels that ``gemm`` builds in the context are traced: a function jitted and
   called before it keeps its compiled, untraced kernel, so trace a fresh one (as
@@ -81,11 +86,20 @@ def traced(directory: str, regions: int = 512):
   if regions < 1:
     raise ValueError(f"traced(regions={regions}): need at least one region per warpgroup")
   os.makedirs(directory, exist_ok=True)
-  before, _trace = _trace, dict(directory=directory, regions=regions)
+  before, _trace = _trace, dict(directory=directory, regions=regions, waits=waits)
   try:
     yield
   finally:
     _trace = before
+
+
+def _wait_scope(name: str):
+  """The named region of a wait inside a mainloop or an epilogue: ``jax.named_scope``
+  (which emits nothing unless the kernel is traced), or no region under
+  ``traced(waits=False)``."""
+  if _trace is not None and not _trace["waits"]:
+    return contextlib.nullcontext()
+  return jax.named_scope(name)
 
 
 def _trace_params(smem_used: int, warpgroups: int) -> dict:
@@ -1180,7 +1194,7 @@ class _Epilogue:
 
     @pl.when(jnp.logical_not(first_tile))
     def _wait_for_previous():
-      with jax.named_scope("wait_turn"):
+      with _wait_scope("wait_turn"):
         plgpu.barrier_wait(turn.at[1 - self.wg])
     if self.totals:
       self._gather(row_base)
@@ -1239,7 +1253,7 @@ class _Epilogue:
       r0, c0 = self._origin(s, row_base, col_base)
       staged, bar = self._staged(q)
       if staged:
-        with jax.named_scope("wait_operand"):
+        with _wait_scope("wait_operand"):
           plgpu.barrier_wait(self.smem[bar].at[self.wg * self.in_slots + in_slot])
       if self.whole and not first_pass:
         # The stores issued out_slots sub-tiles ago used this slot, and each sub-tile
@@ -1247,7 +1261,7 @@ class _Epilogue:
         # be reading. At a tile's first sub-tile the previous tile's stores used the
         # slots in an order this tile does not continue: wait for all of them (a whole
         # mainloop has run since).
-        with jax.named_scope("wait_store"):
+        with _wait_scope("wait_store"):
           plgpu.wait_smem_to_gmem(0 if s == 0 else self.out_slots - 1, wait_read_only=True)
       # The load into this sub-tile's slot once every warp is done with it: a later
       # sub-tile of this tile, or past its last, the next tile's (the same slot:
@@ -1662,7 +1676,7 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
 
           @pl.when(step >= stages)
           def _wait_released():
-            with jax.named_scope("wait_slot"):
+            with _wait_scope("wait_slot"):
               plgpu.barrier_wait(consumed.at[slot])
 
           ks = pl.ds(pl.multiple_of(kk * tk, tk), tk)
@@ -1703,7 +1717,7 @@ def _kernel_pingpong(a_gmem, b_gmem, *refs, cfg: GemmConfig, m, n, k, trans_a, t
           def k_body(kk, _):
             step = first_step + kk
             slot = step % stages
-            with jax.named_scope("wait_stage"):
+            with _wait_scope("wait_stage"):
               plgpu.barrier_wait(full.at[wg * stages + slot])
             a_op = a_ring.at[slot].transpose((1, 0)) if trans_a else a_ring.at[slot]
             b_op = b_ring.at[slot].transpose((1, 0)) if trans_b else b_ring.at[slot]

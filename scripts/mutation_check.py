@@ -1696,6 +1696,24 @@ MUTATIONS = [
         ("tests/test_kernel_trace.py", "-k", "known_trace"),
         "each warpgroup's first tile (the pipeline filling) enters the medians"),
     Mutation(
+        "coarse_trace_notes_waits", "pallas_kernels/gemm_mgpu.py",
+        '  if _trace is not None and not _trace["waits"]:\n',
+        '  if _trace is None and not _trace["waits"]:\n',
+        ("tests/test_kernel_trace.py", "-k", "waits_are_noted"),
+        "traced(waits=False) still notes every wait, so a heavy kernel traces its start only"),
+    Mutation(
+        "trace_missing_waits_read_as_zero", "bench/kernel_trace.py",
+        '    row["first"], row["stages"] = (waits[0], sum(waits[1:])) if waits else (nan, nan)\n',
+        '    row["first"], row["stages"] = (waits[0], sum(waits[1:])) if waits else (0.0, 0.0)\n',
+        ("tests/test_kernel_trace.py", "-k", "without_waits"),
+        "a trace noted without waits reports zero stage waits instead of unknown"),
+    Mutation(
+        "trace_per_warpgroup_counts_every_tile", "bench/kernel_trace.py",
+        '  return min((max(len(tiles(rs)) - 2, 0) for rs in compute.values()), default=0)\n',
+        '  return min((len(tiles(rs)) for rs in compute.values()), default=0)\n',
+        ("tests/test_kernel_trace.py", "-k", "without_waits or known_trace"),
+        "the per-warpgroup count takes the first and last tiles, which the medians leave out"),
+    Mutation(
         "trace_params_ignore_free_smem", "pallas_kernels/gemm_mgpu.py",
         '  regions = min(_trace["regions"], free // (_TRACE_BYTES_PER_REGION * warpgroups))\n',
         '  regions = _trace["regions"]\n',

@@ -83,8 +83,38 @@ def test_summary_of_a_known_trace(tmp_path):
   assert s["slot"] == pytest.approx(3_700 / 4_000)
   assert KT.stage_waits_by_step(path) == pytest.approx([1000, 100, 200, 300])
   table = KT.table({"k": s})
-  assert table.splitlines()[0].startswith("| kernel | tiles | period |")
-  assert "| k | 8 | 50,000 | 20,000 | 1,000 | 600 | 9,000 | 50 | 70 | 70 | 8,810 | 0.93 |" in table
+  assert table.splitlines()[0].startswith("| kernel | tiles | per wg | period |")
+  assert "| k | 8 | 4 | 50,000 | 20,000 | 1,000 | 600 | 9,000 | 50 | 70 | 70 | 8,810 | 0.93 |" in table
+  assert "per wg:" not in table  # four middle tiles a warpgroup: the steady state
+
+
+def test_a_trace_without_waits_and_one_that_holds_the_start_only(tmp_path):
+  """A trace noted with ``traced(waits=False)`` has mainloops and epilogues only: its
+  wait columns are unknown ("-"), not zero. One whose warpgroups noted three tiles each
+  gives a summary of one middle tile a warpgroup, which the table flags; ``by_tile``
+  shows the first tile's longer period apart from the later ones."""
+  def coarse(tid, offset, n, first_period=None):
+    spans, t0 = [], offset
+    for t in range(n):
+      spans += [("mainloop", t0, t0 + 20_000), ("epilogue", t0 + 20_020, t0 + 29_020)]
+      t0 += first_period if (t == 0 and first_period) else 40_000
+    return _events(tid, spans)
+  many = _write(tmp_path, coarse(1, 0, 8, 55_000) + coarse(2, 20_000, 8, 55_000), "many.json")
+  s = KT.summarise(many)
+  assert (s["tiles"], s["per wg"]) == (12, 6)
+  assert s["period"] == pytest.approx(40_000) and s["epilogue"] == pytest.approx(9_000)
+  for col in ("first", "stages", "turn", "operand", "store", "work"):
+    assert np.isnan(s[col]), col
+  table = KT.table({"coarse": s})
+  assert "| coarse | 12 | 6 | 40,000 | 20,000 | - | - | 9,000 | - | - | - | - |" in table
+  assert "per wg:" not in table
+  rows = KT.by_tile(many)
+  assert [r["tile"] for r in rows] == list(range(8))
+  assert rows[0]["period"] == pytest.approx(55_000) and rows[1]["period"] == pytest.approx(40_000)
+  assert rows[0]["warpgroups"] == 2 and np.isnan(rows[-1]["period"])
+  start = KT.summarise(_write(tmp_path, coarse(1, 0, 3) + coarse(2, 20_000, 4), "start.json"))
+  assert (start["tiles"], start["per wg"]) == (3, 1)
+  assert f"Under {KT.STEADY_TILES} (start)" in KT.table({"start": start})
 
 
 def test_traces_keep_their_own_clock(tmp_path):
@@ -135,6 +165,19 @@ def test_traced_sizes_the_profiler_to_the_free_shared_memory(tmp_path):
       pass
 
 
+def test_waits_are_noted_unless_the_trace_leaves_them_out(tmp_path):
+  """``_wait_scope``: a named region (which emits nothing untraced) outside ``traced``
+  and under ``traced()``; no region under ``traced(waits=False)``, restored after."""
+  named = type(jax.named_scope("x"))
+  assert isinstance(g._wait_scope("wait_stage"), named)
+  with g.traced(str(tmp_path)):
+    assert isinstance(g._wait_scope("wait_stage"), named)
+    with g.traced(str(tmp_path), waits=False):
+      assert not isinstance(g._wait_scope("wait_stage"), named)
+    assert isinstance(g._wait_scope("wait_store"), named)
+  assert isinstance(g._wait_scope("wait_operand"), named)
+
+
 def test_a_traced_kernel_computes_the_same_and_notes_its_tiles(key, kernel_impl, tmp_path):
   """On the GPU: a ping-pong GEMM with a staged operand and two outputs, traced, gives
   the same bits as untraced, and its trace holds each compute warpgroup's tiles with
@@ -176,3 +219,20 @@ def test_a_traced_kernel_computes_the_same_and_notes_its_tiles(key, kernel_impl,
   s = KT.summarise(path)
   assert s["period"] > s["epilogue"] > 0
   assert len(KT.stage_waits_by_step(path)) == k // cfg.tile_k
+  # without the waits: the same bits, mainloops and epilogues only, and at least as
+  # many tiles a warpgroup in the same buffer
+  with g.traced(str(tmp_path / "coarse"), regions=64, waits=False):
+    coarse = run()
+  for nm in want:
+    np.testing.assert_array_equal(np.asarray(coarse[nm]), np.asarray(want[nm]), err_msg=nm)
+  [cpath] = list((tmp_path / "coarse").glob("*.json"))
+  ccompute = KT._compute_traces(KT.regions(cpath))
+  names = {r[0] for rs in ccompute.values() for r in rs}  # with Mosaic GPU's own "Init"
+  assert {"mainloop", "epilogue"} <= names and not any(n.startswith("wait_") for n in names)
+  with g.traced(str(tmp_path / "fine"), regions=64):
+    run()
+  [fpath] = list((tmp_path / "fine").glob("*.json"))
+  count = lambda p: sum(len(KT.tiles(rs)) for rs in KT._compute_traces(KT.regions(p)).values())
+  # 64 regions hold under three tiles of 4 K steps and 8 sub-tiles with their waits, and
+  # all of a warpgroup's three or four without them
+  assert count(cpath) > count(fpath)
