@@ -148,8 +148,11 @@ def summarise(path: str | Path) -> dict:
   traces = regions(path)
   compute = _compute_traces(traces)
   rows = _middle_tiles(compute)
+  # memory warpgroups that noted slot waits (ping-pong, waits on): a cooperative
+  # kernel's, or one traced without the waits, notes only Mosaic GPU's "Init"
   slot = [sum(r[2] - r[1] for r in rs if r[0] == "wait_slot") / (rs[-1][2] - rs[0][1])
-          for tid, rs in traces.items() if tid not in compute and rs]
+          for tid, rs in traces.items()
+          if tid not in compute and any(r[0] == "wait_slot" for r in rs)]
   if not rows:
     raise ValueError(f"{path}: no compute warpgroup traced two whole tiles; raise "
                      "traced(regions=...) or trace a larger problem")

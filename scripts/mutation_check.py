@@ -344,9 +344,9 @@ MUTATIONS = [
         why="the ring's next TMA must not land in a slot a wgmma still reads"),
     Mutation(
         "pingpong_epilogues_do_not_take_turns", "pallas_kernels/gemm_mgpu.py",
-        "    def _wait_for_previous():\n      with jax.named_scope(\"wait_turn\"):\n"
+        "    def _wait_for_previous():\n      with _wait_scope(\"wait_turn\"):\n"
         "        plgpu.barrier_wait(turn.at[1 - self.wg])",
-        "    def _wait_for_previous():\n      with jax.named_scope(\"wait_turn\"):\n"
+        "    def _wait_for_previous():\n      with _wait_scope(\"wait_turn\"):\n"
         "        pass",
         ("tests/test_primitives.py", "-k", "race_free and pingpong and colsum"),
         why="column partials share one scratch buffer: the two epilogues must not overlap"),
@@ -1685,8 +1685,8 @@ MUTATIONS = [
         "the kernels lowered for another device take this machine's SM count (its grid)"),
     Mutation(
         "kernel_trace_first_wait_in_stages", "bench/kernel_trace.py",
-        '    row["first"], row["stages"] = (waits[0], sum(waits[1:])) if waits else (0.0, 0.0)\n',
-        '    row["first"], row["stages"] = (waits[0], sum(waits)) if waits else (0.0, 0.0)\n',
+        '    row["first"], row["stages"] = (waits[0], sum(waits[1:])) if waits else (nan, nan)\n',
+        '    row["first"], row["stages"] = (waits[0], sum(waits)) if waits else (nan, nan)\n',
         ("tests/test_kernel_trace.py", "-k", "known_trace"),
         "the mainloop's first stage wait (the other warpgroup's turn) counted as starvation"),
     Mutation(
@@ -1707,6 +1707,12 @@ MUTATIONS = [
         '    row["first"], row["stages"] = (waits[0], sum(waits[1:])) if waits else (0.0, 0.0)\n',
         ("tests/test_kernel_trace.py", "-k", "without_waits"),
         "a trace noted without waits reports zero stage waits instead of unknown"),
+    Mutation(
+        "trace_slot_share_without_slot_waits", "bench/kernel_trace.py",
+        '          if tid not in compute and any(r[0] == "wait_slot" for r in rs)]\n',
+        '          if tid not in compute and rs]\n',
+        ("tests/test_kernel_trace.py", "-k", "without_waits"),
+        "a memory warpgroup that noted no slot waits reads as never waiting (0.00)"),
     Mutation(
         "trace_per_warpgroup_counts_every_tile", "bench/kernel_trace.py",
         '  return min((max(len(tiles(rs)) - 2, 0) for rs in compute.values()), default=0)\n',

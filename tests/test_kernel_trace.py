@@ -99,14 +99,16 @@ def test_a_trace_without_waits_and_one_that_holds_the_start_only(tmp_path):
       spans += [("mainloop", t0, t0 + 20_000), ("epilogue", t0 + 20_020, t0 + 29_020)]
       t0 += first_period if (t == 0 and first_period) else 40_000
     return _events(tid, spans)
-  many = _write(tmp_path, coarse(1, 0, 8, 55_000) + coarse(2, 20_000, 8, 55_000), "many.json")
+  memory = _events(3, [("Init", 0, 900)])  # Mosaic GPU's own region: no slot waits noted
+  many = _write(tmp_path, coarse(1, 0, 8, 55_000) + coarse(2, 20_000, 8, 55_000) + memory,
+                "many.json")
   s = KT.summarise(many)
   assert (s["tiles"], s["per wg"]) == (12, 6)
   assert s["period"] == pytest.approx(40_000) and s["epilogue"] == pytest.approx(9_000)
-  for col in ("first", "stages", "turn", "operand", "store", "work"):
+  for col in ("first", "stages", "turn", "operand", "store", "work", "slot"):
     assert np.isnan(s[col]), col
   table = KT.table({"coarse": s})
-  assert "| coarse | 12 | 6 | 40,000 | 20,000 | - | - | 9,000 | - | - | - | - |" in table
+  assert "| coarse | 12 | 6 | 40,000 | 20,000 | - | - | 9,000 | - | - | - | - | - |" in table
   assert "per wg:" not in table
   rows = KT.by_tile(many)
   assert [r["tile"] for r in rows] == list(range(8))
