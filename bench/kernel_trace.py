@@ -138,8 +138,8 @@ def middle_tiles_per_warpgroup(compute: dict) -> int:
   """The fewest middle tiles (``_middle_tiles``) any compute warpgroup's trace holds.
   Below ``STEADY_TILES`` the summary describes the kernel's first tiles, which run
   beside the pipelines filling and every SM's first loads, not its steady state: the
-  SwiGLU backward's tiles 1 and 2 ran 58,000 and 49,000 cycles a period against
-  ~41,000 later (bench/NOTES.md, sixty-third session)."""
+  SwiGLU backward's first two tiles ran 58,000 and 49,000 cycles a period against
+  ~42,000 later (bench/NOTES.md, sixty-third session)."""
   return min((max(len(tiles(rs)) - 2, 0) for rs in compute.values()), default=0)
 
 
