@@ -667,6 +667,9 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   shared memory for a deeper pipeline: the SwiGLU backward at 8B shapes gets 3 stages
   of 64 instead of 5 of 32, 4.6% faster), and each also with one staging slot per
   output where that frees room for one more stage (``_deeper_with_one_output_slot``),
+  that also with the slot waited for after the program
+  (``GemmConfig.epi_store_wait_late``: the Qwen3 SwiGLU backward in 128 x 192 tiles ran
+  0.971x its tuned config on the H200, bench/NOTES.md, sixty-fourth session),
   and 64-wide sub-tiles with their tile outputs stored in 32-wide halves where that does
   (``_deeper_in_halves``);
   ``extra`` adds bands of 8, tile_k 32 and
@@ -783,7 +786,8 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
         deeper = _deeper_with_one_output_slot(best, dtype, input_kinds, input_dtypes,
                                               outputs, max_stages) if k else None
         if deeper is not None:
-          these.append(deeper)
+          # and with its one slot waited for after the program (sixty-fourth session)
+          these += [deeper, dataclasses.replace(deeper, epi_store_wait_late=True)]
         halves = _deeper_in_halves(best, dtype, input_kinds, input_dtypes, outputs,
                                    max_stages) if k else None
         if halves is not None:

@@ -190,6 +190,16 @@ class GemmConfig:
   # tile-operand GEMMs of the 1B and 8B blocks and GPT-2 (bench/NOTES.md, fifteenth
   # session).
   epi_operand_refetch_early: bool = True
+  # When a sub-tile waits for its output slots to be read out by the stores that last
+  # used them: False (default), before its program runs; True, after it, just before
+  # its outputs are written into the slots (the program's values held in registers till
+  # then), so a store's read of its slot runs under the next sub-tile's math instead of
+  # ahead of it. For epilogues as long as the other warpgroup's mainloop, where one
+  # output slot's waits were ~16% of the SwiGLU backward's epilogue: on the H200 its
+  # 128 x 128 epilogue fell 20,800 -> 17,100 cycles a tile (the kernel 0.994x) and the
+  # 128 x 192 one 33,900 -> 29,500 (0.971x the tuned config; bench/NOTES.md,
+  # sixty-third and sixty-fourth sessions). The tuner tries it beside one output slot.
+  epi_store_wait_late: bool = False
   # K = 0 passes only (no mainloop to load a tile's operands under): load the next
   # tile's first operand sub-tiles from the slots this tile's last ones free, and its
   # row and column operands into a second buffer, so a tile's loads run under the one
@@ -232,6 +242,7 @@ class GemmConfig:
     slots = f" in{self.epi_operand_slots}" if self.epi_operand_slots != 2 else ""
     slots += f" out{self.epi_out_slots}" if self.epi_out_slots != 2 else ""
     slots += " late" if not self.epi_operand_refetch_early else ""
+    slots += " stlate" if self.epi_store_wait_late else ""
     slots += " next" if self.epi_prefetch_next_tile else ""
     slots += " colT" if self.epi_column_sums_per_tile else ""
     store = f"/{self.epi_store_n}" if self.epi_store_n is not None else ""
@@ -285,6 +296,9 @@ class GemmConfig:
     if not isinstance(self.epi_operand_refetch_early, bool):
       raise ValueError(f"GemmConfig.epi_operand_refetch_early="
                        f"{self.epi_operand_refetch_early!r}: True or False")
+    if not isinstance(self.epi_store_wait_late, bool):
+      raise ValueError(f"GemmConfig.epi_store_wait_late={self.epi_store_wait_late!r}: "
+                       "True or False")
     if not isinstance(self.epi_column_sums_per_tile, bool):
       raise ValueError(f"GemmConfig.epi_column_sums_per_tile="
                        f"{self.epi_column_sums_per_tile!r}: True or False")
@@ -1255,14 +1269,21 @@ class _Epilogue:
       if staged:
         with _wait_scope("wait_operand"):
           plgpu.barrier_wait(self.smem[bar].at[self.wg * self.in_slots + in_slot])
-      if self.whole and not first_pass:
-        # The stores issued out_slots sub-tiles ago used this slot, and each sub-tile
-        # commits at least one store group, so at most out_slots - 1 groups may still
-        # be reading. At a tile's first sub-tile the previous tile's stores used the
-        # slots in an order this tile does not continue: wait for all of them (a whole
-        # mainloop has run since).
+      # The stores issued out_slots sub-tiles ago used this slot, and each sub-tile
+      # commits at least one store group, so at most out_slots - 1 groups may still be
+      # reading. At a tile's first sub-tile the previous tile's stores used the slots in
+      # an order this tile does not continue: wait for all of them (a whole mainloop has
+      # run since). With epi_store_wait_late the wait comes after the program, before
+      # its outputs (``deferred``) are written.
+      def wait_store(s=s):
         with _wait_scope("wait_store"):
           plgpu.wait_smem_to_gmem(0 if s == 0 else self.out_slots - 1, wait_read_only=True)
+      deferred = None
+      if self.whole and not first_pass:
+        if self.cfg.epi_store_wait_late:
+          deferred = []
+        else:
+          wait_store()
       # The load into this sub-tile's slot once every warp is done with it: a later
       # sub-tile of this tile, or past its last, the next tile's (the same slot:
       # in_slots divides count); None where there is none.
@@ -1281,7 +1302,8 @@ class _Epilogue:
         if refill:
           plgpu.commit_smem()  # ends with a warpgroup barrier: every warp has read
           refill()
-      tile = self._tile(slot, in_slot, i, j, r0, c0, read, first_pass=first_pass)
+      tile = self._tile(slot, in_slot, i, j, r0, c0, read, first_pass=first_pass,
+                        deferred=deferred)
       program = self.totals_pass if first_pass else self.fn
       program(tile, acc[i * em:(i + 1) * em, j * en:(j + 1) * en])
       declared = self.totals if first_pass else [
@@ -1290,6 +1312,10 @@ class _Epilogue:
       if missing:
         raise ValueError(f"{'row_totals_pass' if first_pass else 'epilogue'} did not "
                          f"store outputs {sorted(missing)}")
+      if deferred:
+        wait_store()
+        for name, value in deferred:
+          self.smem["o_" + name][self.wg, slot] = value
       plgpu.commit_smem()  # also: every warp is done reading this slot's operands
       if refill and read is None:
         refill()
@@ -1340,11 +1366,14 @@ class _Epilogue:
     in place, None (overwrite) otherwise."""
     return "add" if o.name in self.reduces else None
 
-  def _tile(self, slot, in_slot, i, j, r0, c0, read=None, first_pass=False):
+  def _tile(self, slot, in_slot, i, j, r0, c0, read=None, first_pass=False, deferred=None):
     """The program's view of sub-tile (i, j). ``read``: its tile operands, already read
     from their slot (``GemmConfig.epi_operand_refetch_early``), else None. With
     ``first_pass`` the row totals' pass's view: it stores their partials only; after
-    it, the program proper reads each total as a row operand."""
+    it, the program proper reads each total as a row operand. ``deferred``: a list that
+    collects (name, value) of the outputs staged whole, for the caller to write into
+    their slots after the program (``GemmConfig.epi_store_wait_late``); None writes
+    them as they are stored."""
     em, en, smem, wg = self.cfg.epi_tile_m, self.cfg.epi_tile_n, self.smem, self.wg
 
     def reader(nm):
@@ -1370,6 +1399,8 @@ class _Epilogue:
         value = value + reader(self.adds[o.name])()
       if o not in self.whole:
         self._store_in_parts(o, value, r0, c0)
+      elif deferred is not None:
+        deferred.append((o.name, value))
       else:
         smem["o_" + o.name][wg, slot] = value
 

@@ -358,11 +358,11 @@ MUTATIONS = [
         why="with 3 or 8 slots the epilogue would read another sub-tile's residual"),
     Mutation(
         "tile_operand_refetched_before_read", "pallas_kernels/gemm_mgpu.py",
-        "      tile = self._tile(slot, in_slot, i, j, r0, c0, read, first_pass=first_pass)\n",
+        "      tile = self._tile(slot, in_slot, i, j, r0, c0, read, first_pass=first_pass,\n",
         "      if refill and read is None:  # (planted)\n"
         "        refill()\n"
         "        refill = None\n"
-        "      tile = self._tile(slot, in_slot, i, j, r0, c0, read, first_pass=first_pass)\n",
+        "      tile = self._tile(slot, in_slot, i, j, r0, c0, read, first_pass=first_pass,\n",
         ("tests/test_primitives.py", "-k", "tile_operand_slots"),
         why="a slot is refilled only once every warp has read it (with one slot, each "
             "sub-tile's load waits for the previous sub-tile's read)"),
@@ -1695,6 +1695,18 @@ MUTATIONS = [
         '  return [t for rs in compute.values() for t in tiles(rs)[:-1]]\n',
         ("tests/test_kernel_trace.py", "-k", "known_trace"),
         "each warpgroup's first tile (the pipeline filling) enters the medians"),
+    Mutation(
+        "store_wait_late_skipped", "pallas_kernels/gemm_mgpu.py",
+        '      if deferred:\n        wait_store()\n',
+        '      if deferred:\n        pass\n',
+        ("tests/test_primitives.py", "-k", "output_slots and True"),
+        "epi_store_wait_late writes its outputs into slots a store may still be reading"),
+    Mutation(
+        "tuner_skips_store_wait_late", "pallas_kernels/autotune.py",
+        "          these += [deeper, dataclasses.replace(deeper, epi_store_wait_late=True)]\n",
+        "          these += [deeper]\n",
+        ("tests/test_autotune.py", "-k", "one_output_slot"),
+        "the search never times the late store wait beside one output slot"),
     Mutation(
         "coarse_trace_notes_waits", "pallas_kernels/gemm_mgpu.py",
         '  if _trace is not None and not _trace["waits"]:\n',

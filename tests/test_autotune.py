@@ -387,7 +387,9 @@ def test_candidates_one_output_slot_where_it_buys_a_stage():
   exactly where the shared memory that frees buys a deeper pipeline: the SwiGLU
   backward's program (a wide tile operand z, tile outputs y and dz, a row partial) gets
   five stages of ping-pong 128 x 128 instead of four; a pass (no pipeline) and a
-  program whose outputs are all stored in parts (their slots are fixed) never do."""
+  program whose outputs are all stored in parts (their slots are fixed) never do. Each
+  one-slot candidate comes twice: with the slot waited for before the program and after
+  it (``epi_store_wait_late``), which no two-slot candidate gets."""
   kinds, dtypes = {"z": InputKind.WIDE_TILE}, {"z": jnp.bfloat16}
   outs = (EpilogueOutput("y"), EpilogueOutput("zdz", OutputKind.ROW_PARTIAL, jnp.float32),
           EpilogueOutput("dz", width=2))
@@ -395,14 +397,19 @@ def test_candidates_one_output_slot_where_it_buys_a_stage():
                                  trans_a=False, trans_b=True)
   one = [c for c in found if c.epi_out_slots == 1]
   assert one and {c.epi_out_slots for c in found} == {1, 2}
+  assert not any(c.epi_store_wait_late for c in found if c.epi_out_slots != 1)
+  late = {c for c in one if c.epi_store_wait_late}
+  assert late and {dataclasses.replace(c, epi_store_wait_late=False) for c in late} == \
+      {c for c in one if not c.epi_store_wait_late}
   for c in one:
-    two = dataclasses.replace(c, epi_out_slots=2)
+    two = dataclasses.replace(c, epi_out_slots=2, epi_store_wait_late=False)
     twin = [t for t in found if dataclasses.replace(t, stages=c.stages) == two]
     assert len(twin) == 1 and twin[0].stages < c.stages, c.describe()
     assert gemm_mgpu.smem_bytes(c, jnp.bfloat16, kinds, dtypes, outs) <= \
         gemm_mgpu.SMEM_LIMIT_BYTES
   described = {c.describe() for c in one}
   assert "pingpong 128x128x64 s5 e64x32 clN N16 in1 out1" in described
+  assert "pingpong 128x128x64 s5 e64x32 clN N16 in1 out1 stlate" in described
   assert "pingpong 128x128x64 s4 e64x32 clN N16 in1" in {c.describe() for c in found}
   # a pass has no pipeline to deepen
   found, _ = autotune.candidates(1024, 1024, 0, jnp.bfloat16, kinds, dtypes, outs,

@@ -246,15 +246,17 @@ def test_tile_operand_slots(key, kernel_impl, races_checked, schedule, slots, ea
                epi_operand_slots=slots, epi_operand_refetch_early=early)
 
 
-@pytest.mark.parametrize("slots", [1, 3, 8])
+@pytest.mark.parametrize("slots,late", [(1, False), (3, False), (8, False), (1, True),
+                                        (3, True)])
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
-def test_output_slots(key, kernel_impl, races_checked, schedule, slots):
+def test_output_slots(key, kernel_impl, races_checked, schedule, slots, late):
   """Whole-sub-tile outputs (a tile, a row and a column partial) staged in 1 (each
   store waits for the previous one to be read), 3 (not dividing the 8 sub-tiles, so a
   tile's slots restart mid-cycle) or all 8 slots, beside a tile operand in 2, over
-  several tiles per SM; under the race detector when interpreted."""
+  several tiles per SM, the slot waited for before the program or (``late``,
+  ``epi_store_wait_late``) after it; under the race detector when interpreted."""
   _check_slots(key, kernel_impl, races_checked, "everything", schedule=schedule,
-               epi_out_slots=slots)
+               epi_out_slots=slots, epi_store_wait_late=late)
 
 
 def _check_slots(key, kernel_impl, races_checked, name, **config_fields):
