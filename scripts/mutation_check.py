@@ -1702,6 +1702,12 @@ MUTATIONS = [
         ("tests/test_primitives.py", "-k", "output_slots and True"),
         "epi_store_wait_late writes its outputs into slots a store may still be reading"),
     Mutation(
+        "wide_pingpong_grid_m_dropped", "pallas_kernels/autotune.py",
+        "                S(PP, 128, 192, M_, N_, M_, epi_widths=(32,)),\n",
+        "",
+        ("tests/test_autotune.py", "-k", "wide_candidates"),
+        "the search loses ping-pong 128 x 192 tiles clustered along N with grid minor M"),
+    Mutation(
         "tuner_skips_store_wait_late", "pallas_kernels/autotune.py",
         "          these += [deeper, dataclasses.replace(deeper, epi_store_wait_late=True)]\n",
         "          these += [deeper]\n",

@@ -234,8 +234,9 @@ def test_tall_pingpong_candidates():
 
 def test_wide_candidates():
   """The search has 128 x 192 warpgroup tiles under both schedules, clustered along M
-  and along N, where N is a multiple of 192 (384 clustered along N); ``tile_n`` keeps
-  only those (``bench.tune_gemm --challenge-tile-n``)."""
+  and along N, where N is a multiple of 192 (384 clustered along N), ping-pong clustered
+  along N with either grid order; ``tile_n`` keeps only those (``bench.tune_gemm
+  --challenge-tile-n``)."""
   outs = (EpilogueOutput("out"),)
   found, _ = autotune.candidates(512, 768, 256, jnp.bfloat16, {}, {}, outs,
                                  trans_a=False, trans_b=True)
@@ -243,6 +244,8 @@ def test_wide_candidates():
   assert {(c.schedule, c.cluster_dim) for c in wide} == {
       (s, d) for s in Schedule for d in (MatDim.M, MatDim.N)}
   assert all(c.tile_m == 128 for c in wide) and len(wide) < len(found)
+  assert {c.grid_minor_dim for c in wide if c.schedule == Schedule.PINGPONG
+          and c.cluster_dim == MatDim.N} == {MatDim.M, MatDim.N}
   for cfg in wide:
     gemm_mgpu._check_tiling(512, 768, 256, cfg, False, True)
   only, _ = autotune.candidates(512, 768, 256, jnp.bfloat16, {}, {}, outs,
