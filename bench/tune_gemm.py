@@ -24,6 +24,9 @@ from a nearby size or a same-chip sibling's entry (``already_served``). The conf
 serves a problem now (``incumbent``: its ``--out`` entry on ``--retune``, else what the
 caches serve) is timed with the candidates and kept unless another is more than 1%
 faster on settled times (``autotune.final_round``), so an entry does not change on noise.
+A challenge or ``--same-shape`` run that keeps the config ``--out``'s entry already holds
+leaves that entry as it was, with its record of the search that found it
+(``keeps_entry``).
 Every
 candidate's time and every skipped candidate's reason is printed; the table printed
 last has the winner against the heuristic default for each problem.
@@ -289,6 +292,31 @@ def plan(problem: autotune.Problem, args, overrides: dict | None, entries: dict)
   return configs, keep
 
 
+def keeps_entry(key_text: str, chosen: GemmConfig, keep: GemmConfig | None,
+                entries: dict, narrowed: bool) -> bool:
+  """Whether a narrowed run (a challenge or ``--same-shape``) kept the config that
+  ``--out``'s own entry at this key already holds. That entry is then left as it was:
+  rewritten, it would record only the few configs the narrowed run timed ("tuned, 3
+  configs timed", which ``--list`` reads as worth a whole search) in place of the whole
+  search that found it.
+
+  Args:
+    key_text: the problem's key text (``--out``'s entry key).
+    chosen: the config the run chose.
+    keep: the config the run kept within the margin (``plan``'s), or None.
+    entries: key text -> cache record of the ``--out`` file.
+    narrowed: the run was a challenge or ``--same-shape``, not a whole search.
+
+  Returns:
+    True where the entry should stay untouched."""
+  if not narrowed or keep is None or chosen != keep or key_text not in entries:
+    return False
+  try:
+    return autotune.config_from_dict(entries[key_text]["config"]) == chosen
+  except (KeyError, ValueError):
+    return False
+
+
 def lower_kernels(problem: autotune.Problem, configs, keep, extra: bool, device) -> dict:
   """Lowers every kernel that ``autotune.tune(problem, configs=configs, keep=keep)``
   compiles (``autotune.search_configs``) into the kernel cache's folder, keyed for
@@ -491,6 +519,9 @@ def main():
     if keep is not None and chosen == keep:
       print("  the current config is kept: no candidate was faster by more than "
             f"{CHALLENGE_MARGIN:.0%}", flush=True)
+    if keeps_entry(key_text, chosen, keep, entries, challenge or args.same_shape):
+      print(f"  {args.out}'s entry holds it: left as it was", flush=True)
+      continue
     source = already_served(problem, chosen)
     if source is not None and source != "tuned":
       print(f"  already served ({source}): no entry written", flush=True)

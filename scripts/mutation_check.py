@@ -1702,6 +1702,12 @@ MUTATIONS = [
         ("tests/test_primitives.py", "-k", "output_slots and True"),
         "epi_store_wait_late writes its outputs into slots a store may still be reading"),
     Mutation(
+        "challenge_rewrites_kept_entry", "bench/tune_gemm.py",
+        "  if not narrowed or keep is None or chosen != keep or key_text not in entries:\n",
+        "  if True or not narrowed or keep is None or chosen != keep or key_text not in entries:\n",
+        ("tests/test_bench_harness.py", "-k", "keeps_the_entry"),
+        "a challenge that keeps an entry rewrites it with the few configs it timed"),
+    Mutation(
         "wide_pingpong_grid_m_dropped", "pallas_kernels/autotune.py",
         "                S(PP, 128, 192, M_, N_, M_, epi_widths=(32,)),\n",
         "",

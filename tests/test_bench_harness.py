@@ -607,6 +607,26 @@ def test_tune_gemm_variant_challenger(monkeypatch):
       tune_gemm.main()
 
 
+def test_tune_gemm_keeps_the_entry_a_narrowed_run_keeps():
+  """A challenge or ``--same-shape`` run that keeps the config ``--out``'s entry holds
+  leaves the entry (and its record of the whole search) as it was; a whole search
+  rewrites it, and so does any run that chose another config, kept one that differs
+  from the entry, or finds no entry (or one it cannot read) at the key."""
+  import dataclasses
+  from bench import tune_gemm
+  cfg = autotune.plain_problem(768, 512, 256, trans_b=True).default_config()
+  other = dataclasses.replace(cfg, epi_tile_n=16)
+  entries = {"k": {"config": autotune.config_to_dict(cfg), "timed": 36}}
+  assert tune_gemm.keeps_entry("k", cfg, cfg, entries, narrowed=True)
+  assert not tune_gemm.keeps_entry("k", cfg, cfg, entries, narrowed=False)
+  assert not tune_gemm.keeps_entry("k", other, cfg, entries, narrowed=True)
+  assert not tune_gemm.keeps_entry("k", cfg, None, entries, narrowed=True)
+  assert not tune_gemm.keeps_entry("k", other, other, entries, narrowed=True)
+  assert not tune_gemm.keeps_entry("j", cfg, cfg, entries, narrowed=True)
+  assert not tune_gemm.keeps_entry("k", cfg, cfg, {"k": {"config": {"tile": 1}}},
+                                   narrowed=True)
+
+
 def test_tune_gemm_lower_only_fills_a_folder_an_h200_reads(monkeypatch, capsys, tmp_path):
   """``bench.tune_gemm --lower-only DIR --device h200`` on the CPU lowers each kernel that
   the same search compiles on an H200 (``autotune.search_configs``: the heuristic
