@@ -1755,6 +1755,18 @@ MUTATIONS = [
         "  return total + sum(jnp.dtype(o.dtype).itemsize for o in outputs\n",
         ("tests/test_epilogue_bytes.py",),
         "a gated program's half-width output counted as a whole tile"),
+    Mutation(
+        "ptxas_report_frame_to_first_kernel", "bench/ptxas_report.py",
+        "      r = reports[-1]\n",
+        "      r = reports[0]\n",
+        ("tests/test_bench_harness.py", "-k", "ptxas_report"),
+        "every kernel's spill bytes written onto the first kernel compiled"),
+    Mutation(
+        "ptxas_report_spills_only_loads", "bench/ptxas_report.py",
+        "    return bool(self.spill_store_bytes or self.spill_load_bytes)\n",
+        "    return bool(self.spill_load_bytes and self.spill_store_bytes > 8)\n",
+        ("tests/test_bench_harness.py", "-k", "ptxas_report"),
+        "a kernel that spills a few bytes listed as spill-free"),
 ]
 
 

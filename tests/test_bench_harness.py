@@ -866,8 +866,8 @@ def test_ablate_epilogue_main_prints_each_table(monkeypatch, capsys):
 
 def test_epilogue_pass_split_case_adds_up(monkeypatch):
   """``bench.epilogue_pass --program qk_norm_split`` at M = 128, on the XLA program: the
-  pass's q/k heads and its v heads, run apart, give the whole pass's du, <du, u> and
-  (on q and k) weight sums; the mask it replaced gives the same bits as the per-head
+  pass's q/k heads and its v heads, run apart, give the whole pass's du (on the GPU to
+  one bf16 step: see ``same_but_rounding``), <du, u> and (on q and k) weight sums; the mask it replaced gives the same bits as the per-head
   branch, and so does the maskless variant on the q/k heads (where nothing passes
   through)."""
   import jax
@@ -886,8 +886,17 @@ def test_epilogue_pass_split_case_adds_up(monkeypatch):
   qk = run("its q/k heads alone, N = 3072")
   v = run("its v heads alone (copy, <du, u>, r), N = 1024")
   nqk = (E.HQ + E.HKV) * E.HD
-  np.testing.assert_array_equal(f(qk["du"]), f(whole["du"][:, :nqk]))
-  np.testing.assert_array_equal(f(v["du"]), f(whole["du"][:, nqk:]))
+
+  def same_but_rounding(part, of_whole, what):
+    # Run at another width (N = 3072 or 1024 against 4096), XLA's GPU fusions may add a
+    # head's squares in another order: the row's rms then moves in its last fp32 bits,
+    # and a few du round to the neighbouring bf16 (6 of 393,216 on the H200 at 4697e6b).
+    # So: within one bf16 step everywhere, and exact almost everywhere (on the CPU, all).
+    np.testing.assert_allclose(part, of_whole, rtol=2.0**-7, atol=0, err_msg=what)
+    assert np.mean(part != of_whole) < 1e-3, (what, int(np.sum(part != of_whole)))
+
+  same_but_rounding(f(qk["du"]), f(whole["du"][:, :nqk]), "q/k heads' du")
+  same_but_rounding(f(v["du"]), f(whole["du"][:, nqk:]), "v heads' du")
   # column sums over the rows of (M, blocks, 128): XLA's GPU reduction of 24 blocks and of
   # 32 may add the rows in different orders (3.8e-6 apart at most on the H200, of sums ~10)
   np.testing.assert_allclose(f(qk["dweight"]), f(whole["dweight"][:nqk]), rtol=1e-5,
@@ -1020,3 +1029,49 @@ def test_sustained_step_writes_its_table(tmp_path, monkeypatch, capsys):
   with pytest.raises(SystemExit):
     S.main()
   assert "each variant once" in capsys.readouterr().err
+
+
+_PTXAS_LOG = """\
+timing: CUPTI, median of 3 calls
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'coda_gemm_pingpong_64x64x64_nn_out_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for coda_gemm_pingpong_64x64x64_nn_out_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem
+ptxas warning : Registers are spilled to local memory in function 'coda_gemm_pingpong_64x64x64_nt_y_dz_mosaic_gpu_kernel', 160 bytes spill stores, 176 bytes spill loads
+ptxas info    : Compiling entry function 'coda_gemm_pingpong_64x64x64_nt_y_dz_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for coda_gemm_pingpong_64x64x64_nt_y_dz_mosaic_gpu_kernel
+    104 bytes stack frame, 160 bytes spill stores, 176 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 104 bytes cumulative stack size, 1 bytes smem
+ptxas info    : Compiling entry function 'coda_gemm_epilogue_only_64x128x0_nn_du_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for coda_gemm_epilogue_only_64x128x0_nn_du_mosaic_gpu_kernel
+    8 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 16 barriers, 8 bytes cumulative stack size, 1 bytes smem
+| problem | M x N x K | order | variant | config | ms |
+"""
+
+
+def test_ptxas_report_reads_each_kernel_in_order(tmp_path, capsys):
+  """``bench.ptxas_report``: each compiled kernel's registers and spill bytes are the
+  lines after its own entry line (a log as the H200 gave it, three kernels, the warning
+  for the second before its entry); ``--spills-only`` lists the two that spill; a log
+  without ptxas's report is refused with the reason."""
+  from bench import ptxas_report as P
+  reports = P.parse(_PTXAS_LOG)
+  assert [r.kernel for r in reports] == [
+      "coda_gemm_pingpong_64x64x64_nn_out_mosaic_gpu_kernel",
+      "coda_gemm_pingpong_64x64x64_nt_y_dz_mosaic_gpu_kernel",
+      "coda_gemm_epilogue_only_64x128x0_nn_du_mosaic_gpu_kernel"]
+  assert [(r.registers, r.stack_bytes, r.spill_store_bytes, r.spill_load_bytes)
+          for r in reports] == [(168, 0, 0, 0), (168, 104, 160, 176), (255, 8, 8, 12)]
+  assert [r.spills for r in reports] == [False, True, True]
+  log = tmp_path / "run.log"
+  log.write_text(_PTXAS_LOG)
+  assert P.main([str(log), "--spills-only"]) == 0
+  out = capsys.readouterr().out
+  assert "| 2 | coda_gemm_pingpong_64x64x64_nt_y_dz | 168 | 104 | 160 | 176 |" in out, out
+  assert "| 3 | coda_gemm_epilogue_only_64x128x0_nn_du | 255 | 8 | 8 | 12 |" in out, out
+  assert "nn_out |" not in out and "3 kernels compiled, 2 of them spill." in out, out
+  log.write_text("timing: CUPTI, median of 3 calls\n")
+  assert P.main([str(log)]) == 1
+  assert "MOSAIC_GPU_DUMP_PTXAS=1" in capsys.readouterr().err
