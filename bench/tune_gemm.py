@@ -19,8 +19,10 @@ timed ("tuned, 3 configs timed": a ``--same-shape`` or challenge entry, worth a 
 search). Each problem is then tuned (``autotune.tune``: both schedules, tiles,
 clusters, grid orders, epilogue widths, the deepest pipeline that fits) and written into
 ``--out``, by default the cache shipped with the library,
-``pallas_kernels/tuned/gemm_configs.json``, unless the caches already serve the winner
-from a nearby size or a same-chip sibling's entry (``already_served``). The config that
+``pallas_kernels/tuned/gemm_configs.json``. A challenge or ``--same-shape`` run writes
+no winner that the caches already serve from a nearby size or a same-chip sibling's
+entry (``already_served``); a whole search writes it as the problem's own entry
+(``writes_served_winner``). The config that
 serves a problem now (``incumbent``: its ``--out`` entry on ``--retune``, else what the
 caches serve) is timed with the candidates and kept unless another is more than 1%
 faster on settled times (``autotune.final_round``), so an entry does not change on noise.
@@ -244,12 +246,33 @@ def incumbent(problem: autotune.Problem, entries: dict) -> GemmConfig | None:
 def already_served(problem: autotune.Problem, config) -> str | None:
   """Where the caches already serve ``config`` for ``problem`` from ("tuned", "tuned at
   M=...", "tuned on <a same-chip kind>", ...), or None where they serve another config
-  or none. A search or challenge whose winner is already served from a nearby size or
-  a same-chip sibling's entry writes none: it would change nothing ``gemm`` runs (and
-  would shadow a later sibling or nearby entry). One served by the problem's own entry
-  is rewritten with the new timings."""
+  or none. A narrowed run (a challenge or ``--same-shape``) whose winner is already
+  served from a nearby size or a same-chip sibling's entry writes none: it would change
+  nothing ``gemm`` runs, and its record of a few configs would read as this problem's
+  search. A whole search writes its winner as the problem's own entry even so
+  (``writes_served_winner``). One served by the problem's own entry is rewritten with
+  the new timings."""
   served, source = autotune.lookup_with_source(problem.key, problem.clip_m)
   return source if served == config else None
+
+
+def writes_served_winner(source: str | None, narrowed: bool) -> bool:
+  """Whether a run writes a winner that ``already_served`` says the caches serve from
+  ``source``. Its own entry ("tuned"): rewritten with the new timings. Another source
+  (a same-chip sibling's entry, a nearby size's): only after a whole search on this
+  device and shape, whose record is then this problem's own; ``--list`` reads it as
+  tuned here, where it would otherwise go on offering the problem for a search that has
+  been made (the sixty-fifth session searched the Qwen3 gate-up forward on the H200 a
+  second time for that reason). Such an entry outranks the sibling's or nearby one's
+  later retunes, as this device's own search should.
+
+  Args:
+    source: ``already_served``'s answer for the winner, or None (not served).
+    narrowed: the run was a challenge or ``--same-shape``.
+
+  Returns:
+    True where the winner is written."""
+  return source is None or source == "tuned" or not narrowed
 
 
 def tile_challenge(args) -> bool:
@@ -523,9 +546,13 @@ def main():
       print(f"  {args.out}'s entry holds it: left as it was", flush=True)
       continue
     source = already_served(problem, chosen)
-    if source is not None and source != "tuned":
+    narrowed = bool(challenge or args.same_shape)
+    if not writes_served_winner(source, narrowed):
       print(f"  already served ({source}): no entry written", flush=True)
       continue
+    if source is not None and source != "tuned":
+      print(f"  already served ({source}): written as this problem's own entry, the "
+            "record of a whole search here", flush=True)
     rec.update(where=where, commit=prov["commit"],
                measured=datetime.date.today().isoformat())
     autotune.store(k, rec, args.out)

@@ -1756,6 +1756,13 @@ MUTATIONS = [
         ("tests/test_epilogue_bytes.py",),
         "a gated program's half-width output counted as a whole tile"),
     Mutation(
+        "served_winner_dropped_after_whole_search", "bench/tune_gemm.py",
+        '  return source is None or source == "tuned" or not narrowed\n',
+        '  return source is None or source == "tuned"\n',
+        ("tests/test_bench_harness.py", "-k", "served_winner"),
+        "a whole search whose winner a sibling's entry serves leaves no record, and --list "
+        "offers the problem for the same search again"),
+    Mutation(
         "ptxas_report_frame_to_first_kernel", "bench/ptxas_report.py",
         "      r = reports[-1]\n",
         "      r = reports[0]\n",

@@ -1075,3 +1075,17 @@ def test_ptxas_report_reads_each_kernel_in_order(tmp_path, capsys):
   log.write_text("timing: CUPTI, median of 3 calls\n")
   assert P.main([str(log)]) == 1
   assert "MOSAIC_GPU_DUMP_PTXAS=1" in capsys.readouterr().err
+
+
+def test_tune_gemm_writes_a_served_winner_after_a_whole_search():
+  """A winner the caches already serve from a same-chip sibling's entry or a nearby
+  size is written after a whole search (its record is this problem's own, and ``--list``
+  then reads it as tuned here) and not after a challenge or ``--same-shape`` run; one
+  served by the problem's own entry, or not served, is written after either."""
+  from bench import tune_gemm
+  for narrowed in (False, True):
+    assert tune_gemm.writes_served_winner(None, narrowed)
+    assert tune_gemm.writes_served_winner("tuned", narrowed)
+  for source in ("tuned on NVIDIA H100 80GB HBM3", "tuned at M=8192"):
+    assert tune_gemm.writes_served_winner(source, narrowed=False)
+    assert not tune_gemm.writes_served_winner(source, narrowed=True)
