@@ -262,9 +262,8 @@ def writes_served_winner(source: str | None, narrowed: bool) -> bool:
   (a same-chip sibling's entry, a nearby size's): only after a whole search on this
   device and shape, whose record is then this problem's own; ``--list`` reads it as
   tuned here, where it would otherwise go on offering the problem for a search that has
-  been made (the sixty-fifth session searched the Qwen3 gate-up forward on the H200 a
-  second time for that reason). Such an entry outranks the sibling's or nearby one's
-  later retunes, as this device's own search should.
+  been made (bench/NOTES.md, sixty-fifth session). Such an entry outranks the sibling's
+  or nearby one's later retunes, as this device's own search should.
 
   Args:
     source: ``already_served``'s answer for the winner, or None (not served).
