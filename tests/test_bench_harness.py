@@ -867,9 +867,9 @@ def test_ablate_epilogue_main_prints_each_table(monkeypatch, capsys):
 def test_epilogue_pass_split_case_adds_up(monkeypatch):
   """``bench.epilogue_pass --program qk_norm_split`` at M = 128, on the XLA program: the
   pass's q/k heads and its v heads, run apart, give the whole pass's du (on the GPU to
-  one bf16 step: see ``same_but_rounding``), <du, u> and (on q and k) weight sums; the mask it replaced gives the same bits as the per-head
-  branch, and so does the maskless variant on the q/k heads (where nothing passes
-  through)."""
+  one bf16 step: see ``same_but_rounding``), <du, u> and (on q and k) weight sums; the
+  mask it replaced gives the same bits as the per-head branch, and so does the maskless
+  variant on the q/k heads (where nothing passes through)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
