@@ -246,12 +246,7 @@ def incumbent(problem: autotune.Problem, entries: dict) -> GemmConfig | None:
 def already_served(problem: autotune.Problem, config) -> str | None:
   """Where the caches already serve ``config`` for ``problem`` from ("tuned", "tuned at
   M=...", "tuned on <a same-chip kind>", ...), or None where they serve another config
-  or none. A narrowed run (a challenge or ``--same-shape``) whose winner is already
-  served from a nearby size or a same-chip sibling's entry writes none: it would change
-  nothing ``gemm`` runs, and its record of a few configs would read as this problem's
-  search. A whole search writes its winner as the problem's own entry even so
-  (``writes_served_winner``). One served by the problem's own entry is rewritten with
-  the new timings."""
+  or none. Whether a winner served so is written: ``writes_served_winner``."""
   served, source = autotune.lookup_with_source(problem.key, problem.clip_m)
   return source if served == config else None
 
@@ -260,10 +255,12 @@ def writes_served_winner(source: str | None, narrowed: bool) -> bool:
   """Whether a run writes a winner that ``already_served`` says the caches serve from
   ``source``. Its own entry ("tuned"): rewritten with the new timings. Another source
   (a same-chip sibling's entry, a nearby size's): only after a whole search on this
-  device and shape, whose record is then this problem's own; ``--list`` reads it as
-  tuned here, where it would otherwise go on offering the problem for a search that has
-  been made (bench/NOTES.md, sixty-fifth session). Such an entry outranks the sibling's
-  or nearby one's later retunes, as this device's own search should.
+  device and shape, whose record is then this problem's own (a narrowed run's would
+  change nothing ``gemm`` runs, and its few configs would read as this problem's
+  search). ``--list`` then reads the problem as tuned here, where it would otherwise go
+  on offering it for a search that has been made (bench/NOTES.md, sixty-fifth session).
+  Such an entry outranks the sibling's or nearby one's later retunes, as this device's
+  own search should.
 
   Args:
     source: ``already_served``'s answer for the winner, or None (not served).
@@ -541,11 +538,11 @@ def main():
     if keep is not None and chosen == keep:
       print("  the current config is kept: no candidate was faster by more than "
             f"{CHALLENGE_MARGIN:.0%}", flush=True)
-    if keeps_entry(key_text, chosen, keep, entries, challenge or args.same_shape):
+    narrowed = bool(challenge or args.same_shape)
+    if keeps_entry(key_text, chosen, keep, entries, narrowed):
       print(f"  {args.out}'s entry holds it: left as it was", flush=True)
       continue
     source = already_served(problem, chosen)
-    narrowed = bool(challenge or args.same_shape)
     if not writes_served_winner(source, narrowed):
       print(f"  already served ({source}): no entry written", flush=True)
       continue
