@@ -46,6 +46,41 @@ _TRACE_HEADER_ENTRIES = 3  # start time, SM id, entries used
 # Where kernels built by ``gemm`` write their traces (``traced``), or None.
 _trace: dict | None = None
 
+# Pallas's "auto barriers" (``plgpu.CompilerParams.unsafe_no_auto_barriers=False``) put
+# a warpgroup barrier before and after every store from registers to shared memory and
+# before every TMA load a warpgroup issues. These kernels order their shared memory
+# themselves, and the auto barriers only repeat that order:
+# - an output slot is written after ``wait_smem_to_gmem`` (which ends with a warpgroup
+#   barrier: the thread that issued the slot's last TMA store has seen it read), and
+#   read by TMA after ``commit_smem`` (a proxy fence, then a warpgroup barrier);
+# - an operand slot or vector buffer is refilled by TMA after ``commit_smem`` (every warp
+#   has read it), and read after its mbarrier wait;
+# - cross-warp sums place their own barriers (Mosaic GPU's reduction), and the
+#   warpgroups' turns are mbarriers;
+# - the memory warpgroup's loads follow an mbarrier wait on the stage, issued by one
+#   thread.
+# So the kernels are built without them: the SwiGLU backward's epilogue in 128 x 192
+# tiles ran 127 warpgroup barriers a tile, six of each sub-tile's ten around its three
+# stores (bench/NOTES.md, sixty-sixth session). Setting CODA_JAX_PALLAS_AUTO_BARRIERS=1
+# builds them with the auto barriers again (a suspected race; an A/B timing); the
+# setting is part of each kernel's key (kernel_cache), so the two never share a kernel.
+AUTO_BARRIERS_ENV = "CODA_JAX_PALLAS_AUTO_BARRIERS"
+
+
+def pallas_auto_barriers() -> bool:
+  """Whether kernels built now keep Pallas's auto barriers (``AUTO_BARRIERS_ENV`` set to
+  1); by default they do not.
+
+  Raises:
+    ValueError: if the variable is set to anything but 0 or 1.
+  """
+  raw = os.environ.get(AUTO_BARRIERS_ENV, "0").strip()
+  if raw not in ("0", "1"):
+    raise ValueError(f"{AUTO_BARRIERS_ENV}={raw!r}: set it to 1 to build kernels with "
+                     "Pallas's auto barriers, or 0 (or leave it unset) to build them "
+                     "without")
+  return raw == "1"
+
 
 @contextlib.contextmanager
 def traced(directory: str, regions: int = 512, waits: bool = True):
@@ -2014,6 +2049,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
   # a memory warpgroup beside the two compute ones where there is a mainloop to feed
   warpgroups = 3 if mainloop else 2
 
+  auto_barriers = pallas_auto_barriers()  # read once per build: every launch alike
+
   def make_kernel(in_place, smem_used):
     """The kernel, with the outputs in ``in_place`` written into their operands' Refs;
     ``smem_used``: its shared memory (``check_smem`` of what it stages), which sizes a
@@ -2034,6 +2071,7 @@ def gemm(a: jax.Array, b: jax.Array, *,
         # where that matters; see coda_jax.primitives.Rotate).
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
+            unsafe_no_auto_barriers=not auto_barriers,
             **(_trace_params(smem_used, warpgroups)
                if interpret is None else {})),
         interpret=interpret)

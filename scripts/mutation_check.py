@@ -1774,6 +1774,18 @@ MUTATIONS = [
         "    return bool(self.spill_load_bytes and self.spill_store_bytes > 8)\n",
         ("tests/test_bench_harness.py", "-k", "ptxas_report"),
         "a kernel that spills a few bytes listed as spill-free"),
+    Mutation(
+        "auto_barriers_kept", "pallas_kernels/gemm_mgpu.py",
+        "            unsafe_no_auto_barriers=not auto_barriers,\n",
+        "            unsafe_no_auto_barriers=False,\n",
+        ("tests/test_kernel_cache.py", "-k", "auto_barriers"),
+        "kernels built with Pallas's auto barriers whatever the setting says"),
+    Mutation(
+        "auto_barriers_setting_ignored", "pallas_kernels/gemm_mgpu.py",
+        '  return raw == "1"\n',
+        '  return False\n',
+        ("tests/test_kernel_cache.py", "-k", "auto_barriers"),
+        "CODA_JAX_PALLAS_AUTO_BARRIERS=1 builds the same kernels as without it"),
 ]
 
 

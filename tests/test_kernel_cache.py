@@ -273,3 +273,43 @@ def test_a_miss_traces_once(folder):
   exp = KC.exported(fn, spec)
   assert len(calls) == 1 and KC.counts and exp.fun_name.startswith("coda_kernel_")
   assert KC.exported(lambda x: fn(x), spec) is exp and len(calls) == 2
+
+
+def test_kernels_built_without_auto_barriers(monkeypatch):
+  """``gemm`` builds its kernels without Pallas's auto barriers (a warpgroup barrier
+  before and after each store to shared memory and before each TMA load; the kernels
+  order their shared memory themselves, ``gemm_mgpu.AUTO_BARRIERS_ENV``): lowering a
+  program with a tile operand and two stored outputs places fewer warpgroup barriers
+  than with ``CODA_JAX_PALLAS_AUTO_BARRIERS=1``, and the two kernels have different keys,
+  so the cache never hands one for the other. A value other than 0 or 1 is refused,
+  naming the variable. (On the GPU, test_primitives' test_auto_barriers_change_no_bits
+  runs both.)"""
+  from jax.experimental.mosaic.gpu import utils as mosaic_utils
+  from pallas_kernels import gemm_mgpu
+  program = [cj.AddTile("res"), cj.Store("x", jnp.bfloat16), cj.ScaleConst(2.0),
+             cj.Store("y", jnp.bfloat16)]
+  res = jax.ShapeDtypeStruct((A.shape[0], B.shape[1]), jnp.bfloat16)
+  run = lambda a, b, r: tuple(cj.gemm_epilogue(a, b, program, {"res": r},
+                                               impl="mosaic").values())
+  calls = [0]
+  real = mosaic_utils.warpgroup_barrier
+
+  def counted():
+    calls[0] += 1
+    return real()
+  monkeypatch.setattr(mosaic_utils, "warpgroup_barrier", counted)
+  barriers, keys = {}, {}
+  for setting in ("0", "1"):
+    monkeypatch.setenv(gemm_mgpu.AUTO_BARRIERS_ENV, setting)
+    calls[0] = 0
+    with KC.bypassed(), pretend():
+      jax.export.export(jax.jit(run), platforms=["cuda"])(A, B, res)
+      keys[setting] = KC.kernel_key(jax.make_jaxpr(run)(A, B, res))
+    barriers[setting] = calls[0]
+  assert 0 < barriers["0"] < barriers["1"], barriers
+  assert keys["0"] != keys["1"]
+  monkeypatch.delenv(gemm_mgpu.AUTO_BARRIERS_ENV)
+  assert not gemm_mgpu.pallas_auto_barriers()
+  monkeypatch.setenv(gemm_mgpu.AUTO_BARRIERS_ENV, "yes")
+  with pytest.raises(ValueError, match="CODA_JAX_PALLAS_AUTO_BARRIERS='yes'"):
+    gemm_mgpu.pallas_auto_barriers()

@@ -259,6 +259,38 @@ def test_output_slots(key, kernel_impl, races_checked, schedule, slots, late):
                epi_out_slots=slots, epi_store_wait_late=late)
 
 
+@pytest.mark.parametrize("late", [False, True])
+@pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)
+def test_auto_barriers_change_no_bits(key, kernel_impl, monkeypatch, schedule, late):
+  """Kernels are built without Pallas's auto barriers (``gemm_mgpu.AUTO_BARRIERS_ENV``):
+  on the GPU, the program with a tile operand and tile, row and column partial outputs,
+  staged in one output slot (each sub-tile's store waits for the last one to be read)
+  waited for before or after the program, over several tiles per SM, gives the same bits
+  with and without them, and both are checked against the truth. (The interpreter runs
+  a warpgroup as one thread: it has no barriers within one to drop.)"""
+  if kernel_impl != "mosaic":
+    pytest.skip("auto barriers exist in compiled kernels only; the interpreter runs each "
+                "warpgroup as one thread")
+  from pallas_kernels import kernel_cache
+  program = PROGRAMS["everything"]
+  a, b = gemm_inputs(key, 256, 256, K, jnp.bfloat16)
+  ops = make_operands(jax.random.fold_in(key, 1), program, 256, 256, a.dtype)
+  config = GemmConfig(tile_m=128, tile_n=128, tile_k=64, stages=2, epi_tile_n=32,
+                      cluster_dim=None, schedule=schedule, epi_out_slots=1,
+                      epi_store_wait_late=late)
+  got = {}
+  for setting in ("1", "0"):
+    monkeypatch.setenv(pallas_kernels.gemm_mgpu.AUTO_BARRIERS_ENV, setting)
+    before = sum(kernel_cache.counts.values())
+    got[setting], _ = check_program(a, b, program, ops, kernel_impl, config=config)
+    # each setting built its kernel (found by its own key: test_gemm_mainloop's
+    # test_kernels_built_without_auto_barriers), none came from a jit cache
+    assert sum(kernel_cache.counts.values()) > before
+  for name in got["1"]:
+    np.testing.assert_array_equal(np.asarray(got["0"][name]), np.asarray(got["1"][name]),
+                                  err_msg=name)
+
+
 def _check_slots(key, kernel_impl, races_checked, name, **config_fields):
   """PROGRAMS[name] at 256 x 256 on 128x128 warpgroup tiles of 8 (64, 32) epilogue
   sub-tiles, with ``config_fields`` (the schedule and a slot count), against the truth
