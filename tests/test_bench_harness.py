@@ -891,8 +891,12 @@ def test_epilogue_pass_split_case_adds_up(monkeypatch):
     # Run at another width (N = 3072 or 1024 against 4096), XLA's GPU fusions may add a
     # head's squares in another order: the row's rms then moves in its last fp32 bits,
     # and a few du round to the neighbouring bf16 (6 of 393,216 on the H200 at 4697e6b).
-    # So: within one bf16 step everywhere, and exact almost everywhere (on the CPU, all).
-    np.testing.assert_allclose(part, of_whole, rtol=2.0**-7, atol=0, err_msg=what)
+    # A du near zero comes out of the norm's cancellation (dn - n c) and can move by
+    # more steps of its own (two at -9.4e-7, 1 of 393,216, at 6ad1c05), so: within one
+    # bf16 step of the value or 2^-16 of the largest |du|, and exact almost everywhere
+    # (on the CPU, all).
+    atol = 2.0**-16 * float(np.max(np.abs(of_whole)))
+    np.testing.assert_allclose(part, of_whole, rtol=2.0**-7, atol=atol, err_msg=what)
     assert np.mean(part != of_whole) < 1e-3, (what, int(np.sum(part != of_whole)))
 
   same_but_rounding(f(qk["du"]), f(whole["du"][:, :nqk]), "q/k heads' du")
