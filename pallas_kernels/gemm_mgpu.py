@@ -59,11 +59,15 @@ _trace: dict | None = None
 #   warpgroups' turns are mbarriers;
 # - the memory warpgroup's loads follow an mbarrier wait on the stage, issued by one
 #   thread.
-# So the kernels are built without them: the SwiGLU backward's epilogue in 128 x 192
-# tiles ran 127 warpgroup barriers a tile, six of each sub-tile's ten around its three
-# stores (bench/NOTES.md, sixty-sixth session). Setting CODA_JAX_PALLAS_AUTO_BARRIERS=1
-# builds them with the auto barriers again (a suspected race; an A/B timing); the
-# setting is part of each kernel's key (kernel_cache), so the two never share a kernel.
+# So the kernels are built without them. The SwiGLU backward's epilogue ran ~10
+# warpgroup barriers a sub-tile, six of them around its three stores; without them the
+# Qwen3 QK-norm pass (no mainloop to hide its barriers under) ran 0.954x, the SwiGLU
+# backward 0.992x, the block 0.998x on the H200 (bench/NOTES.md, sixty-sixth
+# session). Setting CODA_JAX_PALLAS_AUTO_BARRIERS=1 builds them with the auto barriers
+# again (a suspected race; an A/B timing); the setting is part of each kernel's key
+# (kernel_cache), so the two never share a kernel. A new shared-memory buffer must keep
+# to the order above: the interpreter's race detector runs a warpgroup as one thread and
+# cannot see a race between its warps (compute-sanitizer's racecheck on a GPU can).
 AUTO_BARRIERS_ENV = "CODA_JAX_PALLAS_AUTO_BARRIERS"
 
 

@@ -283,7 +283,7 @@ def test_auto_barriers_change_no_bits(key, kernel_impl, monkeypatch, schedule, l
     monkeypatch.setenv(pallas_kernels.gemm_mgpu.AUTO_BARRIERS_ENV, setting)
     before = sum(kernel_cache.counts.values())
     got[setting], _ = check_program(a, b, program, ops, kernel_impl, config=config)
-    # each setting built its kernel (found by its own key: test_gemm_mainloop's
+    # each setting built its kernel (found by its own key: test_kernel_cache's
     # test_kernels_built_without_auto_barriers), none came from a jit cache
     assert sum(kernel_cache.counts.values()) > before
   for name in got["1"]:
