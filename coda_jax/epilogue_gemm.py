@@ -205,7 +205,9 @@ def epilogue_pass(program: Sequence[P.Primitive], operands: dict[str, jax.Array]
   QK-norm and RoPE backward: their cotangent comes from attention, and their result is
   the *input* of the next GEMMs), with the same primitives, partials and kernel
   epilogue as ``gemm_epilogue``: it is ``gemm_epilogue`` with K = 0, which the kernel
-  runs with no mainloop. Begin the program with an ``AddTile`` of the input.
+  runs with no mainloop. Begin the program with an ``AddTile`` of the input: the
+  kernel's running value starts at -0.0, so that add keeps every bit and compiles to
+  nothing.
 
   Args:
     program: epilogue steps; it must read at least one (M, N) tile operand, whose shape

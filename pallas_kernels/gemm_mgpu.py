@@ -1624,10 +1624,11 @@ def _accumulators(cfg: GemmConfig, outputs) -> dict:
 
 def _kernel_no_product(*refs, cfg: GemmConfig, m, n, input_names, input_kinds, outputs,
                        epilogue, in_place, column_sum_turns):
-  """K = 0: the epilogue program alone, on a zero accumulator (an elementwise pass over
-  (M, N) whose first steps add its tile operands). No mainloop and no memory warpgroup:
-  the two warpgroups split each CTA tile as in the cooperative schedule, and each stages
-  its tile operands, runs the program and stores, tile after tile."""
+  """K = 0: the epilogue program alone, on an accumulator of -0.0 (an elementwise pass
+  over (M, N) whose first steps add its tile operands; adding to -0.0 changes no bit).
+  No mainloop and no memory warpgroup: the two warpgroups split each CTA tile as in the
+  cooperative schedule, and each stages its tile operands, runs the program and stores,
+  tile after tile."""
   in_gmem, out_gmem = _bind_refs(refs, input_names, outputs, in_place)
   tm, tn = cfg.tile_m, cfg.tile_n
   cm, cn = cfg.cta_tile
@@ -1660,10 +1661,11 @@ def _kernel_no_product(*refs, cfg: GemmConfig, m, n, input_names, input_kinds, o
         pl.when(has_next)(lambda: ep.prefetch_vectors(next_row, next_col, 1 - t % 2))
         next_tile = (has_next, next_row, next_col)
 
-      # An accumulator no wgmma touches: zeros, in the layout the program expects.
-      @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
-      def _acc_scope(acc_ref):
-        ep.run(acc_ref[...], row_base, col_base, next_tile=next_tile)
+      # An accumulator no wgmma touches, in the layout the program expects: negative
+      # zeros, because x + (-0.0) is x exactly, so the compiler drops the add of the
+      # program's first tile operand (0.0 + x is not x where x is -0.0, so it stays).
+      acc = plgpu.layout_cast(jnp.full((tm, tn), -0.0, jnp.float32), plgpu.Layout.WGMMA)
+      ep.run(acc, row_base, col_base, next_tile=next_tile)
 
     ep.end()
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)

@@ -1786,6 +1786,13 @@ MUTATIONS = [
         '  return False\n',
         ("tests/test_kernel_cache.py", "-k", "auto_barriers"),
         "CODA_JAX_PALLAS_AUTO_BARRIERS=1 builds the same kernels as without it"),
+    Mutation(
+        "pass_accumulator_positive_zero", "pallas_kernels/gemm_mgpu.py",
+        "jnp.full((tm, tn), -0.0, jnp.float32)",
+        "jnp.full((tm, tn), 0.0, jnp.float32)",
+        ("tests/test_primitives.py", "-k", "sign_of_zero"),
+        "a pass (K = 0) starts from +0.0, which the first tile operand's add must keep "
+        "(GPU only: the interpreter's XLA folds 0.0 + x to x)", gpu_only=True),
 ]
 
 

@@ -724,6 +724,21 @@ def test_head_branch_reads_each_tiles_flags(key, kernel_impl, races_checked, con
   assert not races_checked.races_found(), "data race in the kernel (see stdout)"
 
 
+def test_no_product_keeps_the_sign_of_zero(kernel_impl):
+  """The pass's accumulator is -0.0, which adding its first tile operand leaves exactly
+  (x + -0.0 is x, bit for bit; the compiler drops that add), so a copy through the pass
+  gives back every bit, -0.0 included. A compiled kernel on +0.0 would turn -0.0 into
+  +0.0; the interpreter cannot show that (its XLA folds 0.0 + x to x), so there the test
+  checks the copy's bits only."""
+  m, n = 128, 256
+  vals = np.array([-0.0, 0.0, -1.5, 2.0, -0.0], np.float32)
+  x = jnp.asarray(np.resize(vals, m * n).reshape(m, n), jnp.bfloat16)
+  assert np.signbit(np.asarray(x, np.float32)).sum() > 0
+  out = cj.epilogue_pass([cj.AddTile("x0"), cj.Store("y")], {"x0": x}, impl=kernel_impl)
+  np.testing.assert_array_equal(np.asarray(out["y"]).view(np.uint16),
+                                np.asarray(x).view(np.uint16))
+
+
 @pytest.mark.parametrize("m", [1, 63, 100])
 def test_no_product_pads_odd_rows(key, kernel_impl, m):
   """Row counts that do not tile: the pass pads M (the program keeps zero rows zero), and
