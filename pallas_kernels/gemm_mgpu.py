@@ -1625,8 +1625,8 @@ def _accumulators(cfg: GemmConfig, outputs) -> dict:
 def _kernel_no_product(*refs, cfg: GemmConfig, m, n, input_names, input_kinds, outputs,
                        epilogue, in_place, column_sum_turns):
   """K = 0: the epilogue program alone, on an accumulator of -0.0 (an elementwise pass
-  over (M, N) whose first steps add its tile operands; adding to -0.0 changes no bit).
-  No mainloop and no memory warpgroup: the two warpgroups split each CTA tile as in the
+  over (M, N) whose first steps add its tile operands; why -0.0: beside ``acc``). No
+  mainloop and no memory warpgroup: the two warpgroups split each CTA tile as in the
   cooperative schedule, and each stages its tile operands, runs the program and stores,
   tile after tile."""
   in_gmem, out_gmem = _bind_refs(refs, input_names, outputs, in_place)
