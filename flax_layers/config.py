@@ -21,6 +21,149 @@ LLAMA_3_2_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=
 HF_MODEL_TYPES = ("llama", "qwen3")
 
 
+# Hugging Face RoPE settings. transformers 4.x writes ``rope_theta`` and ``rope_scaling`` at
+# the top level of config.json; transformers 5 writes one ``rope_parameters`` dict holding
+# ``rope_type``, ``rope_theta`` and the type's own keys (and reads either layout).
+ROPE_TYPES = ("default", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+_ROPE_KEYS = {"default": ("rope_type", "type", "rope_theta"),
+              "llama3": ("rope_type", "type", "rope_theta") + _LLAMA3_KEYS}
+# transformers 5 leaves these in rope_parameters with values that change nothing here.
+_NEUTRAL_ROPE_KEYS = {"partial_rotary_factor": 1.0}
+
+
+def _number(value, where: str) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    raise ValueError(f"{where}={value!r} must be a finite number")
+  return float(value)
+
+
+def _one_rope_dict(params: dict, layer_types) -> dict:
+  """transformers 5 may key ``rope_parameters`` by layer type ({"full_attention": {...}});
+  every layer here is full attention, so that entry is the one."""
+  if any(k in params for k in ("rope_type", "type", "rope_theta")):
+    return params
+  if params and all(isinstance(v, dict) for v in params.values()):
+    used = set(layer_types or params)
+    if used != {"full_attention"} or "full_attention" not in params:
+      raise ValueError(f"rope_parameters is keyed by layer type {sorted(params)} for layer "
+                       f"types {sorted(used)}: only full-attention layers are implemented")
+    return params["full_attention"]
+  raise ValueError(f"rope_parameters={params!r} has no rope_type or rope_theta: expected "
+                   "transformers' layout, e.g. {'rope_type': 'default', 'rope_theta': 1e6}")
+
+
+def _rope_scaling(params: dict, key: str) -> RopeScaling | None:
+  """The scaling a RoPE dict asks for (None: plain RoPE). Refuses what it cannot run."""
+  kind = params.get("rope_type", params.get("type", "default"))
+  if kind not in ROPE_TYPES:
+    raise ValueError(f"{key} type {kind!r}: only {' and '.join(map(repr, ROPE_TYPES))} (or "
+                     "no scaling) are implemented; this checkpoint would compute different "
+                     "positions here")
+  for name, value in params.items():
+    if name in _ROPE_KEYS[kind]:
+      continue
+    if name in _NEUTRAL_ROPE_KEYS and value == _NEUTRAL_ROPE_KEYS[name]:
+      continue
+    raise ValueError(f"{key}[{name!r}]={value!r}: not understood for rope_type {kind!r} "
+                     f"(known keys: {list(_ROPE_KEYS[kind])}); refusing to load rather than "
+                     "ignore it")
+  if kind == "default":
+    return None
+  missing = [k for k in _LLAMA3_KEYS if k not in params]
+  if missing:
+    raise ValueError(f"{key} of rope_type 'llama3' lacks {missing}")
+  context = params["original_max_position_embeddings"]
+  if isinstance(context, bool) or not isinstance(context, int) and not (
+      isinstance(context, float) and context.is_integer()):
+    raise ValueError(f"{key}['original_max_position_embeddings']={context!r} must be an "
+                     "integer")
+  return RopeScaling(factor=_number(params["factor"], f"{key}['factor']"),
+                     low_freq_factor=_number(params["low_freq_factor"],
+                                             f"{key}['low_freq_factor']"),
+                     high_freq_factor=_number(params["high_freq_factor"],
+                                              f"{key}['high_freq_factor']"),
+                     original_context=int(context))
+
+
+def rope_from_hf_config(hf: dict) -> tuple[float, RopeScaling | None]:
+  """RoPE's theta and scaling from a Hugging Face ``config.json`` of either layout.
+
+  transformers 5 (``rope_parameters``) and 4.x (top-level ``rope_theta``, ``rope_scaling``)
+  are both read; where a file holds both, they must agree. A 4.x file without
+  ``rope_theta`` gets transformers' own default, 10000.
+
+  Args:
+    hf: the parsed ``config.json``.
+
+  Returns:
+    ``(theta, scaling)``; ``scaling`` is None for plain RoPE.
+
+  Raises:
+    ValueError: a RoPE type other than "default" or "llama3", a key this reader does not
+      understand, a missing or non-numeric value, a non-unit ``partial_rotary_factor``, or
+      the two layouts disagreeing. Nothing falls back to a default silently.
+  """
+  partial = hf.get("partial_rotary_factor", 1.0)
+  if partial != 1.0:
+    raise ValueError(f"partial_rotary_factor={partial!r}: RoPE here rotates the whole head "
+                     "(1.0 only)")
+  layer_types = hf.get("layer_types")
+  if layer_types is not None and set(layer_types) - {"full_attention"}:
+    raise ValueError(f"layer_types holds {sorted(set(layer_types) - {'full_attention'})}: "
+                     "attention here is full causal in every layer")
+  legacy_theta = hf.get("rope_theta")
+  legacy_scaling = hf.get("rope_scaling")
+  if legacy_scaling is not None and not isinstance(legacy_scaling, dict):
+    raise ValueError(f"rope_scaling={legacy_scaling!r} must be a dict or null")
+  legacy = (10000.0 if legacy_theta is None else _number(legacy_theta, "rope_theta"),
+            None if not legacy_scaling else _rope_scaling(legacy_scaling, "rope_scaling"))
+  params = hf.get("rope_parameters")
+  if params is None:
+    return legacy
+  if not isinstance(params, dict):
+    raise ValueError(f"rope_parameters={params!r} must be a dict (transformers 5's layout)")
+  params = _one_rope_dict(params, layer_types)
+  if "rope_theta" in params:
+    theta = _number(params["rope_theta"], "rope_parameters['rope_theta']")
+  elif legacy_theta is not None:
+    theta = legacy[0]
+  else:
+    raise ValueError("rope_parameters has no rope_theta and the config has no top-level "
+                     "rope_theta: add rope_parameters['rope_theta'] (e.g. 500000.0)")
+  current = (theta, _rope_scaling(params, "rope_parameters"))
+  # A 4.x key beside rope_parameters must say the same, or one of them is stale.
+  if legacy_theta is not None and legacy[0] != current[0]:
+    raise ValueError(f"rope_theta={legacy_theta!r} disagrees with "
+                     f"rope_parameters['rope_theta']={theta!r}: fix or drop one")
+  if legacy_scaling and legacy[1] != current[1]:
+    raise ValueError(f"rope_scaling={legacy_scaling!r} disagrees with "
+                     f"rope_parameters={params!r}: fix or drop one")
+  return current
+
+
+def rope_to_hf_config(theta: float, scaling: RopeScaling | None) -> dict:
+  """The config.json keys for RoPE that transformers 4.x and 5 both read the same way:
+  5's ``rope_parameters`` and 4.x's ``rope_theta`` and ``rope_scaling``."""
+  extra = {} if scaling is None else {
+      "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+      "high_freq_factor": scaling.high_freq_factor,
+      "original_max_position_embeddings": scaling.original_context}
+  kind = "default" if scaling is None else "llama3"
+  return {"rope_theta": theta,
+          "rope_scaling": {"rope_type": kind, **extra} if extra else None,
+          "rope_parameters": {"rope_type": kind, "rope_theta": theta, **extra}}
+
+
+
+def hf_dtype(param_dtype) -> dict:
+  """config.json's parameter dtype under both names: ``dtype`` (transformers >= 4.56 and 5)
+  and ``torch_dtype`` (older releases; 5 warns when it stands alone)."""
+  name = jnp.dtype(param_dtype).name
+  return {"dtype": name, "torch_dtype": name}
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """Static hyper-parameters of a Llama-style decoder (hashable), Qwen3 included.
@@ -146,24 +289,14 @@ class LlamaConfig:
       raise ValueError(f"Hugging Face {model_type} config lacks {missing}"
                        + (" (Qwen3's head_dim is explicit: add it, e.g. 128)"
                           if "head_dim" in missing else ""))
-    scaling = hf.get("rope_scaling")
-    rope = None
-    if scaling:
-      kind = scaling.get("rope_type", scaling.get("type"))
-      if kind == "llama3":
-        rope = RopeScaling(factor=float(scaling["factor"]),
-                           low_freq_factor=float(scaling["low_freq_factor"]),
-                           high_freq_factor=float(scaling["high_freq_factor"]),
-                           original_context=int(scaling["original_max_position_embeddings"]))
-      elif kind != "default":
-        raise ValueError(f"rope_scaling type {kind!r}: only 'llama3' (or none) is implemented")
+    theta, rope = rope_from_hf_config(hf)
     heads = hf["num_attention_heads"]
     fields = dict(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"], n_q_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        ffn_dim=hf["intermediate_size"], rope_theta=float(hf.get("rope_theta", 10000.0)),
+        ffn_dim=hf["intermediate_size"], rope_theta=theta,
         rope_scaling=rope, eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         activation="silu" if act == "silu" else "gelu", qk_norm=qwen3)
@@ -181,11 +314,6 @@ class LlamaConfig:
       raise ValueError(f"norm_weight_offset={self.norm_weight_offset}: Llama and Qwen3 "
                        "checkpoints apply their norm weights as stored; a model with an "
                        "offset (Gemma's 1 + g) has no Hugging Face config here")
-    rope = None if self.rope_scaling is None else {
-        "rope_type": "llama3", "factor": self.rope_scaling.factor,
-        "low_freq_factor": self.rope_scaling.low_freq_factor,
-        "high_freq_factor": self.rope_scaling.high_freq_factor,
-        "original_max_position_embeddings": self.rope_scaling.original_context}
     kind = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
             "use_sliding_window": False, "sliding_window": None} if self.qk_norm else {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "mlp_bias": False}
@@ -193,12 +321,12 @@ class LlamaConfig:
             "vocab_size": self.vocab_size, "hidden_size": self.d_model,
             "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_q_heads,
             "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim,
-            "intermediate_size": self.ffn_dim, "rope_theta": self.rope_theta,
-            "rope_scaling": rope, "rms_norm_eps": self.eps,
+            "intermediate_size": self.ffn_dim,
+            **rope_to_hf_config(self.rope_theta, self.rope_scaling), "rms_norm_eps": self.eps,
             "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "silu" if self.activation == "silu" else "gelu_pytorch_tanh",
             "attention_bias": False,
-            "torch_dtype": jnp.dtype(self.param_dtype).name}
+            **hf_dtype(self.param_dtype)}
 
   def replace(self, **changes) -> "LlamaConfig":
     return dataclasses.replace(self, **changes)

@@ -60,6 +60,7 @@ from coda_jax import unfused
 from coda_jax.fused_ops import REDUCTIONS
 from coda_jax.sharding import RowSplit
 from flax_layers import checkpoint as ck
+from flax_layers.config import hf_dtype
 from flax_layers import layers as Lyr
 
 _F32 = jnp.float32
@@ -211,8 +212,7 @@ class GPT2Config:
             "activation_function": "gelu_new", "layer_norm_epsilon": self.eps,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "scale_attn_weights": True, "tie_word_embeddings": True,
-            "initializer_range": self.init_std,
-            "torch_dtype": jnp.dtype(self.param_dtype).name}
+            "initializer_range": self.init_std, **hf_dtype(self.param_dtype)}
 
 
 GPT2_CONFIGS = {
