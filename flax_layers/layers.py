@@ -14,6 +14,8 @@ g (Llama, Qwen), 1.0 applies 1 + g with g stored from zeros (Gemma); ``norm_weig
 """
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,7 +24,35 @@ from coda_jax import fused_ops as F
 from coda_jax import jnp_reference as ref
 from coda_jax import qk_norm as qk_norm_ops
 from coda_jax import unfused
+from coda_jax.primitives import ACTIVATIONS
 from coda_jax.sharding import RowSplit, sum_over_rows
+
+
+def _check_sizes(layer: str, **sizes) -> None:
+  """Construction-time check: every size a positive integer."""
+  for name, value in sizes.items():
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+      raise ValueError(f"{layer}: {name}={value!r} must be a positive integer")
+
+
+def _check_eps(layer: str, eps) -> None:
+  if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
+    raise ValueError(f"{layer}: eps={eps!r} must be a positive number")
+
+
+def _check_width(layer: str, arg: str, array, weight: str, want: int) -> None:
+  """Call-time check that ``array``'s last dimension is what ``weight`` was built for."""
+  if array.ndim < 1 or array.shape[-1] != want:
+    raise ValueError(f"{layer}: {arg} has shape {tuple(array.shape)}, but {weight} expects a "
+                     f"last dimension of {want} (the layer's width); reshape the input or "
+                     "build the layer for this width")
+
+
+def _check_lead(layer: str, arg: str, array, x_arg: str, x) -> None:
+  """``array`` (e.g. positions, targets) must have ``x``'s leading shape."""
+  if tuple(array.shape) != tuple(x.shape[:-1]):
+    raise ValueError(f"{layer}: {arg} has shape {tuple(array.shape)}; it must be "
+                     f"{x_arg}'s leading shape {tuple(x.shape[:-1])}")
 
 
 def _normal(rngs, shape, std, dtype):
@@ -215,8 +245,12 @@ class FusedMLP(nnx.Module):
                activation: str = "silu", eps: float = 1e-5, param_dtype=jnp.float32,
                init_std: float = 0.02, norm_offset: float = 0.0, fused: bool = True,
                impl: str = "auto", rngs: nnx.Rngs):
+    _check_sizes("FusedMLP", d_model=d_model, ffn_dim=ffn_dim, block=block)
+    _check_eps("FusedMLP", eps)
     if ffn_dim % block:
-      raise ValueError(f"ffn_dim={ffn_dim} must be a multiple of block={block}")
+      raise ValueError(f"FusedMLP: ffn_dim={ffn_dim} must be a multiple of block={block}")
+    if activation not in ACTIVATIONS:
+      raise ValueError(f"FusedMLP: activation={activation!r}: one of {sorted(ACTIVATIONS)}")
     self.norm_offset = norm_offset
     self.norm = _norm_param((d_model,), param_dtype, norm_offset)
     self.w13 = _normal(rngs, (d_model, 2 * ffn_dim), init_std, param_dtype)
@@ -225,6 +259,7 @@ class FusedMLP(nnx.Module):
     self.fused, self.impl = fused, impl
 
   def __call__(self, x):
+    _check_width("FusedMLP", "x", x, f"w13 {tuple(self.w13.shape)}", self.w13.shape[0])
     h, r = norm_stats(x, norm_weight(self.norm[...], self.norm_offset), self.eps)
     y = swiglu(h, r, self.w13[...], self.block, self.activation, self.fused, self.impl)
     return residual_matmul(y, self.w2[...], x, self.fused, self.impl)
@@ -245,6 +280,17 @@ class QKVProjection(nnx.Module):
                qk_norm: bool = False, param_dtype=jnp.float32, init_std: float = 0.02,
                norm_offset: float = 0.0, fused: bool = True, impl: str = "auto",
                rngs: nnx.Rngs):
+    _check_sizes("QKVProjection", d_model=d_model, n_q_heads=n_q_heads,
+                 n_kv_heads=n_kv_heads, head_dim=head_dim)
+    _check_eps("QKVProjection", eps)
+    if n_q_heads % n_kv_heads:
+      raise ValueError(f"QKVProjection: n_q_heads={n_q_heads} must be a multiple of "
+                       f"n_kv_heads={n_kv_heads} (grouped-query attention)")
+    if head_dim % 2:
+      raise ValueError(f"QKVProjection: head_dim={head_dim} must be even (RoPE rotates "
+                       "pairs)")
+    if qk_norm:
+      qk_norm_ops.check_head_dim_tiles(head_dim, impl)
     width = (n_q_heads + 2 * n_kv_heads) * head_dim
     self.rope_scaling = rope_scaling  # coda_jax.layout.RopeScaling or None
     self.norm_offset = norm_offset
@@ -256,6 +302,9 @@ class QKVProjection(nnx.Module):
     self.fused, self.impl = fused, impl
 
   def __call__(self, x, positions):
+    _check_width("QKVProjection", "x", x, f"wqkv {tuple(self.wqkv.shape)}",
+                 self.wqkv.shape[0])
+    _check_lead("QKVProjection", "positions", positions, "x", x)
     off = self.norm_offset
     h, r = norm_stats(x, norm_weight(self.norm[...], off), self.eps)
     if self.q_norm is not None:
@@ -278,10 +327,14 @@ class OutProjection(nnx.Module):
   def __init__(self, q_width: int, d_model: int, *, param_dtype=jnp.float32,
                init_std: float = 0.02, fused: bool = True, impl: str = "auto",
                rngs: nnx.Rngs):
+    _check_sizes("OutProjection", q_width=q_width, d_model=d_model)
     self.wo = _normal(rngs, (q_width, d_model), init_std, param_dtype)
     self.fused, self.impl = fused, impl
 
   def __call__(self, y, residual):
+    _check_width("OutProjection", "y", y, f"wo {tuple(self.wo.shape)}", self.wo.shape[0])
+    _check_width("OutProjection", "residual", residual, f"wo {tuple(self.wo.shape)}",
+                 self.wo.shape[1])
     return residual_matmul(y, self.wo[...], residual, self.fused, self.impl)
 
 
@@ -299,6 +352,8 @@ class LMHeadLoss(nnx.Module):
                eps: float = 1e-5, ignore_index: int = -100, param_dtype=jnp.float32,
                init_std: float = 0.02, norm_offset: float = 0.0, fused: bool = True,
                impl: str = "auto", rngs: nnx.Rngs):
+    _check_sizes("LMHeadLoss", d_model=d_model, vocab_size=vocab_size)
+    _check_eps("LMHeadLoss", eps)
     self.norm_offset = norm_offset
     self.norm = _norm_param((d_model,), param_dtype, norm_offset)
     self.wlm = None if tied else _normal(rngs, (d_model, vocab_size), init_std, param_dtype)
@@ -309,6 +364,9 @@ class LMHeadLoss(nnx.Module):
     if (wlm is None) == (self.wlm is None):
       raise ValueError("pass wlm exactly when the head is tied" if self.wlm is None
                        else "this head has its own wlm; do not pass one")
+    if wlm is not None and (wlm.ndim != 2 or wlm.shape[0] != self.norm.shape[0]):
+      raise ValueError(f"LMHeadLoss: wlm has shape {tuple(wlm.shape)}; it must be (D, V) "
+                       f"with D = {self.norm.shape[0]} (the norm's width)")
     return self.wlm[...] if wlm is None else wlm
 
   def norm_weight(self):
@@ -316,12 +374,15 @@ class LMHeadLoss(nnx.Module):
     return norm_weight(self.norm[...], self.norm_offset)
 
   def __call__(self, x, targets, *, wlm=None, reduction: str = "mean"):
+    _check_width("LMHeadLoss", "x", x, f"norm {tuple(self.norm.shape)}", self.norm.shape[0])
+    _check_lead("LMHeadLoss", "targets", targets, "x", x)
     h, r = norm_stats(x, self.norm_weight(), self.eps)
     return lm_head_loss(h, r, self.head_weight(wlm), targets, self.ignore_index, reduction,
                         self.fused, self.impl)
 
   def logits(self, x, *, wlm=None):
     """x (..., D) -> fp32 logits (..., V) (plain XLA: inference and checks)."""
+    _check_width("LMHeadLoss", "x", x, f"norm {tuple(self.norm.shape)}", self.norm.shape[0])
     h, r = norm_stats(x, self.norm_weight(), self.eps)
     w = self.head_weight(wlm)
     return (h @ w.astype(h.dtype)).astype(jnp.float32) * r[..., None]
