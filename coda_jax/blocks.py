@@ -1,5 +1,6 @@
 """Whole Llama-style blocks as GEMM-epilogue programs, forward and backward
-(``coda_math.md`` §2-§4), each one ``jax.custom_vjp``.
+(``docs/design.md`` §1.2-§1.4: forward of a block, its backward, the LM head), each one
+``jax.custom_vjp``.
 
 A model of L layers is cut at attention, which stays outside (cuDNN):
 
@@ -19,7 +20,7 @@ head (``coda_jax.qk_norm``): ``pre_block`` takes the weights as ``qk_norm_w`` an
 ``shifted_block``'s params gain ``g_q_norm`` and ``g_k_norm`` (head_dim,) (the next
 layer's, as ``g_attn``); the pre-norm projection u is saved in place of qkv.
 
-Only what §2 lists is saved for the backward: y0, x1, x2, z (pre-activation), qkv, r1, r2
+Only what ``docs/design.md`` §1.2 lists is saved for the backward: y0, x1, x2, z (pre-activation), qkv, r1, r2
 (the post-block also keeps h2 and each row's log-sum-exp); h1 and y1 are recomputed by
 backward epilogues. The n = r x g of the norms before the QKV and gate-up GEMMs is never
 formed: the epilogue that produces those GEMMs' cotangent dz stores r * dz, so their

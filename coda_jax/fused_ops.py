@@ -1,4 +1,5 @@
-"""The fused Transformer ops, each a ``jax.custom_vjp`` (math: ``coda_math.md``).
+"""The fused Transformer ops, each a ``jax.custom_vjp`` (math: ``docs/design.md`` §1,
+"The CODA algebra").
 
     x, h, r = residual_rmsnorm(y, w, residual, g)        x = y @ w + residual, h = x * g,
                                                          r = rsqrt(mean(x^2) + eps)
