@@ -243,10 +243,10 @@ def gated_input_grad(dx, w2, z, block, activation, impl, r=None, store_y=True):
   y_name = "y" if store_y else None
   # dz is a fresh buffer, not written over z. In the models' layer scan z is a slice of
   # the stacked residuals: an in-place write made XLA copy that slice out first, one
-  # M x 2F pass each layer (0.4 ms at the 8B step's 16384 rows), and saved no memory, the
-  # copy being as large as dz. Read, z stays in the stacked buffer (XLA's dynamic-slice
-  # fusion hands the kernel its address). Outside a scan the fresh dz costs one M x 2F
-  # buffer while this GEMM runs (bench/NOTES.md, fifty-fifth session).
+  # M x 2F pass each layer, and saved no memory, the copy being as large as dz. Read, z
+  # stays in the stacked buffer (XLA's dynamic-slice fusion hands the kernel its
+  # address). Outside a scan the fresh dz costs one M x 2F buffer while this GEMM runs
+  # (docs/tuning.md#the-swiglu-backwards-dz).
   out = gemm_epilogue(dx, w2, [GatedGrad("z", block, y_name, "zdz", activation, dt), *scale,
                                P.Store("dz", dt)], operands, trans_b=True, impl=impl)
   return out["dz"], out.get("y"), out["zdz"]

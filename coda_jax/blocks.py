@@ -81,10 +81,9 @@ class BlockConfig:
   # What the gated MLP keeps for its backward, of MLP_RESIDUALS: "recompute" (default)
   # keeps z only, and the backward's GatedGrad GEMM recomputes y from z and stores it for
   # the down-projection's weight gradient; "output" also keeps the activation output y
-  # (M x F more values a layer), so that GEMM stores dz alone. On an H200 "output" ran
-  # the shifted block 0.6-1.3% faster and the 8B-shaped training step level with
-  # "recompute" (bench/NOTES.md, fifty-second and fifty-third sessions), for 5-14% more
-  # peak memory: opt in where measured to pay.
+  # (M x F more values a layer), so that GEMM stores dz alone. "output" buys little
+  # time for more peak memory (docs/tuning.md#the-gated-mlps-residuals): opt in where
+  # measured to pay.
   mlp_residuals: str = "recompute"
   impl: str | tuple[str, ...] = "auto"  # implementations to try (coda_jax.dispatch)
 

@@ -76,9 +76,9 @@ class HeadRmsNorm(P.Primitive):
 
   def apply(self, x, env):
     # Every head runs the norm, and a 0/1 mask per column makes pass-through heads exact.
-    # (A branch per head, as ``HeadRmsNormGrad`` takes, made the Qwen3 QKV GEMM 3-7%
-    # slower on the H200, its epilogue being hidden under the other warpgroup's mainloop
-    # anyway: bench/NOTES.md, fifty-eighth session.)
+    # (A branch per head, as ``HeadRmsNormGrad`` takes, made this GEMM slower: its
+    # epilogue is hidden under the other warpgroup's mainloop anyway;
+    # docs/tuning.md#branches-per-head.)
     w = env.load(self.weight).astype(jnp.float32)
     sel = env.load(self.normed).astype(jnp.float32)
     d = self.head_dim
