@@ -100,8 +100,8 @@ class HeadRmsNormGrad(P.Primitive):
 
   Operands: ``u`` (M, N) tile, the saved pre-norm input; ``weight`` and ``normed`` as
   the forward's. Each head branches once on ``normed`` at its first column
-  (``Env.cond``), so a pass-through head runs none of the norm's math (the Qwen3 pass
-  0.173 -> 0.130 ms on the H200). Stores column partials of dy * n (``dweight``: the
+  (``Env.cond``), so a pass-through head runs none of the norm's math
+  (``docs/tuning.md#branches-per-head``). Stores column partials of dy * n (``dweight``: the
   norm weights' gradient, per column) and row partials of <du, u> (``udu``: the input
   norm's dr term)."""
   _keeps_zero_rows = True  # dy = u = 0 gives du = 0 and zero partials (eps > 0)
