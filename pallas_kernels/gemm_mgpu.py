@@ -532,22 +532,20 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
                    clip_m: bool = False) -> GemmConfig:
   """Per-shape defaults: the largest tiles that divide the problem and fit in SMEM.
 
-  Measured on the H100 (``bench/tune_gemm.py``; ``docs/tuning.md#tile-shapes``): 256x128
-  CTA tiles (the
-  warpgroups split M) in clusters of two along N that multicast A and N-minor order in
-  bands of 16 were best or within 1% of best at every benchmark shape for the plain GEMM
-  and light epilogues. Epilogues that move many bytes per element for their K (see
+  The heuristic (each rule and what it was measured against: ``docs/tuning.md``,
+  "Schedule" and "Tile shapes"): cooperative 256x128 CTA tiles (the warpgroups split M)
+  in clusters of two along N that multicast A, the grid N-minor in bands of 16.
+  Epilogues that move many bytes per element for their K (see
   ``epilogue_bytes_per_element``) get the ping-pong schedule first; large problems with
   a light epilogue and K up to 2048 get tall 192 x 128 ping-pong tiles first where 4
-  stages fit (``_tall_tiles_pay``, measured on the H100 and H200), and where N is a
-  multiple of 192 wide 128 x 192 ones before those, up to K = 4096
-  (``_wide_pingpong_pays``), as do heavy epilogues up to K = 2048 where the rounds of
-  tiles over the SMs are no longer (``_wide_heavy_pays``); cooperative tiles are 256 x
-  192 first where those rounds favour them (``_wide_cooperative_pays``; all three
-  measured on the H200). Programs with
-  column partials carry them down the warpgroup tile (``epi_column_sums_per_tile``)
-  where that takes few registers (``COLUMN_SUMS_PER_TILE_MAX_REGISTERS``). The tuning
-  cache (``autotune``) overrides all of this where it has the problem.
+  stages fit (``_tall_tiles_pay``), and where N is a multiple of 192 wide 128 x 192 ones
+  before those, up to K = 4096 (``_wide_pingpong_pays``), as do heavy epilogues up to
+  K = 2048 where the rounds of tiles over the SMs are no longer (``_wide_heavy_pays``);
+  cooperative tiles are 256 x 192 first where those rounds favour them
+  (``_wide_cooperative_pays``). Programs with column partials carry them down the
+  warpgroup tile (``epi_column_sums_per_tile``) where that takes few registers
+  (``COLUMN_SUMS_PER_TILE_MAX_REGISTERS``). The tuning cache (``autotune``) overrides
+  all of this where it has the problem.
   ``trans_a`` / ``not trans_b`` (MN-major operands) need tile_k a multiple of 64.
 
   Args:
