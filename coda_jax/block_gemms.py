@@ -1,7 +1,8 @@
 """The fused GEMMs of a block, forward and backward (``docs/design.md`` §1.2-§1.4: the
 forward's K1-K4, the backward's B1-B5, the LM head), on (M, ·) matrices. Each function
 is one ``gemm_epilogue`` call (or a short XLA step where the math has no GEMM to ride
-on); ``fused_ops`` and ``blocks`` compose them under ``jax.custom_vjp``. Activations are bf16/fp16 (``dt``); weights arrive cast to ``dt``.
+on); ``fused_ops`` and ``blocks`` compose them under ``jax.custom_vjp``. Activations are
+bf16/fp16 (``dt``); weights arrive cast to ``dt``.
 """
 from __future__ import annotations
 

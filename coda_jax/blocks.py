@@ -20,11 +20,12 @@ head (``coda_jax.qk_norm``): ``pre_block`` takes the weights as ``qk_norm_w`` an
 ``shifted_block``'s params gain ``g_q_norm`` and ``g_k_norm`` (head_dim,) (the next
 layer's, as ``g_attn``); the pre-norm projection u is saved in place of qkv.
 
-Only what ``docs/design.md`` §1.2 lists is saved for the backward: y0, x1, x2, z (pre-activation), qkv, r1, r2
-(the post-block also keeps h2 and each row's log-sum-exp); h1 and y1 are recomputed by
-backward epilogues. The n = r x g of the norms before the QKV and gate-up GEMMs is never
-formed: the epilogue that produces those GEMMs' cotangent dz stores r * dz, so their
-input gradient reads r * dn and their weight gradient is diag(g) x^T (r * dz)
+Only what ``docs/design.md`` §1.2 ("Forward of one shifted block") lists is saved for
+the backward: y0, x1, x2, z (pre-activation), qkv, r1, r2 (the post-block also keeps h2
+and each row's log-sum-exp); h1 and y1 are recomputed by backward epilogues. The
+n = r x g of the norms before the QKV and gate-up GEMMs is never formed: the epilogue
+that produces those GEMMs' cotangent dz stores r * dz, so their input gradient reads
+r * dn and their weight gradient is diag(g) x^T (r * dz)
 (``docs/row_scaled_cotangent.md``). Cast policy and shapes as ``fused_ops``.
 """
 from __future__ import annotations

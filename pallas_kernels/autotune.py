@@ -720,7 +720,8 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
                 S(CO, 192, 128, M_, N_, N_)]
   if k == 0:  # an epilogue pass: unclustered cooperative tiles (gemm_mgpu._no_product_config)
     # With no mainloop to hide a sub-tile's load and store latency under, sub-tiles as
-    # tall as the warpgroup tile halve their count (docs/tuning.md#epilogue-sub-tile-shapes).
+    # tall as the warpgroup tile halve their count
+    # (docs/tuning.md#epilogue-sub-tile-shapes).
     structures = [S(CO, 128, 128, M_, None, N_, epi_heights=(64, 128)),
                   S(CO, 64, 128, M_, None, N_),
                   S(CO, 128, 128, N_, None, N_, epi_heights=(64, 128))]

@@ -62,9 +62,10 @@ _trace: dict | None = None
 # So the kernels are built without them (what that saves:
 # docs/tuning.md#pallas-auto-barriers). Setting CODA_JAX_PALLAS_AUTO_BARRIERS=1 builds
 # them with the auto barriers again (a suspected race; an A/B timing); the setting is
-# part of each kernel's key (kernel_cache), so the two never share a kernel. A new shared-memory buffer must keep
-# to the order above: the interpreter's race detector runs a warpgroup as one thread and
-# cannot see a race between its warps (compute-sanitizer's racecheck on a GPU can).
+# part of each kernel's key (kernel_cache), so the two never share a kernel. A new
+# shared-memory buffer must keep to the order above: the interpreter's race detector runs
+# a warpgroup as one thread and cannot see a race between its warps (compute-sanitizer's
+# racecheck on a GPU can).
 AUTO_BARRIERS_ENV = "CODA_JAX_PALLAS_AUTO_BARRIERS"
 
 
@@ -2054,7 +2055,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
     # residuals, z[i]) and a dynamic-update-slice taking the result (a scan's stacked
     # ys) into the kernel's custom call, ignoring its operand-output aliasing: the kernel
     # then writes into the caller's sliced array and the result is never written (wrong
-    # values or NaN; docs/design.md §6). The barriers copy nothing.
+    # values or NaN; docs/design.md#6-in-place-outputs-and-xla). The barriers copy
+    # nothing.
     ops = dict(zip(names_in, args[len(lead):]))
     backing = {nm: jax.new_ref(lax.optimization_barrier(ops[nm]))
                for nm in in_place.values()}
@@ -2067,8 +2069,9 @@ def gemm(a: jax.Array, b: jax.Array, *,
   # its operands, which jax.checkpoint re-runs whole and vmap batches. Called bare, under
   # jax.checkpoint partial evaluation kept the Ref-writing kernel in the forward only,
   # and the backward's re-run read its fresh, unwritten Ref (the LM head's dW came back
-  # zero; docs/design.md §6). Under vmap the outputs are not written in place
-  # (that only saves memory): every output is fresh, and plgpu.kernel batches the call.
+  # zero; docs/design.md#6-in-place-outputs-and-xla). Under vmap the outputs are not
+  # written in place (that only saves memory): every output is fresh, and plgpu.kernel
+  # batches the call.
   run = jax.custom_batching.custom_vmap(
       (lambda *xs: kernel_cache.call(run_in_place, xs)) if lowered_once else run_in_place)
 

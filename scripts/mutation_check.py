@@ -127,7 +127,7 @@ MUTATIONS = [
         "  check_heads(n_q_heads, n_kv_heads, head_dim)  # before wqkv, whose shape they define\n",
         "", ("tests/test_fused_ops.py", "-k", "bad_inputs"),
         "rmsnorm_qkv_rope no longer checks head_dim and the head counts"),
-    # ---- blocks, layers and training ------------------------------------------------------
+    # ---- blocks, layers and training -----------------------------------------------------
     Mutation(
         "mlp_bwd_d_is_attn_width", "coda_jax/blocks.py",
         "  d = x1.shape[1]\n", "  d = y0.shape[1]\n",
@@ -156,7 +156,7 @@ MUTATIONS = [
         "lambda path, _: True, params)",
         ("tests/test_flax_layers.py", "-k", "optimizer or weight_decay"),
         "AdamW's weight decay reaches the norm weights and biases"),
-    # ---- primitives against independent formulas, through the kernel ----------------------
+    # ---- primitives against independent formulas, through the kernel ---------------------
     Mutation(
         "silu_sigmoid_scaled", "coda_jax/primitives.py",
         '"silu": (lambda a: a * jax.nn.sigmoid(a), _silu_and_grad),',
@@ -303,7 +303,7 @@ MUTATIONS = [
         "env.store(self.zdz, jnp.sum(d * x * x, axis=1))",
         ("tests/test_grad_primitives.py", "-k", "autodiff"),
         "the cross-entropy backward's zdz term is wrong"),
-    # ---- kernel errors ----------------------------------------------------------------------
+    # ---- kernel errors -------------------------------------------------------------------
     Mutation(
         "pairwise_after_narrowing_unchecked", "coda_jax/epilogue_gemm.py",
         "if width != 1 and (prim.column_group() is not None or prim.width_factor() != 1):",
@@ -334,7 +334,8 @@ MUTATIONS = [
         "    return tuple(jax.freeze(backing[in_place[nm]])\n",
         ("tests/test_in_place.py", "-k", "over_slices or custom_vjp"),
         "without the barriers XLA's GPU dynamic-slice fusion ignores the kernel's aliasing "
-        "(NaN gradients in a layer scan; docs/design.md section 6)", gpu_only=True),
+        "(NaN gradients in a layer scan; docs/design.md#6-in-place-outputs-and-xla)",
+        gpu_only=True),
     # ---- the ping-pong schedule and the staged tile operands ---------------------------
     Mutation(
         "pingpong_producer_skips_release_wait", "pallas_kernels/gemm_mgpu.py",
@@ -500,7 +501,7 @@ MUTATIONS = [
         "a program's cache name spells a dtype as passed: Store(y, jnp.bfloat16) misses the "
         "config tuned for Store(y, x.dtype) and runs the heuristic (16% slower for GPT-2's "
         "LayerNorm pass)"),
-    # ---- the shard_map train step and jax 0.11.2's cuDNN-attention crash -------------------
+    # ---- the shard_map train step and jax 0.11.2's cuDNN-attention crash -----------------
     Mutation(
         "shard_map_step_skips_attention_check", "flax_layers/train.py",
         "      check_shard_map_attention(model.config)\n", "",
@@ -570,7 +571,7 @@ MUTATIONS = [
         "jnp.pad(targets, pad)",
         ("tests/test_flax_layers.py", "-k", "ragged"),
         "padded tokens of a ragged batch count in the loss"),
-    # ---- LayerNorm, column bias, GPT-2's GELU MLP (coda_jax/layernorm_ops.py) -------------
+    # ---- LayerNorm, column bias, GPT-2's GELU MLP (coda_jax/layernorm_ops.py) ------------
     Mutation(
         "ln_producer_bwd_drops_mean_term", "coda_jax/layernorm_ops.py",
         "    return acc + dh * g + a - b * (x - mu)\n",
@@ -844,7 +845,7 @@ MUTATIONS = [
         '      p["mlp_proj"], p["mlp_proj_bias"], proj_bias=None, eps=c.eps,',
         ("tests/test_gpt2.py", "-k", "loss_and_every_gradient"),
         "the fused block's c_proj bias is dropped (the reference path keeps it)"),
-    # ---- the 3-GEMM LM head (coda_jax/fused_ops.py) ----------------------------------------
+    # ---- the 3-GEMM LM head (coda_jax/fused_ops.py) --------------------------------------
     Mutation(
         "lm_unit_dw_not_accumulated", "coda_jax/fused_ops.py",
         "return (S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw), sums), (lse, tgt, ys)",
@@ -870,7 +871,7 @@ MUTATIONS = [
         ("tests/test_in_place.py", "-k", "checkpointed"),
         "the in-place kernel's Ref is made and frozen in the caller's trace, not inside a "
         "pure wrapper: under jax.checkpoint the re-run forward reads an unwritten Ref (dW "
-        "= 0; docs/design.md section 6)"),
+        "= 0; docs/design.md#6-in-place-outputs-and-xla)"),
     Mutation(
         "lm_chunks_unrolled", "coda_jax/fused_ops.py",
         "  (dw, sums), (lse, tgt, ys) = jax.lax.scan(body, init, xs)\n",
@@ -1059,7 +1060,7 @@ MUTATIONS = [
         ("tests/test_in_place.py", "-k", "store_adds or accumulate"),
         "the in-place TMA store overwrites where it should add (compiled kernels only: the "
         "interpreter has no TMA reductions and always stages the operand)", gpu_only=True),
-    # ---- the RoPE backward as an epilogue pass --------------------------------------------
+    # ---- the RoPE backward as an epilogue pass -------------------------------------------
     Mutation(
         "row_dot_squares", "coda_jax/primitives.py",
         "    env.store(self.name, jnp.sum(x * env.load(self.other).astype(jnp.float32), axis=1))",
@@ -1073,7 +1074,7 @@ MUTATIONS = [
         '  return out["dz"], out["c"]',
         ("tests/test_fused_ops.py", "-k", "rope_backward"),
         "c = <dqkv, qkv> not divided by the norm's width"),
-    # ---- M clipped by TMA instead of padded ------------------------------------------------
+    # ---- M clipped by TMA instead of padded ----------------------------------------------
     Mutation(
         "clip_m_floor_tiles", "pallas_kernels/gemm_mgpu.py",
         "  m_iters, n_iters, k_iters = -(-m // cluster_tile_m), n // cluster_tile_n, k // tk\n"
@@ -1350,7 +1351,7 @@ MUTATIONS = [
         "    return x - mu * g\n",
         ("tests/test_layernorm_ops.py", "-k", "test_op_and_grads_xla and residual_layernorm_gelu"),
         "the one-GEMM input gradient's fallback takes its x operand for h = x g"),
-    # ---- LayerNorm's one-GEMM input gradient on sharded arrays ----------------------------
+    # ---- LayerNorm's one-GEMM input gradient on sharded arrays ---------------------------
     Mutation(
         "row_terms_rows_split_cols_unsummed", "coda_jax/layernorm_ops.py",
         "  if layout.m:\n    cols = [jax.lax.psum(c, layout.m) for c in cols]\n",
@@ -1464,7 +1465,7 @@ MUTATIONS = [
         "    if total <= 2 * limit:\n      break\n",
         ("tests/test_kernel_cache.py", "-k", "bound or prune"),
         "a cache folder grows to twice its bound"),
-    # ---- the heuristic's tall ping-pong tiles ---------------------------------------------
+    # ---- the heuristic's tall ping-pong tiles --------------------------------------------
     Mutation(
         "tall_tiles_waste_unchecked", "pallas_kernels/gemm_mgpu.py",
         "  return clip_m and (padded - m) <= TALL_TILE_MAX_WASTE * m\n",
@@ -1484,7 +1485,7 @@ MUTATIONS = [
         "> 2 * TALL_TILE_MAX_CARRIED_REGISTERS):",
         ("tests/test_autotune.py", "-k", "heuristic_tall"),
         "two column partials carried down a 192-row tile: 32 of the 40 registers left"),
-    # ---- the heuristic's wide tiles --------------------------------------------------------
+    # ---- the heuristic's wide tiles ------------------------------------------------------
     Mutation(
         "wide_pingpong_at_any_k", "pallas_kernels/gemm_mgpu.py",
         "max_k=WIDE_PINGPONG_MAX_K,", "max_k=4 * WIDE_PINGPONG_MAX_K,",

@@ -14,7 +14,8 @@ is a tail of the run). ``python tests/run_times.py --split N FILE COLLECTED OUT`
 the node ids of COLLECTED (one a line, e.g. ``pytest --collect-only -q``'s) into N lists
 of about equal time by FILE's times, heaviest first, written to ``OUT.1`` ... ``OUT.N``:
 the GPU suite on one H200 is ~8,600-10,400 worker-seconds, over one device call's limit on 16
-workers, so it runs as N calls of ``xargs -0 pytest < OUT.k``. ``python tests/run_times.py --left COLLECTED OUT FILE...`` writes to
+workers, so it runs as N calls of ``xargs -0 pytest < OUT.k``.
+``python tests/run_times.py --left COLLECTED OUT FILE...`` writes to
 OUT the ids of COLLECTED that none of the FILEs lists (those a call's limit cut off, or
 never started), in COLLECTED's order, for the next call to run first. Collect the ids on
 the machine that runs them: a parametrised test's id can differ between pytest versions.
