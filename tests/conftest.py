@@ -35,8 +35,9 @@ _run_folder("CODA_JAX_KERNEL_CACHE", "coda_jax_kernels-")
 # in 104 s against 131; CI's whole suite, where the interpreter's callbacks take most of
 # the time, used 62 CPU minutes against 66 in the same 33. A hit needs the same XLA
 # module, options and versions: it is the program itself. Two processes compiling one
-# program at once may meet a half-written entry: jax then warns and compiles it. A JAX_COMPILATION_CACHE_DIR of the caller's is used
-# as it is (and kept); CODA_JAX_TEST_XLA_CACHE=0 leaves the cache off.
+# program at once may meet a half-written entry: jax then warns and compiles it. A
+# JAX_COMPILATION_CACHE_DIR of the caller's is used as it is (and kept);
+# CODA_JAX_TEST_XLA_CACHE=0 leaves the cache off.
 if (os.environ.get("CODA_JAX_TEST_XLA_CACHE", "1") != "0"
     and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
