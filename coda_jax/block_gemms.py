@@ -1,7 +1,8 @@
-"""The fused GEMMs of a block, forward and backward (``coda_math.md`` §2-§4), on (M, ·)
-matrices. Each function is one ``gemm_epilogue`` call (or a short XLA step where the
-math has no GEMM to ride on); ``fused_ops`` and ``blocks`` compose them under
-``jax.custom_vjp``. Activations are bf16/fp16 (``dt``); weights arrive cast to ``dt``.
+"""The fused GEMMs of a block, forward and backward (``docs/design.md`` §1.2-§1.4: the
+forward's K1-K4, the backward's B1-B5, the LM head), on (M, ·) matrices. Each function
+is one ``gemm_epilogue`` call (or a short XLA step where the math has no GEMM to ride
+on); ``fused_ops`` and ``blocks`` compose them under ``jax.custom_vjp``. Activations are
+bf16/fp16 (``dt``); weights arrive cast to ``dt``.
 """
 from __future__ import annotations
 
@@ -243,10 +244,10 @@ def gated_input_grad(dx, w2, z, block, activation, impl, r=None, store_y=True):
   y_name = "y" if store_y else None
   # dz is a fresh buffer, not written over z. In the models' layer scan z is a slice of
   # the stacked residuals: an in-place write made XLA copy that slice out first, one
-  # M x 2F pass each layer (0.4 ms at the 8B step's 16384 rows), and saved no memory, the
-  # copy being as large as dz. Read, z stays in the stacked buffer (XLA's dynamic-slice
-  # fusion hands the kernel its address). Outside a scan the fresh dz costs one M x 2F
-  # buffer while this GEMM runs (bench/NOTES.md, fifty-fifth session).
+  # M x 2F pass each layer, and saved no memory, the copy being as large as dz. Read, z
+  # stays in the stacked buffer (XLA's dynamic-slice fusion hands the kernel its
+  # address). Outside a scan the fresh dz costs one M x 2F buffer while this GEMM runs
+  # (docs/tuning.md#the-swiglu-backwards-dz).
   out = gemm_epilogue(dx, w2, [GatedGrad("z", block, y_name, "zdz", activation, dt), *scale,
                                P.Store("dz", dt)], operands, trans_b=True, impl=impl)
   return out["dz"], out.get("y"), out["zdz"]

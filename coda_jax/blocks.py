@@ -1,5 +1,6 @@
 """Whole Llama-style blocks as GEMM-epilogue programs, forward and backward
-(``coda_math.md`` §2-§4), each one ``jax.custom_vjp``.
+(``docs/design.md`` §1.2-§1.4: forward of a block, its backward, the LM head), each one
+``jax.custom_vjp``.
 
 A model of L layers is cut at attention, which stays outside (cuDNN):
 
@@ -19,11 +20,12 @@ head (``coda_jax.qk_norm``): ``pre_block`` takes the weights as ``qk_norm_w`` an
 ``shifted_block``'s params gain ``g_q_norm`` and ``g_k_norm`` (head_dim,) (the next
 layer's, as ``g_attn``); the pre-norm projection u is saved in place of qkv.
 
-Only what §2 lists is saved for the backward: y0, x1, x2, z (pre-activation), qkv, r1, r2
-(the post-block also keeps h2 and each row's log-sum-exp); h1 and y1 are recomputed by
-backward epilogues. The n = r x g of the norms before the QKV and gate-up GEMMs is never
-formed: the epilogue that produces those GEMMs' cotangent dz stores r * dz, so their
-input gradient reads r * dn and their weight gradient is diag(g) x^T (r * dz)
+Only what ``docs/design.md`` §1.2 ("Forward of one shifted block") lists is saved for
+the backward: y0, x1, x2, z (pre-activation), qkv, r1, r2 (the post-block also keeps h2
+and each row's log-sum-exp); h1 and y1 are recomputed by backward epilogues. The
+n = r x g of the norms before the QKV and gate-up GEMMs is never formed: the epilogue
+that produces those GEMMs' cotangent dz stores r * dz, so their input gradient reads
+r * dn and their weight gradient is diag(g) x^T (r * dz)
 (``docs/row_scaled_cotangent.md``). Cast policy and shapes as ``fused_ops``.
 """
 from __future__ import annotations
@@ -80,10 +82,9 @@ class BlockConfig:
   # What the gated MLP keeps for its backward, of MLP_RESIDUALS: "recompute" (default)
   # keeps z only, and the backward's GatedGrad GEMM recomputes y from z and stores it for
   # the down-projection's weight gradient; "output" also keeps the activation output y
-  # (M x F more values a layer), so that GEMM stores dz alone. On an H200 "output" ran
-  # the shifted block 0.6-1.3% faster and the 8B-shaped training step level with
-  # "recompute" (bench/NOTES.md, fifty-second and fifty-third sessions), for 5-14% more
-  # peak memory: opt in where measured to pay.
+  # (M x F more values a layer), so that GEMM stores dz alone. "output" buys little
+  # time for more peak memory (docs/tuning.md#the-gated-mlps-residuals): opt in where
+  # measured to pay.
   mlp_residuals: str = "recompute"
   impl: str | tuple[str, ...] = "auto"  # implementations to try (coda_jax.dispatch)
 

@@ -194,8 +194,8 @@ def apply_program(x: jax.Array, program, operands: dict[str, jax.Array], outputs
   A program whose steps work per column group (``column_block``) runs once per block of
   columns, as the kernel runs it once per sub-tile, under ``jax.vmap``: a step's loop
   over its groups then has one or two of them, where on the whole matrix it would slice
-  out every head or pair block and concatenate them again (the Qwen3-1.7B QK-norm
-  backward pass: 2.53 ms that way on an H200, 0.475 ms per block; the kernel's 0.136)."""
+  out every head or pair block and concatenate them again
+  (``docs/tuning.md#the-xla-implementation-per-column-block``)."""
   adds = {o.name: o.adds_to for o in outputs if o.adds_to}
   width = column_block(program, x.shape[1])
   if width == x.shape[1] or any(o.kind == pk.OutputKind.ROW_TOTAL for o in outputs):

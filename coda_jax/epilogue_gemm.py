@@ -159,7 +159,7 @@ def gemm_epilogue(a: jax.Array, b: jax.Array, program: Sequence[P.Primitive],
       without it (it is dropped on hosts with several devices and inside
       ``shard_map``, and where M is padded to the tile). Use it for whole buffers only:
       XLA copies a slice (a scan's xs or saved residuals) out first, which costs a pass
-      over memory and saves nothing (bench/NOTES.md, fifty-fifth session).
+      over memory and saves nothing (``docs/design.md#6-in-place-outputs-and-xla``).
 
   Returns:
     The finished outputs by name: ``Store``s as stored, row sums (M,), column sums

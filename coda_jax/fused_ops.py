@@ -1,4 +1,5 @@
-"""The fused Transformer ops, each a ``jax.custom_vjp`` (math: ``coda_math.md``).
+"""The fused Transformer ops, each a ``jax.custom_vjp`` (math: ``docs/design.md`` §1,
+"The CODA algebra").
 
     x, h, r = residual_rmsnorm(y, w, residual, g)        x = y @ w + residual, h = x * g,
                                                          r = rsqrt(mean(x^2) + eps)
@@ -479,12 +480,11 @@ def lm_head_unit_grads(h, r, wlm, targets, weight, rows, impl, chunk_grad, sums0
   if resolve_head_grad(store, h.dtype) != store:  # checks it, and that it is resolved
     raise ValueError(f"store={store!r}: 'logits' or 'exp' (resolve_head_grad first)")
   w = wlm.astype(h.dtype)
-  # A scan over the chunks: its body's kernels are lowered and compiled once (written
-  # out, 8 chunks lowered 24 kernels: the fused 8B training step compiled in 134 s on
-  # the H100, against 74 s with the scan), and one chunk's logits and dlogits are live
-  # at a time. The kernel adds each chunk's n^T dlogits into the dW carry in place: one
-  # fp32 dW buffer (a 3,204 MiB peak for the 1B post-block on the H100, against 5,064
-  # MiB with a fresh dW per chunk; bench/NOTES.md, issue 12, fourth session).
+  # A scan over the chunks: its body's kernels are lowered and compiled once, and one
+  # chunk's logits and dlogits are live at a time. The kernel adds each chunk's
+  # n^T dlogits into the dW carry in place: one fp32 dW buffer for all chunks
+  # (compile time and peak memory against the alternatives:
+  # docs/tuning.md#the-lm-heads-chunk-scan).
 
   def step_exp(carry, args):
     dw, sums = carry

@@ -1,4 +1,5 @@
-"""Epilogue primitives of the backward pass (``../shared/design/coda_math.md`` §3, §4).
+"""Epilogue primitives of the backward pass (``docs/design.md`` §1.3 "Backward of a
+block", §1.4 "LM head and cross-entropy").
 
 Each is one fused step on the fp32 accumulator, written against the same ``Env`` as the
 forward primitives, so the jnp reference and the kernel share one definition:

@@ -1,4 +1,4 @@
-"""LayerNorm, column bias and GPT-2's GELU MLP as GEMM-epilogue programs (issue 13).
+"""LayerNorm, column bias and GPT-2's GELU MLP as GEMM-epilogue programs.
 
 Math and derivation of the backward: ``docs/layernorm_math.md``.
 
@@ -516,7 +516,7 @@ def row_terms_config(d: int, dtype=jnp.bfloat16, stages: int = 5) -> pk.GemmConf
   Ping-pong 128x128 tiles clustered along N, the grid walking whole rows
   (``pk.gemm_mgpu.row_totals_conflict``), one operand slot, one output slot and column
   sums per tile: so five pipeline stages fit beside the gathered partials at GPT-2's
-  D = 2048 (``bench/NOTES.md``, thirtieth session).
+  D = 2048 (``docs/layernorm_math.md`` section 6, where each of these is measured).
 
   Args:
     d: the rows' length (the GEMM's N). dtype: the activations' dtype.

@@ -41,10 +41,8 @@ class Env(Protocol):
   # if_true(*args) where the scalar ``pred`` holds, else if_false(*args); both return
   # arrays of the same shapes. The kernel runs only the branch taken (``pred`` is the same
   # across the sub-tile: a ``column_value`` test), the XLA implementation runs both and
-  # selects, so each must be finite wherever the other is taken. It paid in a pass with no
-  # GEMM (the QK-norm backward, 25% faster) and cost a ping-pong GEMM whose epilogue was
-  # hidden anyway (the QK-norm forward, 3-7% slower): measure (bench/NOTES.md, fifty-eighth
-  # session).
+  # selects, so each must be finite wherever the other is taken. Whether a branch pays
+  # depends on the kernel: measure (docs/tuning.md#branches-per-head).
   def cond(self, pred: jax.Array, if_true, if_false, *args): ...
 
 
@@ -235,8 +233,7 @@ def _gelu_tanh_and_grad(a):
   # gelu(a) = a h with h = (1 + t) / 2, t = tanh(k (a + c a^3)), k = sqrt(2 / pi); and
   # gelu'(a) = h + a (1 - t^2) (k / 2 + 3 k c a^2 / 2). Written as one multiply-add per
   # step (~10 instructions an element with the SFU tanh): GPT-2's LayerNorm + GELU
-  # epilogue computes both for every element of a 16384 x 8192 tile (bench/NOTES.md,
-  # twenty-third session).
+  # epilogue computes both for every element (docs/tuning.md#gelu-as-multiply-adds).
   k = _SQRT_2_OVER_PI
   a2 = a * a
   t = jnp.tanh(a * (k + (k * _GELU_CUBIC) * a2))

@@ -1,9 +1,9 @@
 """Lowered programs kept on disk across processes: ``cached_jit``.
 
 Why: a fused program's Mosaic GPU kernels are lowered by Python every time the program is
-lowered: most of the fused training step's compile time (about 42 s of 49 for the 8B-4l
-step, bench/NOTES.md, seventh session). JAX's persistent compilation cache is keyed by the
-lowered module, so it is consulted only after that lowering, and spares none of it.
+lowered: most of the fused training step's compile time
+(``docs/tuning.md#compile-time-and-caches``). JAX's persistent compilation cache is keyed
+by the lowered module, so it is consulted only after that lowering, and spares none of it.
 ``cached_jit`` exports the lowered program once (``jax.export``) into ``cache_dir``. A later
 process traces the function (a second or two), finds the program by the trace's
 fingerprint, and compiles it without lowering a kernel; with JAX's persistent compilation

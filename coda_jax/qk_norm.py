@@ -76,9 +76,9 @@ class HeadRmsNorm(P.Primitive):
 
   def apply(self, x, env):
     # Every head runs the norm, and a 0/1 mask per column makes pass-through heads exact.
-    # (A branch per head, as ``HeadRmsNormGrad`` takes, made the Qwen3 QKV GEMM 3-7%
-    # slower on the H200, its epilogue being hidden under the other warpgroup's mainloop
-    # anyway: bench/NOTES.md, fifty-eighth session.)
+    # (A branch per head, as ``HeadRmsNormGrad`` takes, made this GEMM slower: its
+    # epilogue is hidden under the other warpgroup's mainloop anyway;
+    # docs/tuning.md#branches-per-head.)
     w = env.load(self.weight).astype(jnp.float32)
     sel = env.load(self.normed).astype(jnp.float32)
     d = self.head_dim
@@ -100,8 +100,8 @@ class HeadRmsNormGrad(P.Primitive):
 
   Operands: ``u`` (M, N) tile, the saved pre-norm input; ``weight`` and ``normed`` as
   the forward's. Each head branches once on ``normed`` at its first column
-  (``Env.cond``), so a pass-through head runs none of the norm's math (the Qwen3 pass
-  0.173 -> 0.130 ms on the H200). Stores column partials of dy * n (``dweight``: the
+  (``Env.cond``), so a pass-through head runs none of the norm's math
+  (``docs/tuning.md#branches-per-head``). Stores column partials of dy * n (``dweight``: the
   norm weights' gradient, per column) and row partials of <du, u> (``udu``: the input
   norm's dr term)."""
   _keeps_zero_rows = True  # dy = u = 0 gives du = 0 and zero partials (eps > 0)

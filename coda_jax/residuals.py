@@ -7,9 +7,8 @@ buffer with a dynamic-update-slice. XLA's GPU dynamic-slice fusion
 custom call that made the value with that update, so that the kernel stores straight
 into the stacked buffer. When the same value also has other readers (the next GEMM, the
 scan's carry), XLA keeps the original custom call for them as well: **the kernel runs
-twice** each iteration. The fifty-third session found this in the 8B-shaped training
-step: the QKV, out-projection and down-projection GEMMs of every scanned layer ran twice
-(bench/NOTES.md).
+twice** each iteration. In the 8B-shaped training step the QKV, out-projection and
+down-projection GEMMs of every scanned layer ran twice (``docs/known_issues.md``).
 
 ``fenced`` passes such values through one ``jax.lax.optimization_barrier`` on their way
 into the residuals: the stacking update then reads the barrier's result, the fusion does

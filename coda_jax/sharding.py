@@ -111,8 +111,7 @@ class RowSplit:
     (FSDP) is gathered here, and its gradient leaves split like it. On an explicit axis
     that is ``jax.reshard``; on an auto axis (``jax.jit``'s own partitioning) a sharding
     constraint, since ``jax.reshard`` leaves the partitioner free there (an FSDP step's
-    reference then split its GEMMs along the weights: bench/NOTES.md, thirty-fourth
-    session)."""
+    reference then split its GEMMs along the weights: docs/tuning.md#sharding-and-fsdp)."""
     whole = NamedSharding(self.mesh, PartitionSpec())
     kind = dict(zip(self.mesh.axis_names, self.mesh.axis_types))[self.axis]
     put = jax.reshard if kind == jax.sharding.AxisType.Explicit else (

@@ -1,4 +1,4 @@
-"""A GPT-2-style decoder over the LayerNorm GEMM-epilogue ops (issue 13).
+"""A GPT-2-style decoder over the LayerNorm GEMM-epilogue ops.
 
 GPT-2: learned token (``wte``) and position (``wpe``) embeddings; ``n_layers`` pre-LayerNorm
 blocks, each

@@ -144,7 +144,7 @@ def whole_weights(tree, row_split: RowSplit | None):
   layer's weights as the scan reaches them, and their gradients are summed back the
   same way. Without it, jit's partitioner is free to split the plain-XLA path's GEMMs
   along the weights' split instead, and moves activations between devices (all-to-alls;
-  bench/NOTES.md, thirty-fourth session).
+  docs/tuning.md#sharding-and-fsdp).
   The fused GEMMs gather a split weight themselves (``coda_jax.partitioning``); here
   the gather is explicit for both paths.
 

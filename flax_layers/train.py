@@ -86,7 +86,7 @@ def fsdp_shardings(tree, mesh, data_axis: str = "data"):
   the layer axis: the layer scan slices one layer on every device and gathers that
   layer's weights as it reaches them, so no device ever holds the whole model. (Split
   along the layer axis, each layer lives on one device and XLA gathers the whole fp32
-  stack before the scan: bench/NOTES.md, thirty-fourth session.)
+  stack before the scan: docs/tuning.md#sharding-and-fsdp.)
 
   Args:
     tree: the state (parameters and optimizer moments alike), or any pytree of arrays.
@@ -245,7 +245,7 @@ def make_train_step(graphdef, *, micro_batches: int = 1, donate: bool = True, me
   device in one ``jax.shard_map``, so the head's weight gradient is summed across
   devices once per step and an FSDP-split head gathered once, not once per row chunk.
   On 2 H200s it took the 1B step from 316 to 302 ms data parallel and GPT-2 small to
-  1.07x its reference (bench/NOTES.md, thirty-third and thirty-fourth sessions).
+  1.07x its reference (docs/tuning.md#sharding-and-fsdp).
   False: those GEMMs go through jit's per-GEMM rule too.
 
   ``program_cache``: a folder where the lowered step is kept across processes

@@ -304,10 +304,8 @@ def nearby(key: ProblemKey, other: ProblemKey) -> tuple[float, int, int, str] | 
 # a config fits and schedules the same on each; they differ only in memory (the H200's
 # 141 GB of HBM3e at 4.8 TB/s against the H100's 80 GB of HBM3 at 3.35). A device kind's
 # own entries serve first; a sibling's (exact, then at a nearby M or K) only where it has
-# none. Measured on an H200 over the 15 GEMMs of the 1B train step tuned there: the H100's
-# configs ran within 1% of the H200's own best on 11 and at most 1.10x slower (the
-# 0.08 ms RoPE-backward pass), where the heuristic was up to 1.09x slower on problems the
-# H100 had tuned (bench/NOTES.md, thirty-seventh session). Another kind of the same chip
+# none: a sibling's tuned config measured closer to the best than the heuristic
+# (docs/tuning.md#configs-shared-across-h100-and-h200). Another kind of the same chip
 # (an H800, a GH200) joins a group here once measured so.
 SAME_CHIP = (("NVIDIA H100 80GB HBM3", "NVIDIA H200"),)
 
@@ -659,42 +657,26 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
                max_stages: int = 7, extra: bool = False, clip_m: bool = False,
                tile_m: int | None = None, tile_n: int | None = None
                ) -> tuple[list[g.GemmConfig], list[tuple[str, str]]]:
-  """The search space for one problem: both schedules, the tile shapes, clusters and
-  grid orders below, each with epilogue sub-tiles of 64 or 32 columns (a multiple of
-  the column group; wider ones are also tried with their tile outputs stored in halves:
-  ``gemm_mgpu.store_widths``) and the deepest pipeline that fits
-  in shared memory, with tile operands staged 2 sub-tiles ahead or 1 (one slot frees
-  shared memory for a deeper pipeline: the SwiGLU backward at 8B shapes gets 3 stages
-  of 64 instead of 5 of 32, 4.6% faster), and each also with one staging slot per
-  output where that frees room for one more stage (``_deeper_with_one_output_slot``),
-  that also with the slot waited for after the program
-  (``GemmConfig.epi_store_wait_late``: the Qwen3 SwiGLU backward in 128 x 192 tiles ran
-  0.971x its tuned config on the H200, bench/NOTES.md, sixty-fourth session),
-  and 64-wide sub-tiles with their tile outputs stored in 32-wide halves where that does
-  (``_deeper_in_halves``);
-  ``extra`` adds bands of 8, tile_k 32 and
-  tile operands staged 4 sub-tiles ahead or all of them during the mainloop. A pass
-  (K = 0) also tries sub-tiles as tall as its 128-row warpgroup tiles, and each config
-  loading the next tile's operands under the current one
-  (``GemmConfig.epi_prefetch_next_tile``). A program with column partials also tries
-  each config carrying them down the warpgroup tile
-  (``GemmConfig.epi_column_sums_per_tile``). Taller sub-tiles under a mainloop ran level
-  at best (128 x 16, 192 x 16) and up to 1.4x slower (128 x 32: fewer stages fit), so
-  GEMMs keep 64-row ones.
-  Ping-pong also tries 192-row warpgroup tiles: 192 accumulator registers a thread,
-  1.2x the operand reuse of 128 x 128 (3.6% faster than our cooperative GEMM on the
-  H100 at 16384 x 8192 x 2048, level on the heavy GPT-2 epilogues; bench/NOTES.md,
-  eighteenth session); they tile M = 16384 only with ``clip_m``. Both schedules also try
-  128 x 192 warpgroup tiles (192 registers too), clustered along M or N, and the
-  cooperative one 192 x 128: two m64n192 wgmmas a K step read 11% fewer shared-memory
-  bytes per multiply than three m64n128, and on the H200 (bench/NOTES.md, sixtieth
-  session) plain GEMMs at 16384 x 6144 x 2048 and 16384 x 12288 x 2048 ran 4% faster in
-  ping-pong 128 x 192 tiles clustered along M than in the heuristic's cooperative
-  256 x 128, within 1.4-2.1% of cuBLAS; they tile only N (M) a multiple of 192.
-  Ping-pong 128 x 192 clustered along N also walks the grid with M minor: the Qwen3
-  SwiGLU backward ran 0.990x the best of the others there (sixty-fourth session).
-  ``tile_m``, ``tile_n``: only the structures with warpgroup tiles that tall, that wide
-  (``bench.tune_gemm --challenge-tile-m``, ``--challenge-tile-n``).
+  """The search space for one problem.
+
+  Each tile structure of the search (both schedules; 128 x 128, 192 x 128 and 128 x 192
+  warpgroup tiles; clustered along M, N or not at all; the grid walked N- or M-minor) is
+  tried with epilogue sub-tiles 64 or 32 columns wide (a multiple of the column group;
+  sub-tiles wider than 64 also with their tile outputs stored in halves:
+  ``gemm_mgpu.store_widths``), with tile operands staged 2 sub-tiles ahead or 1, each
+  at the deepest pipeline that fits in shared memory. Each such config is also tried in
+  the variants that free shared memory for one more stage: one staging slot per output
+  (``_deeper_with_one_output_slot``), that with the slot waited for after the program
+  (``GemmConfig.epi_store_wait_late``), and 64-wide sub-tiles stored in 32-wide halves
+  (``_deeper_in_halves``). A program with column partials also tries each config
+  carrying them down the warpgroup tile (``GemmConfig.epi_column_sums_per_tile``). A
+  pass (K = 0) tries unclustered cooperative tiles with sub-tiles up to 128 rows tall,
+  each also loading the next tile's operands under the current one
+  (``GemmConfig.epi_prefetch_next_tile``). GEMMs keep 64-row sub-tiles. ``extra`` adds
+  bands of 8, tile_k 32 and tile operands staged 4 sub-tiles ahead or all of them
+  during the mainloop. 192-row tiles tile M = 16384 only with ``clip_m``; 192-wide
+  ones (192-row cooperative ones) need N (M) a multiple of 192. Why these structures
+  and not others: ``docs/tuning.md#the-search-space``.
 
   Args:
     m: rows of A and of the product.
@@ -722,11 +704,9 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
   """
   M_, N_ = g.MatDim.M, g.MatDim.N
   PP, CO = g.Schedule.PINGPONG, g.Schedule.COOPERATIVE
-  # Pruned by measurement on the H100 (bench/NOTES.md, issue 10): 64-row or 64-column
-  # warpgroup tiles, tile_k 32, bands of 8 and staging every tile operand sub-tile
-  # during the mainloop (it costs pipeline stages) never won. On the H200 (sixtieth
-  # session) 64 x 256 warpgroup tiles ran level at best in cooperative CTAs and up to
-  # 1.6x slower in ping-pong, over the Qwen3 block's problems.
+  # Left out, having never won where measured: 64-row or 64-column and 64 x 256
+  # warpgroup tiles; tile_k 32, bands of 8 and every tile operand sub-tile staged during
+  # the mainloop only with ``extra`` (docs/tuning.md#the-search-space).
   S = SearchStructure
   structures = [S(CO, 128, 128, M_, N_, N_), S(CO, 128, 128, M_, None, N_),
                 S(PP, 128, 128, M_, N_, N_), S(PP, 128, 128, M_, M_, M_),
@@ -740,8 +720,8 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
                 S(CO, 192, 128, M_, N_, N_)]
   if k == 0:  # an epilogue pass: unclustered cooperative tiles (gemm_mgpu._no_product_config)
     # With no mainloop to hide a sub-tile's load and store latency under, sub-tiles as
-    # tall as the warpgroup tile halve their count: GPT-2's LayerNorm pass ran 9% faster
-    # in 128 x 64 sub-tiles than in 64 x 64 (bench/NOTES.md, twenty-first session).
+    # tall as the warpgroup tile halve their count
+    # (docs/tuning.md#epilogue-sub-tile-shapes).
     structures = [S(CO, 128, 128, M_, None, N_, epi_heights=(64, 128)),
                   S(CO, 64, 128, M_, None, N_),
                   S(CO, 128, 128, N_, None, N_, epi_heights=(64, 128))]
@@ -789,7 +769,7 @@ def candidates(m: int, n: int, k: int, dtype, input_kinds: dict, input_dtypes: d
         deeper = _deeper_with_one_output_slot(best, dtype, input_kinds, input_dtypes,
                                               outputs, max_stages) if k else None
         if deeper is not None:
-          # and with its one slot waited for after the program (sixty-fourth session)
+          # and with its one slot waited for after the program (epi_store_wait_late)
           these += [deeper, dataclasses.replace(deeper, epi_store_wait_late=True)]
         halves = _deeper_in_halves(best, dtype, input_kinds, input_dtypes, outputs,
                                    max_stages) if k else None
@@ -812,12 +792,9 @@ def _deeper_with_one_output_slot(cfg, dtype, input_kinds, input_dtypes, outputs,
                                  max_stages):
   """``cfg`` with one staging slot per whole-stored output (``epi_out_slots=1``) and the
   deepest pipeline that then fits, or None where that buys no stage. At the same depth
-  one slot ran within 1% of two (bench/NOTES.md, fifteenth session), so it is only worth
-  a candidate where the shared memory it frees buys a stage: the SwiGLU backward ran
-  0.905x and 0.934x (1B, Qwen3-1.7B) and the LM head's in-place fp32 weight gradient
-  0.94-0.96x on the H200 with the stage (fortieth session), while GPT-2's GELU backward
-  ran 1.017x and the 17 programs with no tile operand 0.97-1.04x, so the tuner times
-  both."""
+  one slot runs level with two, so it is a candidate only where the shared memory it
+  frees buys a stage; with the stage it won on some programs and lost on others, so
+  the tuner times both (``docs/tuning.md#output-slots``)."""
   return _deeper_with(cfg, dtype, input_kinds, input_dtypes, outputs, max_stages,
                       epi_out_slots=1)
 
@@ -837,11 +814,9 @@ def _deeper_in_halves(cfg, dtype, input_kinds, input_dtypes, outputs, max_stages
   no stage. Halves of one dtype share one staging ring (``gemm_mgpu._part_rings``), so a
   program writing two tile outputs stages 2 halves instead of 2 x 2 whole sub-tiles.
   ``gemm_mgpu.store_widths`` offers halves only for sub-tiles wider than 64 (a 128-wide
-  head); here they are a candidate where they deepen the pipeline. On the H200
-  (bench/NOTES.md, forty-second session) issue 13's QK-norm + RoPE at head_dim 64 ran
-  0.983x in ping-pong 128x128 tiles at 6 stages instead of 4 (16384 x 3072 x 2048), but
-  1.010-1.037x in cooperative tiles at 4 stages instead of 3 (five shapes), so the
-  tuner times both."""
+  head); here they are a candidate where they deepen the pipeline. The extra stage won
+  in ping-pong tiles and lost in cooperative ones, so the tuner times both
+  (``docs/tuning.md#outputs-stored-in-parts``)."""
   if cfg.epi_store_n is not None or cfg.epi_tile_n != 64:
     return None
   return _deeper_with(cfg, dtype, input_kinds, input_dtypes, outputs, max_stages,
@@ -891,15 +866,12 @@ def measure_ms(fn, *args, iterations: int = 20) -> float:
 
 # The search's final round (``final_round``). One pass times each candidate once (the
 # median of ``iterations`` calls), and the fastest of one pass is partly the luckiest:
-# in the forty-third session's H200 searches (bench/NOTES.md) the leaders were 0.04-0.3%
-# apart, about what timing one config again moves it. So the leaders, those within
-# ``FINAL_WINDOW`` of the fastest (at most ``FINALISTS``, plus the config to keep), are
-# timed ``FINAL_ROUNDS`` more times, in turn, and the choice is made among them on their
-# medians. That settles the search's own noise, not every difference between timings:
-# bench/gemm_epilogue.py, timing its own inputs after other kernels, put pairs of
-# configs up to 1.5% apart in the other order on two H200 hosts. So bench/tune_gemm.py
-# also keeps the config serving a problem unless another is faster by more than its
-# margin.
+# the leaders are often closer than timing one config again moves it. So the leaders,
+# those within ``FINAL_WINDOW`` of the fastest (at most ``FINALISTS``, plus the config
+# to keep), are timed ``FINAL_ROUNDS`` more times, in turn, and the choice is made among
+# them on their medians. That settles the search's own noise, not every difference
+# between timings, so bench/tune_gemm.py also keeps the config serving a problem unless
+# another is faster by more than its margin (docs/tuning.md#the-final-round).
 FINALISTS = 4
 FINAL_ROUNDS = 2
 FINAL_WINDOW = 0.03

@@ -59,15 +59,13 @@ _trace: dict | None = None
 #   warpgroups' turns are mbarriers;
 # - the memory warpgroup's loads follow an mbarrier wait on the stage, issued by one
 #   thread.
-# So the kernels are built without them. The SwiGLU backward's epilogue ran ~10
-# warpgroup barriers a sub-tile, six of them around its three stores; without them the
-# Qwen3 QK-norm pass (no mainloop to hide its barriers under) ran 0.954x, the SwiGLU
-# backward 0.992x, the block 0.998x on the H200 (bench/NOTES.md, sixty-sixth
-# session). Setting CODA_JAX_PALLAS_AUTO_BARRIERS=1 builds them with the auto barriers
-# again (a suspected race; an A/B timing); the setting is part of each kernel's key
-# (kernel_cache), so the two never share a kernel. A new shared-memory buffer must keep
-# to the order above: the interpreter's race detector runs a warpgroup as one thread and
-# cannot see a race between its warps (compute-sanitizer's racecheck on a GPU can).
+# So the kernels are built without them (what that saves:
+# docs/tuning.md#pallas-auto-barriers). Setting CODA_JAX_PALLAS_AUTO_BARRIERS=1 builds
+# them with the auto barriers again (a suspected race; an A/B timing); the setting is
+# part of each kernel's key (kernel_cache), so the two never share a kernel. A new
+# shared-memory buffer must keep to the order above: the interpreter's race detector runs
+# a warpgroup as one thread and cannot see a race between its warps (compute-sanitizer's
+# racecheck on a GPU can).
 AUTO_BARRIERS_ENV = "CODA_JAX_PALLAS_AUTO_BARRIERS"
 
 
@@ -183,10 +181,13 @@ class GemmConfig:
   the cooperative schedule the CTA tile is two of them side by side (along
   ``wg_dim``); under ping-pong each warpgroup works on a tile of its own. A warpgroup
   tile holds tile_m x tile_n / 128 fp32 accumulator registers a thread: 128 for the
-  default 128x128, 192 for the tuner's tall 192x128 and wide 128x192 tiles (1.2x the
-  operand reuse, with 40 registers left for the epilogue; 128x192 also reads 11% fewer
-  shared-memory bytes per multiply, in two m64n192 wgmmas a K step instead of three
-  m64n128).
+  default 128x128, 192 for the tall 192x128 and wide 128x192 tiles, which leaves 40 for
+  the epilogue. Which tiles pay where: ``docs/tuning.md#tile-shapes``; the epilogue
+  fields below: ``docs/tuning.md#epilogue-staging``.
+
+  Raises:
+    ValueError: when made, for a field out of its range or fields that do not fit
+      together (``check``).
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -215,29 +216,25 @@ class GemmConfig:
   # at a time. Sub-tile s writes slot s % epi_out_slots once the TMA store that last
   # read it (epi_out_slots groups back) is done, so more slots let more stores drain
   # behind the epilogue; as many as a warpgroup tile has sub-tiles never wait within a
-  # tile (on the H100 more than 2 never paid: bench/NOTES.md, fifteenth session). One
-  # slot pays only where the memory it frees buys a pipeline stage (the tuner tries
-  # that: autotune._deeper_with_one_output_slot; fortieth session).
+  # tile. More than 2 has not paid; one pays only where the memory it frees buys a
+  # pipeline stage (autotune._deeper_with_one_output_slot; docs/tuning.md#output-slots).
   # Outputs stored in parts (epi_store_n) share one ring of two slots per dtype and
-  # part shape (_part_rings; forty-first session).
+  # part shape (_part_rings).
   epi_out_slots: int = 2
   # When the next load into a tile operand's slot is issued: True (default), as soon as
   # every warp has read the sub-tile's operands into registers (one more warpgroup
   # barrier per sub-tile), so the load runs under the sub-tile's math; False, once the
   # sub-tile's whole epilogue has run (its math and stores), when with one slot the
-  # next sub-tile waits a load's whole latency. Early was 0-8% faster on 12 of 13
-  # tile-operand GEMMs of the 1B and 8B blocks and GPT-2 (bench/NOTES.md, fifteenth
-  # session).
+  # next sub-tile waits a load's whole latency. Early measured faster on 12 of 13
+  # tile-operand GEMMs (docs/tuning.md#operand-refetch).
   epi_operand_refetch_early: bool = True
   # When a sub-tile waits for its output slots to be read out by the stores that last
   # used them: False (default), before its program runs; True, after it, just before
   # its outputs are written into the slots (the program's values held in registers till
   # then), so a store's read of its slot runs under the next sub-tile's math instead of
-  # ahead of it. For epilogues as long as the other warpgroup's mainloop, where one
-  # output slot's waits were ~16% of the SwiGLU backward's epilogue: on the H200 its
-  # 128 x 128 epilogue fell 20,800 -> 17,100 cycles a tile (the kernel 0.994x) and the
-  # 128 x 192 one 33,900 -> 29,500 (0.971x the tuned config; bench/NOTES.md,
-  # sixty-third and sixty-fourth sessions). The tuner tries it beside one output slot.
+  # ahead of it. For epilogues as long as the other warpgroup's mainloop, with one
+  # output slot (docs/tuning.md#the-store-wait-after-the-program). The tuner tries it
+  # beside one output slot.
   epi_store_wait_late: bool = False
   # K = 0 passes only (no mainloop to load a tile's operands under): load the next
   # tile's first operand sub-tiles from the slots this tile's last ones free, and its
@@ -429,24 +426,14 @@ TALL_TILE_MAX_CARRIED_REGISTERS = 16
 
 
 def _tall_tiles_pay(m: int, n: int, k: int, trans_a: bool, clip_m: bool, outputs) -> bool:
-  """Whether the heuristic tries 192 x 128 ping-pong tiles before the cooperative ones.
+  """Whether the heuristic tries 192 x 128 ping-pong tiles before the cooperative ones
+  (for a light epilogue; ``default_config`` asks).
 
-  From every tuning log that timed both (bench/results/*/tune*.log; bench/NOTES.md,
-  thirty-ninth session), against the cooperative config the heuristic chose otherwise:
-  with 4 or more stages, A stored (M, K), K <= 2048 and an output of at least 2^25
-  elements, 0.946x the time in geometric mean over 22 problems, 0.89x to 0.997x, on the
-  H100 (11) and the H200 (11). At K = 4096 they ran 0.89x to 1.11x (0.992x in geometric
-  mean over 10), with 3 stages 1.06x to 1.87x, as weight gradients (A stored (K, M))
-  1.08x, and where the heuristic already picks 128 x 128 ping-pong (a heavy epilogue)
-  level. Checked on the H200 with ``bench.heuristic_ab``: 0.875x to 0.995x on the 20
-  problems of GPT-2's block and of the benchmark programs at untuned shapes where the
-  choice changed (bench/results/nvidia_h200/heuristic_tall_tiles_a239d26.md); at K =
-  3072 they would have run 0.88x to 0.98x there, which the H100 logs do not bear out
-  at K = 4096. Column partials carried down a 192-row tile take registers that its 192
-  accumulators a thread leave 40 of: ``default_config`` allows at most
-  TALL_TILE_MAX_CARRIED_REGISTERS of them (one 32-wide partial: GPT-2's GELU backward,
-  16384 x 8192 x 2048, ran 0.86x to 0.90x in three runs on the H200). B's column sums
-  have no measurement and are left out."""
+  True for A stored (M, K) within the bounds of ``_large_pingpong_tiles_pay`` at K up to
+  TALL_TILE_MAX_K; ``default_config`` also keeps at least TALL_TILE_MIN_STAGES stages
+  and at most TALL_TILE_MAX_CARRIED_REGISTERS carried column-partial registers (a
+  192-row tile's accumulators leave 40 a thread). The bounds are where they measured
+  faster: ``docs/tuning.md#tall-192-x-128-ping-pong-tiles``."""
   return not trans_a and _large_pingpong_tiles_pay(m, n, k, clip_m, outputs,
                                                    max_k=TALL_TILE_MAX_K, rows=TALL_TILE_M)
 
@@ -469,7 +456,7 @@ def _large_pingpong_tiles_pay(m: int, n: int, k: int, clip_m: bool, outputs, *,
 
 # The heuristic's wide tiles: 128 x WIDE_TILE_N warpgroup tiles. Two m64n192 wgmmas a K
 # step read 0.67 bytes of shared memory per multiply, against 0.75 for 128-wide tiles
-# (bench/NOTES.md, sixtieth session). Ping-pong (``_wide_pingpong_pays``): for GEMMs
+# (docs/tuning.md#wide-128-x-192-tiles). Ping-pong (``_wide_pingpong_pays``): for GEMMs
 # with a light epilogue, N a multiple of WIDE_TILE_N, K up to WIDE_PINGPONG_MAX_K (0
 # turns them off), A in either order (WIDE_PINGPONG_TRANS_A = 0 keeps them to A stored
 # (M, K)), and the tall tiles' bounds on output size, clipped rows, stages and carried
@@ -493,20 +480,10 @@ def _wide_pingpong_pays(m: int, n: int, k: int, trans_a: bool, clip_m: bool,
   192 cluster tile multicasting the wider B tile) first, for a light epilogue, A in
   either order.
 
-  Measured on the H200 with ``bench.heuristic_ab`` against the heuristic without wide
-  tiles (bench/NOTES.md, sixty-first session; bench/results/nvidia_h200/
-  heuristic_wide_tiles_*.md): at K = 2048, where it had picked the tall 192 x 128 tiles
-  of the same area, 0.965x-0.997x on 10 problems (Qwen3's gate-up with z and y 1.003x in
-  a third run), and 0.923x on an LM head's 2048 x 128256 (M = 2048, which 192-row tiles
-  clip); at K = 3072 and 4096, where it had
-  picked cooperative 256 x 128 tiles, 0.917x-0.996x on 8 problems, where 256 x 192
-  cooperative tiles ran 0.951x-1.019x. With A stored (K, M) (an LM head's chunked weight
-  gradient, 4096 x 128256 x 2048, the only such problem of the workloads that passes the
-  bounds), against the 256 x 192 cooperative tiles the heuristic picked otherwise: 0.949x
-  (sixty-first session), 0.958x in three rounds and, as the tuner timed them, 0.917x
-  (sixty-second). The bounds the tall tiles keep (output size, clipped rows, stages,
-  carried column partials, no B column sums; ``_large_pingpong_tiles_pay``) apply
-  unchanged."""
+  True where N is a multiple of WIDE_TILE_N, A's order is allowed
+  (WIDE_PINGPONG_TRANS_A), and the tall tiles' bounds (``_large_pingpong_tiles_pay``)
+  hold at K up to WIDE_PINGPONG_MAX_K with rows counted in clusters of WIDE_ROWS.
+  Evidence: ``docs/tuning.md#wide-128-x-192-tiles``."""
   if n % WIDE_TILE_N or (trans_a and not WIDE_PINGPONG_TRANS_A):
     return False
   return _large_pingpong_tiles_pay(m, n, k, clip_m, outputs, max_k=WIDE_PINGPONG_MAX_K,
@@ -519,16 +496,9 @@ def _wide_heavy_pays(m: int, n: int, k: int, clip_m: bool, outputs) -> bool:
   element per 2048 of K): N a multiple of 192, K up to WIDE_HEAVY_MAX_K (0 turns them
   off), rounds of tiles over the SMs no longer than the 128 x 128 tiles'
   (``_wide_rounds_pay`` with no gain), and the tall tiles' other bounds
-  (``_large_pingpong_tiles_pay``; ``default_config`` keeps their 4 stages).
-
-  Measured on the H200 with ``bench.heuristic_ab`` (bench/NOTES.md, sixty-second
-  session; bench/results/nvidia_h200/heuristic_wide_heavy_3a14563.md), residual + sum
-  of squares and bias + LayerNorm statistics at K = 2048: at 16384 x 3072, 32768 x 1536
-  and 4096 x 12288, where the rounds come out level, 0.951x-1.003x (0.970x in geometric
-  mean over 6); at 16384 x 6144, where they take 48 rounds' time for 47, 0.999x-1.012x,
-  which the rounds check turns down. The SwiGLU backward's z operand, twice as wide,
-  leaves 128 x 192 tiles fewer than 4 stages (with fewer they ran 1.025x and slower on
-  Qwen3's 16384 x 6144 x 2048; sixtieth session), so it keeps 128 x 128 tiles."""
+  (``_large_pingpong_tiles_pay``; ``default_config`` keeps their 4 stages, which a
+  program with a wide tile operand, the SwiGLU backward's z, does not fit).
+  Evidence: ``docs/tuning.md#wide-128-x-192-tiles``."""
   if n % WIDE_TILE_N:
     return False
   return (_wide_rounds_pay(-(-m // 128), n, gain=0.0)
@@ -550,13 +520,8 @@ def _wide_rounds_pay(rows: int, n: int, gain: float) -> bool:
 def _wide_cooperative_pays(m: int, n: int) -> bool:
   """Whether the heuristic tries 256 x 192 cooperative CTA tiles before 256 x 128 ones:
   where their rounds of tiles favour them by WIDE_COOPERATIVE_GAIN
-  (``_wide_rounds_pay``; a negative gain turns them off).
-
-  Measured on the H200 (``_wide_pingpong_pays`` names where): weight gradients 2048 x
-  12288, 2048 x 6144, 4096 x 6144 (K = 8192, 16384) and an LM head's 4096 x 128256 x
-  2048 0.961x-0.990x; 2048 x 3072 x 16384, 128 wide tiles in one round against 192
-  narrow ones in two, 0.769x-0.773x. Where the rule says no (1024 and 2048 x 4224 x
-  8192: 132 and 264 narrow tiles, the wide ones as many rounds) they ran 1.33x-1.42x."""
+  (``_wide_rounds_pay``; a negative gain turns them off). Evidence:
+  ``docs/tuning.md#wide-128-x-192-tiles``."""
   if n % WIDE_TILE_N or WIDE_COOPERATIVE_GAIN < 0:
     return False
   return _wide_rounds_pay(-(-m // WIDE_ROWS), n, WIDE_COOPERATIVE_GAIN)
@@ -568,21 +533,20 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
                    clip_m: bool = False) -> GemmConfig:
   """Per-shape defaults: the largest tiles that divide the problem and fit in SMEM.
 
-  Tuned on H100 (bench/tune_gemm.py, results in bench/results/): 256x128 CTA tiles (the
-  warpgroups split M) in clusters of two along N that multicast A and N-minor order in
-  bands of 16 were best or within 1% of best at every benchmark shape for the plain GEMM
-  and light epilogues. Epilogues that move many bytes per element for their K (see
+  The heuristic (each rule and what it was measured against: ``docs/tuning.md``,
+  "Schedule" and "Tile shapes"): cooperative 256x128 CTA tiles (the warpgroups split M)
+  in clusters of two along N that multicast A, the grid N-minor in bands of 16.
+  Epilogues that move many bytes per element for their K (see
   ``epilogue_bytes_per_element``) get the ping-pong schedule first; large problems with
   a light epilogue and K up to 2048 get tall 192 x 128 ping-pong tiles first where 4
-  stages fit (``_tall_tiles_pay``, measured on the H100 and H200), and where N is a
-  multiple of 192 wide 128 x 192 ones before those, up to K = 4096
-  (``_wide_pingpong_pays``), as do heavy epilogues up to K = 2048 where the rounds of
-  tiles over the SMs are no longer (``_wide_heavy_pays``); cooperative tiles are 256 x
-  192 first where those rounds favour them (``_wide_cooperative_pays``; all three
-  measured on the H200). Programs with
-  column partials carry them down the warpgroup tile (``epi_column_sums_per_tile``)
-  where that takes few registers (``COLUMN_SUMS_PER_TILE_MAX_REGISTERS``). The tuning
-  cache (``autotune``) overrides all of this where it has the problem.
+  stages fit (``_tall_tiles_pay``), and where N is a multiple of 192 wide 128 x 192 ones
+  before those, up to K = 4096 (``_wide_pingpong_pays``), as do heavy epilogues up to
+  K = 2048 where the rounds of tiles over the SMs are no longer (``_wide_heavy_pays``);
+  cooperative tiles are 256 x 192 first where those rounds favour them
+  (``_wide_cooperative_pays``). Programs with column partials carry them down the
+  warpgroup tile (``epi_column_sums_per_tile``) where that takes few registers
+  (``COLUMN_SUMS_PER_TILE_MAX_REGISTERS``). The tuning cache (``autotune``) overrides
+  all of this where it has the problem.
   ``trans_a`` / ``not trans_b`` (MN-major operands) need tile_k a multiple of 64.
 
   Args:
@@ -618,7 +582,7 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
   if epilogue_bytes_per_element(input_kinds, input_dtypes, outputs) * 2048 / k > 4:
     # The epilogue moves more than ~4 bytes per output element per 2048 of K: ping-pong
     # hides it under the other warpgroup's mainloop, which pays for its slower mainloop
-    # (measured on the H100: bench/NOTES.md, issue 10). Deep rings before wide
+    # (docs/tuning.md#schedule-cooperative-or-ping-pong). Deep rings before wide
     # epilogue sub-tiles, as below.
     candidates.insert(0, (Schedule.PINGPONG, 128, 128, MatDim.M, MatDim.N))
     if _wide_heavy_pays(m, n, k, clip_m, outputs):
@@ -628,8 +592,8 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
       candidates.insert(0, (Schedule.PINGPONG, TALL_TILE_M, 128, MatDim.M, MatDim.N))
     if _wide_pingpong_pays(m, n, k, trans_a, clip_m, outputs):
       candidates.insert(0, (Schedule.PINGPONG, 128, WIDE_TILE_N, MatDim.M, MatDim.M))
-  # (tile_k, stages), deepest K in flight first: with a large epilogue, 5 stages of 32
-  # beat 2 of 64 by 10% (bench/NOTES.md, the SwiGLU backward GEMM).
+  # (tile_k, stages), deepest K in flight first: with a large epilogue, more stages of a
+  # shorter K step beat fewer long ones (docs/tuning.md#pipeline-depth).
   depths = [(64, 4), (64, 3), (32, 6), (32, 5), (32, 4), (64, 2), (32, 3), (16, 6), (16, 4),
             (32, 2), (16, 2)]
   if trans_a or not trans_b:  # MN-major operands need tile_k = 64
@@ -654,9 +618,8 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
         continue
       # Pipeline depth matters more than epilogue sub-tile width: try narrower sub-tiles
       # (smaller epilogue buffers) before fewer stages.
-      # 32-wide sub-tiles under 128 x 192 cooperative tiles too: level with 64-wide on
-      # plain products and weight gradients, 4-11% faster on the LM head's log-sum-exp
-      # (bench/results/nvidia_h200/tune_gemm_challenge_n192_f9b3aba.log).
+      # 32-wide sub-tiles under 128 x 192 cooperative tiles too: level with 64-wide or
+      # faster (docs/tuning.md#epilogue-sub-tile-shapes).
       for en in ((32,) if schedule == Schedule.PINGPONG or wide_or_tall
                  else (64, 32, 16)):
         en = max(min(en, tn), min_epi_tile_n)
@@ -678,10 +641,8 @@ def default_config(m: int, n: int, k: int, dtype=jnp.bfloat16, *, input_kinds=No
 
 # The most fp32 registers per thread that carried column partials may take for the
 # heuristic to turn on ``epi_column_sums_per_tile``: (epi_tile_m x width) per output over
-# a warpgroup's 128 threads. Measured on the H100 against the heuristic's configs
-# (bench/NOTES.md, twenty-second session): 8-32 carried registers ran 0.90-0.96x on
-# GPT-2's column-summing GEMMs and level (0.98-1.01x) on Llama's and Qwen3's, but 64
-# (the QK-norm backward's 64 x 128 sub-tiles) ran 1.63x slower.
+# a warpgroup's 128 threads. Up to 32 paid or ran level, 64 ran much slower
+# (docs/tuning.md#column-sums-per-tile).
 COLUMN_SUMS_PER_TILE_MAX_REGISTERS = 32
 
 
@@ -927,10 +888,8 @@ def _part_rings(cfg: GemmConfig, outputs) -> dict[str, str]:
   slots per warpgroup. That is safe because every part store is its own store group
   and every output has an even number of parts: part h of any output takes slot
   h % 2, which the store two groups back took, whichever output that was, and the
-  store waits until at most one group is in flight. Qwen3's QKV projection (two bf16
-  outputs in 64-wide halves) frees 16 KiB a warpgroup this way, which fits 192x128
-  ping-pong tiles at 4 stages: 0.369 ms against 0.384 at 128x128 on the H200, whose 5th
-  stage did not pay (bench/NOTES.md, forty-first session).
+  store waits until at most one group is in flight. A shared ring frees shared memory
+  for larger tiles or more stages (docs/tuning.md#outputs-stored-in-parts).
   """
   rings = {}
   for o in outputs:
@@ -1153,11 +1112,9 @@ class _Epilogue:
   def sum_b(self, sums_ref, b_tile, trans_b, wg_n, kk, row_base, rows_of_tiles):
     """K step ``kk`` of the sums of B over K, if it is this warpgroup tile's: the tiles
     of each column block share its K steps, the one in row of tiles p taking the steps
-    p, p + P, ... (P rows of tiles), so each runs 1/P of the extra work. A wgmma eight
-    columns wide costs far more than its share of the tensor cores' time: with the first
-    row of tiles taking every step the kernel ran 5-9% longer than without the sums on
-    the H100, and with every tile taking every step 18% (an H200); shared, 1.2%
-    (``bench/NOTES.md``, twenty-seventh session). The step adds B's
+    p, p + P, ... (P rows of tiles), so each runs 1/P of the extra work: a wgmma eight
+    columns wide costs far more than its share of the tensor cores' time
+    (``docs/tuning.md#bs-column-sums-in-the-mainloop``). The step adds B's
     stage tile ``b_tile`` (this warpgroup's ``wg_n`` columns), transposed, times the
     ones column to ``sums_ref`` (tile_n, 8). Issue it before the step's main wgmma, so
     that a wait leaving one wgmma in flight leaves the main one."""
@@ -2098,7 +2055,8 @@ def gemm(a: jax.Array, b: jax.Array, *,
     # residuals, z[i]) and a dynamic-update-slice taking the result (a scan's stacked
     # ys) into the kernel's custom call, ignoring its operand-output aliasing: the kernel
     # then writes into the caller's sliced array and the result is never written (wrong
-    # values or NaN; bench/NOTES.md, issue 4). The barriers copy nothing.
+    # values or NaN; docs/design.md#6-in-place-outputs-and-xla). The barriers copy
+    # nothing.
     ops = dict(zip(names_in, args[len(lead):]))
     backing = {nm: jax.new_ref(lax.optimization_barrier(ops[nm]))
                for nm in in_place.values()}
@@ -2111,8 +2069,9 @@ def gemm(a: jax.Array, b: jax.Array, *,
   # its operands, which jax.checkpoint re-runs whole and vmap batches. Called bare, under
   # jax.checkpoint partial evaluation kept the Ref-writing kernel in the forward only,
   # and the backward's re-run read its fresh, unwritten Ref (the LM head's dW came back
-  # zero; bench/NOTES.md, issue 12). Under vmap the outputs are not written in place
-  # (that only saves memory): every output is fresh, and plgpu.kernel batches the call.
+  # zero; docs/design.md#6-in-place-outputs-and-xla). Under vmap the outputs are not
+  # written in place (that only saves memory): every output is fresh, and plgpu.kernel
+  # batches the call.
   run = jax.custom_batching.custom_vmap(
       (lambda *xs: kernel_cache.call(run_in_place, xs)) if lowered_once else run_in_place)
 

@@ -1,12 +1,12 @@
 """Each compiled kernel lowered once: kept per process, and on disk across processes.
 
 Why: Mosaic GPU lowers a kernel in Python (layout inference, then its dialect's lowering),
-about 2.5 s for one of ``gemm``'s kernels, every time a program holding it is lowered. A
+seconds for one of ``gemm``'s kernels, every time a program holding it is lowered. A
 training step calls the same kernel at several sites (each layer's forward and its
 recomputation, the train and the evaluation step, a first and a last layer written out),
-and under ``custom_partitioning`` each site is lowered by itself inside XLA's partitioner.
-The fused 1B Llama step traced 34 kernel calls, 18 of them distinct; lowering them was
-most of its compile time (``bench/lowering_time.py``).
+and under ``custom_partitioning`` each site is lowered by itself inside XLA's partitioner,
+so lowering was most of a fused step's compile time (``bench/lowering_time.py``;
+``docs/tuning.md#compile-time-and-caches``).
 
 ``launch(fn, args)`` runs ``fn`` (a pure function of arrays whose body is one kernel
 launch) through an exported copy of it (``jax.export``, platform ``cuda``). The copy is
@@ -176,8 +176,7 @@ def _package_digest() -> str:
   # The Python sources only: the tuned configs (tuned/*.json) choose a kernel's config,
   # and the config is part of the launch's traced program that ``kernel_key`` digests,
   # so a retuned entry changes only the keys of the kernels it changes, instead of every
-  # key (which made each retune re-lower every kernel; bench/NOTES.md, fifty-fourth
-  # session).
+  # key (re-lowering every kernel after each retune).
   return source_digest(_PACKAGE, suffixes=(".py",))
 
 

@@ -8,7 +8,7 @@ the tests that should catch it, and reports CAUGHT (the tests failed), MISSED (t
 passed) or ERROR (the text was not found, or the copy did not import or collect: not a
 catch). ``--check-text`` checks only that every pattern's text is still there (seconds).
 
-Run it before and after every kernel or op change and record the table in bench/NOTES.md.
+Run it before and after every kernel or op change: every pattern must stay CAUGHT.
 It is not part of CI: each mutation runs a test selection through the Mosaic GPU
 interpreter on CPU (minutes each).
 
@@ -50,7 +50,7 @@ class Mutation:
 
 
 MUTATIONS = [
-    # ---- the blind spots the audit of issue 9 found (the old suite passed all but the r
+    # ---- blind spots an audit of the suite found (the old suite passed all but the r
     # term, which only its per-row check caught, at a 2x margin) ------------------------
     Mutation(
         "lm_ignore_index_as_nonnegative", "coda_jax/fused_ops.py",
@@ -127,7 +127,7 @@ MUTATIONS = [
         "  check_heads(n_q_heads, n_kv_heads, head_dim)  # before wqkv, whose shape they define\n",
         "", ("tests/test_fused_ops.py", "-k", "bad_inputs"),
         "rmsnorm_qkv_rope no longer checks head_dim and the head counts"),
-    # ---- blocks, layers and training ------------------------------------------------------
+    # ---- blocks, layers and training -----------------------------------------------------
     Mutation(
         "mlp_bwd_d_is_attn_width", "coda_jax/blocks.py",
         "  d = x1.shape[1]\n", "  d = y0.shape[1]\n",
@@ -156,7 +156,7 @@ MUTATIONS = [
         "lambda path, _: True, params)",
         ("tests/test_flax_layers.py", "-k", "optimizer or weight_decay"),
         "AdamW's weight decay reaches the norm weights and biases"),
-    # ---- primitives against independent formulas, through the kernel ----------------------
+    # ---- primitives against independent formulas, through the kernel ---------------------
     Mutation(
         "silu_sigmoid_scaled", "coda_jax/primitives.py",
         '"silu": (lambda a: a * jax.nn.sigmoid(a), _silu_and_grad),',
@@ -303,7 +303,7 @@ MUTATIONS = [
         "env.store(self.zdz, jnp.sum(d * x * x, axis=1))",
         ("tests/test_grad_primitives.py", "-k", "autodiff"),
         "the cross-entropy backward's zdz term is wrong"),
-    # ---- kernel errors ----------------------------------------------------------------------
+    # ---- kernel errors -------------------------------------------------------------------
     Mutation(
         "pairwise_after_narrowing_unchecked", "coda_jax/epilogue_gemm.py",
         "if width != 1 and (prim.column_group() is not None or prim.width_factor() != 1):",
@@ -334,8 +334,9 @@ MUTATIONS = [
         "    return tuple(jax.freeze(backing[in_place[nm]])\n",
         ("tests/test_in_place.py", "-k", "over_slices or custom_vjp"),
         "without the barriers XLA's GPU dynamic-slice fusion ignores the kernel's aliasing "
-        "(issue 4's NaN)", gpu_only=True),
-    # ---- issue 10: the ping-pong schedule and the staged tile operands -----------------
+        "(NaN gradients in a layer scan; docs/design.md#6-in-place-outputs-and-xla)",
+        gpu_only=True),
+    # ---- the ping-pong schedule and the staged tile operands ---------------------------
     Mutation(
         "pingpong_producer_skips_release_wait", "pallas_kernels/gemm_mgpu.py",
         "          @pl.when(step >= stages)\n          def _wait_released():",
@@ -500,7 +501,7 @@ MUTATIONS = [
         "a program's cache name spells a dtype as passed: Store(y, jnp.bfloat16) misses the "
         "config tuned for Store(y, x.dtype) and runs the heuristic (16% slower for GPT-2's "
         "LayerNorm pass)"),
-    # ---- the shard_map train step and jax 0.11.2's cuDNN-attention crash -------------------
+    # ---- the shard_map train step and jax 0.11.2's cuDNN-attention crash -----------------
     Mutation(
         "shard_map_step_skips_attention_check", "flax_layers/train.py",
         "      check_shard_map_attention(model.config)\n", "",
@@ -514,7 +515,7 @@ MUTATIONS = [
         ("tests/test_sharding.py", "-k", "refuses_cudnn"),
         "the check reads only an attention named in the config, missing cuDNN chosen by "
         "default on a GPU"),
-    # ---- issue 12: RoPE scaling, bad targets, training state -----------------------------
+    # ---- RoPE scaling, bad targets, training state --------------------------------------
     Mutation(
         "rope_scaling_blend_inverted", "coda_jax/layout.py",
         "    return f * ((1 - s) / self.factor + s)",
@@ -545,7 +546,7 @@ MUTATIONS = [
         "    out = dict(out)",
         ("tests/test_dispatch.py",),
         "the padded rows reach the caller"),
-    # ---- issue 12 (second session): 3-GEMM LM head, tied head, ragged batches -------------
+    # ---- 3-GEMM LM head, tied head, ragged batches ---------------------------------------
     Mutation(
         "lm_unit_grads_not_scaled", "coda_jax/fused_ops.py",
         "    dh, dr, dw = scale_grads((dh, dr, dw), dloss * norm)\n",
@@ -570,7 +571,7 @@ MUTATIONS = [
         "jnp.pad(targets, pad)",
         ("tests/test_flax_layers.py", "-k", "ragged"),
         "padded tokens of a ragged batch count in the loss"),
-    # ---- issue 13: LayerNorm, column bias, GPT-2's GELU MLP (coda_jax/layernorm_ops.py) ----
+    # ---- LayerNorm, column bias, GPT-2's GELU MLP (coda_jax/layernorm_ops.py) ------------
     Mutation(
         "ln_producer_bwd_drops_mean_term", "coda_jax/layernorm_ops.py",
         "    return acc + dh * g + a - b * (x - mu)\n",
@@ -646,7 +647,7 @@ MUTATIONS = [
         'return [ScaleRow("r"), AddOuter("r_mu", "gw", 1.0), AddBias("cw"), *tail]',
         ("tests/test_layernorm_ops.py", "-k", "op_and_grads_xla and layernorm_matmul"),
         "the consumer adds (r mu) (x) gW instead of subtracting it"),
-    # ---- issue 13: QK-norm (coda_jax/qk_norm.py) ------------------------------------------
+    # ---- QK-norm (coda_jax/qk_norm.py) ---------------------------------------------------
     Mutation(
         "qk_norm_over_whole_tile", "coda_jax/qk_norm.py",
         "rstd = _inv_rms(xb, self.eps)",
@@ -776,7 +777,7 @@ MUTATIONS = [
         "return (dh, udu / r,", "return (dh, udu * r,",
         ("tests/test_qk_norm.py", "-k", "op_and_grads_xla and hq4_hkv2_hd32"),
         "the input norm's dr multiplies by r instead of dividing"),
-    # ---- issue 13: the Qwen3 path in flax_layers -----------------------------------------
+    # ---- the Qwen3 path in flax_layers --------------------------------------------------
     Mutation(
         "qwen3_hf_q_k_norm_names_swapped", "flax_layers/checkpoint.py",
         '_QK_NORM = {"q_norm": ("self_attn.q_norm.weight", ("attn", "q_norm")),\n'
@@ -797,7 +798,7 @@ MUTATIONS = [
         'head_dim=hf["hidden_size"] // heads,',
         ("tests/test_hf_checkpoint.py", "-k", "qwen3_hf_config"),
         "Qwen3's explicit head_dim ignored (128 read as hidden_size / heads = 64)"),
-    # ---- issue 13: GPT-2 (flax_layers/gpt2.py) --------------------------------------------
+    # ---- GPT-2 (flax_layers/gpt2.py) -----------------------------------------------------
     Mutation(
         "gpt2_hf_export_linear_layout", "flax_layers/gpt2.py",
         'out.update({f"{_PREFIX}h.{i}.{n}": stacked[i] for i in range(model.config.n_layers)})',
@@ -812,7 +813,7 @@ MUTATIONS = [
         '    put(getattr(model.layers, k), jnp.stack(layers), f"h.*.{n} (stacked)")',
         ("tests/test_gpt2.py", "-k", "hf_round_trip"),
         "the import transposes c_proj (D, D), the one matrix whose shape check cannot see it"),
-    # ---- issue 12: our checkpoint files loaded by transformers (tests/test_hf_interop.py);
+    # ---- our checkpoint files loaded by transformers (tests/test_hf_interop.py);
     # both are symmetric, so that a save-and-load round trip of our own cannot see them
     Mutation(
         "hf_gate_up_names_swapped", "flax_layers/checkpoint.py",
@@ -844,7 +845,7 @@ MUTATIONS = [
         '      p["mlp_proj"], p["mlp_proj_bias"], proj_bias=None, eps=c.eps,',
         ("tests/test_gpt2.py", "-k", "loss_and_every_gradient"),
         "the fused block's c_proj bias is dropped (the reference path keeps it)"),
-    # ---- issue 12/13: the 3-GEMM LM head (coda_jax/fused_ops.py) ---------------------------
+    # ---- the 3-GEMM LM head (coda_jax/fused_ops.py) --------------------------------------
     Mutation(
         "lm_unit_dw_not_accumulated", "coda_jax/fused_ops.py",
         "return (S.head_weight_grad(n, dlogits, impl, w_nk, accumulate=dw), sums), (lse, tgt, ys)",
@@ -870,7 +871,7 @@ MUTATIONS = [
         ("tests/test_in_place.py", "-k", "checkpointed"),
         "the in-place kernel's Ref is made and frozen in the caller's trace, not inside a "
         "pure wrapper: under jax.checkpoint the re-run forward reads an unwritten Ref (dW "
-        "= 0, issue 12)"),
+        "= 0; docs/design.md#6-in-place-outputs-and-xla)"),
     Mutation(
         "lm_chunks_unrolled", "coda_jax/fused_ops.py",
         "  (dw, sums), (lse, tgt, ys) = jax.lax.scan(body, init, xs)\n",
@@ -1059,7 +1060,7 @@ MUTATIONS = [
         ("tests/test_in_place.py", "-k", "store_adds or accumulate"),
         "the in-place TMA store overwrites where it should add (compiled kernels only: the "
         "interpreter has no TMA reductions and always stages the operand)", gpu_only=True),
-    # ---- the RoPE backward as an epilogue pass --------------------------------------------
+    # ---- the RoPE backward as an epilogue pass -------------------------------------------
     Mutation(
         "row_dot_squares", "coda_jax/primitives.py",
         "    env.store(self.name, jnp.sum(x * env.load(self.other).astype(jnp.float32), axis=1))",
@@ -1073,7 +1074,7 @@ MUTATIONS = [
         '  return out["dz"], out["c"]',
         ("tests/test_fused_ops.py", "-k", "rope_backward"),
         "c = <dqkv, qkv> not divided by the norm's width"),
-    # ---- M clipped by TMA instead of padded ------------------------------------------------
+    # ---- M clipped by TMA instead of padded ----------------------------------------------
     Mutation(
         "clip_m_floor_tiles", "pallas_kernels/gemm_mgpu.py",
         "  m_iters, n_iters, k_iters = -(-m // cluster_tile_m), n // cluster_tile_n, k // tk\n"
@@ -1097,7 +1098,7 @@ MUTATIONS = [
         ("tests/test_sharding.py", "-k", "qkv_rope and jit"),
         "an epilogue pass's zero-size a and b passed into shard_map: XLA's CPU compiler "
         "segfaults (the fixture's subprocess dies)"),
-    # ---- sixteenth session: the benchmarks' measuring tools ------------------------------
+    # ---- the benchmarks' measuring tools ------------------------------------------------
     Mutation(
         "rounds_not_alternated", "bench/block.py",
         "    for name, fn, args in (order if i % 2 == 0 else order[::-1]):",
@@ -1135,7 +1136,7 @@ MUTATIONS = [
         ("tests/test_program_cache.py", "-k", "lowering_reads"),
         "the donated arguments are not in the key (they are not in the traced program): a "
         "step without donation loads one that deletes its inputs"),
-    # ---- eighteenth session: GPT-2's stored GELU slope, 192-row ping-pong tiles ----------
+    # ---- GPT-2's stored GELU slope, 192-row ping-pong tiles -----------------------------
     Mutation(
         "gelu_slope_stores_gelu", "coda_jax/layernorm_ops.py",
         "    env.store(self.slope, df)\n",
@@ -1148,7 +1149,7 @@ MUTATIONS = [
         '    slope, ops = AddTile("s"), {"s": s}',
         ("tests/test_layernorm_ops.py", "-k", "op_and_grads_xla and mlp"),
         "the backward's first GEMM adds the stored slope where it multiplies by it"),
-    # ---- twenty-fourth session: the one-byte GELU slope ----------------------------------
+    # ---- the one-byte GELU slope ---------------------------------------------------------
     Mutation(
         "slope_code_truncates", "coda_jax/layernorm_ops.py",
         "+ jnp.float32(0.5 - SLOPE_CODE_LO / SLOPE_CODE_STEP), 0.0, 255.5)",
@@ -1161,7 +1162,7 @@ MUTATIONS = [
         "    return MulTile(name, scale=SLOPE_CODE_STEP)",
         ("tests/test_layernorm_ops.py", "-k", "gelu_slope_code or (op_and_grads_xla and mlp)"),
         "the backward decodes the slope's code without the range's low end"),
-    # ---- nineteenth session: the next LayerNorm's statistics from GPT-2's MLP -----------
+    # ---- the next LayerNorm's statistics from GPT-2's MLP ------------------------------
     Mutation(
         "mlp_next_norm_bwd_passes_dx", "coda_jax/layernorm_ops.py",
         "  dout, db2, dg_next = stats_cotangent(xo, g_next, muo, ro, cts, impl)\n",
@@ -1350,7 +1351,7 @@ MUTATIONS = [
         "    return x - mu * g\n",
         ("tests/test_layernorm_ops.py", "-k", "test_op_and_grads_xla and residual_layernorm_gelu"),
         "the one-GEMM input gradient's fallback takes its x operand for h = x g"),
-    # ---- LayerNorm's one-GEMM input gradient on sharded arrays (thirty-second session) ---
+    # ---- LayerNorm's one-GEMM input gradient on sharded arrays ---------------------------
     Mutation(
         "row_terms_rows_split_cols_unsummed", "coda_jax/layernorm_ops.py",
         "  if layout.m:\n    cols = [jax.lax.psum(c, layout.m) for c in cols]\n",
@@ -1390,7 +1391,7 @@ MUTATIONS = [
         "      if jax.device_count() > 1:\n        raise ValueError(\"several devices\")\n"
         "      if jax.device_count() == 1:\n        return gemm(*args)\n",
         ("tests/test_sharding.py", "-k", "one_gemm_on_split_rows"),
-        "the one GEMM refused on any host with several devices (before this session)"),
+        "the one GEMM refused on any host with several devices (as it once was)"),
     Mutation(
         "row_split_sum_not_psummed", "coda_jax/sharding.py",
         "    return out if per_row else jax.lax.psum(out, split.axis)\n",
@@ -1464,7 +1465,7 @@ MUTATIONS = [
         "    if total <= 2 * limit:\n      break\n",
         ("tests/test_kernel_cache.py", "-k", "bound or prune"),
         "a cache folder grows to twice its bound"),
-    # ---- the heuristic's tall ping-pong tiles (thirty-ninth session) ----------------------
+    # ---- the heuristic's tall ping-pong tiles --------------------------------------------
     Mutation(
         "tall_tiles_waste_unchecked", "pallas_kernels/gemm_mgpu.py",
         "  return clip_m and (padded - m) <= TALL_TILE_MAX_WASTE * m\n",
@@ -1484,7 +1485,7 @@ MUTATIONS = [
         "> 2 * TALL_TILE_MAX_CARRIED_REGISTERS):",
         ("tests/test_autotune.py", "-k", "heuristic_tall"),
         "two column partials carried down a 192-row tile: 32 of the 40 registers left"),
-    # ---- the heuristic's wide tiles (sixty-first session) ---------------------------------
+    # ---- the heuristic's wide tiles ------------------------------------------------------
     Mutation(
         "wide_pingpong_at_any_k", "pallas_kernels/gemm_mgpu.py",
         "max_k=WIDE_PINGPONG_MAX_K,", "max_k=4 * WIDE_PINGPONG_MAX_K,",
@@ -1528,7 +1529,8 @@ MUTATIONS = [
         "deeper.stages > cfg.stages else None",
         "deeper.stages >= cfg.stages else None",
         ("tests/test_autotune.py", "-k", "one_output_slot"),
-        "one output slot offered where it buys no stage (level at best, fifteenth session)"),
+        "one output slot offered where it buys no stage (level at best: "
+        "docs/tuning.md#output-slots)"),
     Mutation(
         "halves_where_no_stage_is_gained", "pallas_kernels/autotune.py",
         "                      epi_store_n=32)\n",
@@ -1570,7 +1572,7 @@ MUTATIONS = [
         ("tests/test_worker_gpus.py", "-k", "conftest"),
         "a worker given a GPU that jax does not see runs its kernels through the "
         "interpreter without a word"),
-    # ---- the run's XLA compilation cache (forty-fourth session) --------------------
+    # ---- the run's XLA compilation cache --------------------------------------------
     Mutation(
         "run_folders_left_behind", "tests/conftest.py",
         "    shutil.rmtree(folder, ignore_errors=True)\n",
@@ -1603,7 +1605,7 @@ MUTATIONS = [
         "return source",
         ("tests/test_bench_harness.py", "-k", "already_served"),
         "a winner the caches do not serve is taken as served and never written"),
-    # ---- halves of 64-wide sub-tiles; long checks started early (forty-second session) --
+    # ---- halves of 64-wide sub-tiles; long checks started early --------------------------
     Mutation(
         "background_check_started_twice", "tests/background_checks.py",
         "    if out.is_file() or started.is_file():\n      return False\n",
@@ -1616,7 +1618,7 @@ MUTATIONS = [
         "      if False:",
         ("tests/test_background_checks.py", "-k", "ends_with_its_run"),
         "after -x or Ctrl-C the check runs on, up to its 25-minute timeout"),
-    # ---- each test's time written as it ends (forty-fifth session) ----
+    # ---- each test's time written as it ends ----
     Mutation(
         "run_times_written_by_workers_too", "tests/run_times.py",
         '  if not path or env.get("PYTEST_XDIST_WORKER"):\n',

@@ -33,11 +33,11 @@ _run_folder("CODA_JAX_KERNEL_CACHE", "coda_jax_kernels-")
 # jitted functions whose programs an earlier test, or another worker, compiled already;
 # the cache hands those back. On 2 CPU cores test_gpt2.py and test_rope_scaling.py ran
 # in 104 s against 131; CI's whole suite, where the interpreter's callbacks take most of
-# the time, used 62 CPU minutes against 66 in the same 33 (bench/NOTES.md, forty-fourth
-# session). A hit needs the same XLA module, options and versions: it is the program
-# itself. Two processes compiling one program at once may meet a half-written entry:
-# jax then warns and compiles it. A JAX_COMPILATION_CACHE_DIR of the caller's is used
-# as it is (and kept); CODA_JAX_TEST_XLA_CACHE=0 leaves the cache off.
+# the time, used 62 CPU minutes against 66 in the same 33. A hit needs the same XLA
+# module, options and versions: it is the program itself. Two processes compiling one
+# program at once may meet a half-written entry: jax then warns and compiles it. A
+# JAX_COMPILATION_CACHE_DIR of the caller's is used as it is (and kept);
+# CODA_JAX_TEST_XLA_CACHE=0 leaves the cache off.
 if (os.environ.get("CODA_JAX_TEST_XLA_CACHE", "1") != "0"
     and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -179,8 +179,7 @@ def _long_checks_started_early(request, tmp_path_factory):
   end. Where the kernels are interpreted (a CPU machine) the first test that reads one
   runs it, as before: there the interpreter's warpgroup threads wait on each other, and
   a fourth busy process on 2 cores left them idle longer. CI's suite ran 39m07s with the
-  checks started early against 34m49s without, the same CPU time (66 minutes) in both
-  (bench/NOTES.md, forty-second session)."""
+  checks started early against 34m49s without, the same CPU time (66 minutes) in both."""
   if _kernel_impl() != "mosaic":
     return
   needed = sorted({f for item in request.session.items

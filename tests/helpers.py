@@ -188,7 +188,7 @@ def check_model_loss_and_grads(make_model, toks, tgt, n_grads):
   counted = np.asarray(tgt) != -100
   # The two losses come from programs compiled apart (the mean's under value_and_grad,
   # the per-token one without), whose bf16 activations XLA may round apart: 1.1e-5 for
-  # the Qwen3 model's "xla" path on an H200 (bench/NOTES.md, fifty-ninth session). A token
+  # the Qwen3 model's "xla" path on an H200. A token
   # counted wrongly moves the mean by ~1/(tokens counted), 1/125 in test_flax_layers.
   for name, rtol in (("ours", 1e-4), ("truth", 1e-5)):
     mean = np.asarray(per_token[name], np.float64)[counted].mean()

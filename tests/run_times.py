@@ -6,16 +6,16 @@ or pytest without workers) appends one line to FILE as each test ends, tab-separ
   seconds (setup + call + teardown), outcome, worker, seconds since the run began, node id
 
 pytest's ``--durations`` prints only when the run ends, so a GPU run cut by a device
-call's time limit returns no times at all (the forty-fourth session's two whole-suite
-runs, bench/NOTES.md). This file keeps the times of every test that finished.
+call's time limit returns no times at all. This file keeps the times of every test that
+finished.
 ``python tests/run_times.py FILE`` summarises one: the slowest tests and files, and each
 worker's busy seconds against its last test's end (a worker idle long before the others
 is a tail of the run). ``python tests/run_times.py --split N FILE COLLECTED OUT`` deals
 the node ids of COLLECTED (one a line, e.g. ``pytest --collect-only -q``'s) into N lists
 of about equal time by FILE's times, heaviest first, written to ``OUT.1`` ... ``OUT.N``:
 the GPU suite on one H200 is ~8,600-10,400 worker-seconds, over one device call's limit on 16
-workers, so it runs as N calls of ``xargs -0 pytest < OUT.k`` (bench/NOTES.md,
-forty-sixth session). ``python tests/run_times.py --left COLLECTED OUT FILE...`` writes to
+workers, so it runs as N calls of ``xargs -0 pytest < OUT.k``.
+``python tests/run_times.py --left COLLECTED OUT FILE...`` writes to
 OUT the ids of COLLECTED that none of the FILEs lists (those a call's limit cut off, or
 never started), in COLLECTED's order, for the next call to run first. Collect the ids on
 the machine that runs them: a parametrised test's id can differ between pytest versions.

@@ -1,5 +1,5 @@
 """Run by test_sharding.py in a fresh process with 4 fake CPU devices (the device count
-is fixed when jax starts): every fused op (the LayerNorm ops of issue 13 too) and the
+is fixed when jax starts): every fused op (the LayerNorm ops too) and the
 shifted block under ``jax.shard_map``
 with rows split over "data" and weights replicated, against the same call on one
 device. Prints one line per case: name, max relative gradient difference, and the
@@ -64,7 +64,7 @@ def dot(out, ct):
   return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
 
 
-# GPT-2's LayerNorm ops (issue 13): the stream x0 with its (h, mu, r) as
+# GPT-2's LayerNorm ops: the stream x0 with its (h, mu, r) as
 # residual_layernorm hands them on, weights of the MLP (F_ wide) and a QKV projection.
 # Their own keys, so the cases above keep their draws.
 ks_ln = iter(jax.random.split(jax.random.key(1), 16))

@@ -47,7 +47,7 @@ def _args(key, dt, m=M):
 def _qkv_cotangent(key, qkv):
   """A fixed cotangent of a normed, projected output, from its fp32 truth: noise plus
   the output itself (unit rms per row), so the gradient through r (c = <dq, qkv> / D,
-  coda_math.md §3) weighs as much as the projected gradient g * dn."""
+  docs/design.md#13-backward-of-a-block) weighs as much as the projected gradient g * dn."""
   return normal(key, qkv.shape) + unit_rows(qkv)
 
 

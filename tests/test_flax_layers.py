@@ -27,7 +27,8 @@ from helpers import (MODEL_RUNS, assert_within_baseline, check_model_loss_and_gr
 
 D, F, V = 192, 256, 384
 # 3 layers: Llama.loss scans the 2 shifted blocks between its pre- and post-block, a real
-# loop (a scan of 1 is folded away; bench/NOTES.md, issue 4: in-place writes broke there).
+# loop (a scan of 1 is folded away, and in-place writes once broke only in a real loop:
+# docs/design.md#6-in-place-outputs-and-xla).
 CFG = get_config("tiny", d_model=D, n_layers=3, n_q_heads=4, n_kv_heads=2, head_dim=32,
                  ffn_dim=F, vocab_size=V, init_std=0.05)
 Q = CFG.q_width  # 128

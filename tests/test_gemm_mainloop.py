@@ -235,9 +235,9 @@ def test_b_column_sum_refuses_what_it_cannot_run(key):
 
 def test_kernel_names_tell_problems_apart():
   """Each GEMM problem's kernel has its own name in profiles (schedule, M x N x K, operand
-  order, outputs), so a training step's profile can be read problem by problem (the
-  fifty-third session found a forward kernel run twice only this way); names stay valid
-  symbols."""
+  order, outputs), so a training step's profile can be read problem by problem (a
+  forward kernel run twice was found only this way: docs/known_issues.md); names stay
+  valid symbols."""
   from pallas_kernels import epilogue as epi
   from pallas_kernels.gemm_mgpu import kernel_name_for
   outs = (epi.EpilogueOutput("dz"), epi.EpilogueOutput("zdz"))

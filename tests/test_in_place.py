@@ -5,8 +5,8 @@ memory, under donation), and the patterns the library and its users rely on insi
 ``jax.lax.scan``: an accumulator carried across steps (the LM head's dW), and an output
 written over a per-step slice of the scan's xs, also as a ``custom_vjp`` backward over a
 scan's saved residuals. On the GPU the slice cases returned wrong values (NaN in
-training: bench/NOTES.md, issue 4) and overwrote the caller's array, until
-``pallas_kernels.gemm`` fenced the aliased buffer from XLA's dynamic-slice fusion; the
+training: docs/design.md#6-in-place-outputs-and-xla) and overwrote the caller's array,
+until ``pallas_kernels.gemm`` fenced the aliased buffer from XLA's dynamic-slice fusion; the
 CPU interpreter never showed it."""
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,7 @@ PINGPONG_CONFIG = GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=3, epi_tile
 # one (64, 128) CTA tile: the scan tests run one small kernel per step
 SCAN_CONFIG = GemmConfig(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_tile_n=64,
                          wg_dim=MatDim.N, cluster_dim=None)
-STEPS = 4  # a scan XLA keeps as a loop (issue 4 needed more than 2 steps to show)
+STEPS = 4  # a scan XLA keeps as a loop (the slice bug needed more than 2 steps to show)
 P = 32  # gated pair block
 
 
@@ -126,7 +126,8 @@ def test_accumulate_in_place_across_scan(key, kernel_impl, program):
 # name -> (program, in_place, width of z relative to the accumulator)
 SLICE_PROGRAMS = {
     "add_tile": ([cj.AddTile("z"), cj.Store("out")], {"out": "z"}, 1),
-    # the program of issue 4: dz of a gated pair written over the saved pre-activation z
+    # the program that showed the slice bug: dz of a gated pair written over the saved
+    # pre-activation z
     "gated_grad": ([GatedGrad("z", P, "y", "zdz"), cj.Store("out")], {"out": "z"}, 2),
 }
 
@@ -207,8 +208,9 @@ def _glu_layers(impl):
 
 def test_in_place_in_custom_vjp_backward_of_scan(key, kernel_impl):
   """jax.grad through a scan of 4 layers whose custom_vjp backward writes dz over z, a
-  per-layer slice of the residuals the scan saved (bench/NOTES.md, issue 4): every
-  gradient against jax.grad of the fp32 jnp model, under the tolerance rule."""
+  per-layer slice of the residuals the scan saved
+  (docs/design.md#6-in-place-outputs-and-xla): every gradient against jax.grad of the
+  fp32 jnp model, under the tolerance rule."""
   m, d, f = 64, 64, 64
   ks = jax.random.split(key, 4)
   x = normal(ks[0], (m, d), jnp.bfloat16)
@@ -232,7 +234,8 @@ def test_in_place_in_checkpointed_custom_vjp_forward(key, kernel_impl, remat_ker
   (the LM head forms its dW so) under jax.checkpoint with nothing saved, so the backward
   re-runs the forward: the gradient that reads that dW is the fp32 truth's. The in-place
   kernel used to come back zero here: partial evaluation kept the Ref-writing call in the
-  forward only, and the re-run read its fresh Ref (bench/NOTES.md, issue 12)."""
+  forward only, and the re-run read its fresh Ref
+  (docs/design.md#6-in-place-outputs-and-xla)."""
   ka, kb, kc = jax.random.split(key, 3)
   a = normal(ka, (chunks * 64, 64), jnp.bfloat16)
   b = normal(kb, (chunks * 64, 128), jnp.bfloat16)

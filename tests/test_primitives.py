@@ -306,7 +306,7 @@ def _check_slots(key, kernel_impl, races_checked, name, **config_fields):
 
 # Warpgroup tiles other than 128 x 128, each over several tiles per warpgroup: ping-pong
 # 192-row ones (three rows of sub-tiles), 192-column ones (two m64n192 wgmmas a K step)
-# and the cooperative 192-row ones (bench/NOTES.md, sixtieth session): (config, M, N)
+# and the cooperative 192-row ones (docs/tuning.md#wide-128-x-192-tiles): (config, M, N)
 WIDE_TILE_CONFIGS = {
     "pingpong_192x128_clN": (GemmConfig(tile_m=192, tile_n=128, tile_k=64, stages=3,
                                         epi_tile_n=64, cluster_dim=MatDim.N,

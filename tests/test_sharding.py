@@ -169,8 +169,8 @@ def test_sharded_blocks_as_accurate_as_one_device(sharded_results, mode, name):
   sharded run's error is within the tolerance rule's 2x of the one-device run's. This is
   the check that holds on the GPU too: there the tensor-parallel blocks differ from one
   device by ~4e-3 (most likely the kernels' epilogues on one device against XLA's after
-  the row-parallel sums), while both are 4.6e-3 and 4.8e-3 from float32 (bench/NOTES.md,
-  twenty-fifth session): a difference of the bf16 errors' own size is a rounding path,
+  the row-parallel sums), while both are 4.6e-3 and 4.8e-3 from float32 (measured on two
+  GPUs): a difference of the bf16 errors' own size is a rounding path,
   and a wrong shard would show here as an error far above the one-device one."""
   case = sharded_results[mode, name]
   assert case.err_one is not None and case.err_sharded is not None, case
@@ -232,7 +232,7 @@ def test_fsdp_shardings_split_inside_each_layer():
 # rounding in the layers' gradients since the LM head forms its gradient in the forward
 # (1.2e-3 relative; the head's own gradients agree to 2e-7, a "sum" loss to 5e-5, the
 # shard_map step to 4e-5, and the same model in fp32 to 4e-7: a rounding difference,
-# not a math one; where it rounds is not pinned down, bench/NOTES.md issue 12). Two
+# not a math one; where it rounds is not pinned down). Two
 # AdamW steps carry it into the parameters. A dropped or doubled reduction moves them
 # by O(1).
 JIT_PARAM_BOUND = 5e-3
