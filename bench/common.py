@@ -65,7 +65,11 @@ def commit() -> str:
 
 
 def command_line() -> str:
-  """How this benchmark was invoked, as a command one can paste in the repo root."""
+  """How this benchmark was invoked, as a command one can paste in the repo root: as the
+  user typed it where a wrapper script says so (``CODA_JAX_COMMAND``, set by
+  scripts/main.sh), else the Python command."""
+  if os.environ.get("CODA_JAX_COMMAND"):
+    return os.environ["CODA_JAX_COMMAND"]
   script = Path(sys.argv[0]).resolve()
   args = " ".join(shlex.quote(a) for a in sys.argv[1:])
   try:

@@ -12,6 +12,12 @@ tokens, 200 AdamW steps. Elsewhere the tiny config, sized to finish on a 2-core 
 minutes; there the fused path runs its XLA fallback, so the run checks the training
 plumbing and the loss agreement, not kernel speed. Writes train_<config>.{json,md,png}
 to --out (default bench/results/<device>/).
+
+With both paths, each one trains in a process of its own (``--one-process`` runs them in
+this one), so the second path compiles on a device the first has entirely given back. A
+path's micro-batch count is checked against the memory the allocator can hand out at run
+time, not only against the compiled estimate; a path that fits at no micro-batch count is
+reported and skipped, and the other path's results are still written.
 """
 from __future__ import annotations
 
@@ -19,19 +25,23 @@ import argparse
 import dataclasses
 import gc
 import json
+import logging
 import os
+import shlex
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 # Each path is split into the fewest micro-batches whose compiled step fits the device's
-# allocator limit. JAX's default limit is 75% of the GPU; at that limit the 8B-shaped
-# reference (60.9 GB at one micro-batch) was split in two on the H100, which made it
-# slower than it needs to be, and later ran out of memory in its first step. 95% lets
-# both paths use the GPU they run on (bench/NOTES.md, issue 12, seventh session). A value
-# set in the environment wins; the results record the limit used.
+# allocator limit. JAX's default limit is 75% of the GPU, which split the 8B-shaped
+# reference (60.9 GB at one micro-batch) in two on an H100; 95% lets each path use the
+# GPU it runs on. A value set in the environment wins; the results record the limit used.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+# The user's preallocation setting, for the per-path processes (the parent turns it off).
+_PREALLOCATE = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
 
 import jax  # noqa: E402 (after the allocator's setting)
 import numpy as np
@@ -56,26 +66,69 @@ DEFAULTS["gpt2-small"] = dict(batch=16, seq=1024, steps=200, lr=6e-4)  # 1024 po
 ALL_CONFIGS = sorted({**CONFIGS, **GPT2_CONFIGS})  # Llama and GPT-2 (flax_layers.gpt2)
 
 
-def parse_args():
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def positive_int(text: str) -> int:
+  """argparse type: an integer >= 1."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+  return value
+
+
+def nonnegative_int(text: str) -> int:
+  """argparse type: an integer >= 0."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"{value} must not be negative")
+  return value
+
+
+def positive_float(text: str) -> float:
+  """argparse type: a finite number > 0."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+  if not 0 < value < float("inf"):
+    raise argparse.ArgumentTypeError(f"{value} must be a positive finite number")
+  return value
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(prog="python -m bench.train",
+                              description=__doc__.splitlines()[0])
   p.add_argument("--config", choices=ALL_CONFIGS, default=None,
                  help="default llama-3.2-1b on an sm90 GPU, else tiny")
-  p.add_argument("--layers", type=int, help="override the config's n_layers")
-  for flag, kind in (("batch", int), ("seq", int), ("steps", int), ("lr", float)):
+  p.add_argument("--layers", type=positive_int, help="override the config's n_layers")
+  for flag, kind in (("batch", positive_int), ("seq", positive_int), ("steps", positive_int),
+                     ("lr", positive_float)):
+    rule = f"; must exceed the {WARMUP} untimed warm-up steps" if flag == "steps" else ""
     p.add_argument(f"--{flag}", type=kind, help=f"default {BIG[flag]} (tiny, qwen3-tiny: "
-                   f"{DEFAULTS['tiny'][flag]})")
-  p.add_argument("--warmup-steps", type=int, help="learning-rate warm-up (default steps/10)")
-  p.add_argument("--seed", type=int, default=0, help="parameters and batch order")
+                   f"{DEFAULTS['tiny'][flag]}){rule}")
+  p.add_argument("--warmup-steps", type=nonnegative_int,
+                 help="learning-rate warm-up (default steps/10)")
+  p.add_argument("--seed", type=int, default=0, help="parameters and batch order "
+                 "(default 0)")
   p.add_argument("--head-grad", choices=fused_ops.HEAD_GRADS, default=None,
                  help="the fused LM head's unit gradient (LlamaConfig.head_grad; default "
                       "the config's, \"auto\": \"exp\" unless float16)")
   p.add_argument("--mlp-residuals", choices=MLP_RESIDUALS, default=None,
                  help="what each layer's gated MLP keeps for its backward "
                       "(LlamaConfig.mlp_residuals; default the config's, \"recompute\")")
-  p.add_argument("--paths", default="fused,reference", help="comma-separated, in run order")
-  p.add_argument("--micro-batches", type=int, help="gradient accumulation pieces per step "
-                 "(default: 1, or as many as the compiled step needs to fit the device)")
-  p.add_argument("--eval-batches", type=int, default=8, help="held-out validation batches")
+  p.add_argument("--paths", default="fused,reference",
+                 help="comma-separated, in run order (default fused,reference)")
+  p.add_argument("--one-process", action="store_true",
+                 help="run every path in this process (default: each of several paths in a "
+                 "process of its own, so no path inherits another's memory)")
+  p.add_argument("--micro-batches", type=positive_int, help="gradient accumulation pieces "
+                 "per step (default: 1, or as many as the step needs to fit the device)")
+  p.add_argument("--eval-batches", type=positive_int, default=8,
+                 help="held-out validation batches (default 8)")
   p.add_argument("--out", type=Path, help="default bench/results/<device>/")
   p.add_argument("--mesh", default=None, help="e.g. data=2 (data parallel: the batch's rows "
                  "split over 2 devices) or data=2,model=2 (plus Megatron tensor parallel "
@@ -101,28 +154,41 @@ def parse_args():
   p.add_argument("--checkpoint-dir", type=Path, help="save the training state (parameters, "
                  "optimizer, step; the step is the data position) with orbax under "
                  "DIR/<path>/<step>")
-  p.add_argument("--save-every", type=int, help="with --checkpoint-dir: steps between "
+  p.add_argument("--save-every", type=positive_int, help="with --checkpoint-dir: steps between "
                  "saves (default steps/10); the last step is always saved")
   p.add_argument("--resume", action="store_true", help="continue each path from the "
                  "newest checkpoint in --checkpoint-dir (bit for bit: the same batches "
                  "follow)")
-  p.add_argument("--stop-after", type=int, help="stop after this step (saving it), as an "
+  p.add_argument("--stop-after", type=positive_int, help="stop after this step (saving it), as an "
                  "interrupted run would; --resume continues")
   p.add_argument("--init-from", type=Path, help="start from a Hugging Face checkpoint "
                  "directory (config.json + safetensors): its config replaces --config")
   p.add_argument("--compile-cache", default=str(Path.home() / ".cache/coda_jax/xla"),
-                 help="JAX's persistent compilation cache ('none' turns it off); the run "
-                 "reports the first compile and a warm one served from the cache")
+                 help="JAX's persistent compilation cache ('none' turns it off; default "
+                 "%(default)s); the run reports the first compile and a warm one served "
+                 "from the cache")
   p.add_argument("--program-cache", default=str(Path.home() / ".cache/coda_jax/programs"),
                  help="where the lowered train and eval steps are kept across runs "
-                 "(coda_jax.program_cache; 'none' turns it off): a later run skips lowering "
-                 "the fused kernels, most of the fused path's compile time")
+                 "(coda_jax.program_cache; 'none' turns it off; default %(default)s): a "
+                 "later run skips lowering the fused kernels, most of the fused path's "
+                 "compile time")
   p.add_argument("--kernel-cache", default=None,
                  help="where each lowered Mosaic GPU kernel is kept across runs "
                  "(pallas_kernels.kernel_cache; default $CODA_JAX_KERNEL_CACHE, else "
                  "~/.cache/coda_jax/kernels; 'none': kept in this process only): a later "
                  "run, or another model with the same GEMMs, skips lowering them")
-  args = p.parse_args()
+  # Where each path runs in a process of its own (main's run_path_in_child), this one.
+  p.add_argument("--child-result", type=Path, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  args.argv = list(sys.argv[1:] if argv is None else argv)
+  args.paths = args.paths.split(",")
+  if not set(args.paths) <= {"fused", "reference"} or len(set(args.paths)) < len(args.paths):
+    p.error(f"--paths {','.join(args.paths)}: distinct names of fused, reference")
+  args.spawn = len(args.paths) > 1 and not args.one_process and args.child_result is None
+  if args.spawn:
+    # This process only reports; no allocator of its own may take the GPU (the
+    # kernels_available call below starts jax's backend).
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   if args.init_from is not None and args.config is not None:
     p.error("--init-from takes the model's config from the checkpoint: drop --config")
   if args.init_from is not None:
@@ -135,9 +201,8 @@ def parse_args():
     setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
   if args.warmup_steps is None:
     args.warmup_steps = max(1, args.steps // 10)
-  args.paths = args.paths.split(",")
-  if not set(args.paths) <= {"fused", "reference"} or len(set(args.paths)) < len(args.paths):
-    p.error(f"--paths {','.join(args.paths)}: distinct names of fused, reference")
+  if args.micro_batches is not None and args.batch % args.micro_batches:
+    p.error(f"--micro-batches {args.micro_batches} must divide --batch {args.batch}")
   if args.steps <= WARMUP:
     p.error(f"--steps must exceed the {WARMUP} untimed warm-up steps")
   if args.save_every is None:
@@ -187,9 +252,11 @@ class Progress:
     recent = statistics.median(times[1:][-10:] or times)  # times[0] ran right after compile
     self.bar.set_description_str(
         f"{self.label}: loss {loss:.4f}, {self.tokens / recent:,.0f} tokens/s,", refresh=False)
-    self.bar.update(i - self.bar.n)
-    if i == self.bar.total:
+    if i == self.bar.total:  # close() draws the final line: drawing it here too doubled it
+      self.bar.n = i
       self.bar.close()
+    else:
+      self.bar.update(i - self.bar.n)
 
 
 def device_limit_bytes():
@@ -207,27 +274,41 @@ def largest_allocation(stats):
   return max(stats.get("largest_free_block_bytes", 0), stats["bytes_limit"] - reserved)
 
 
-def check_temp_fits(path, temp_bytes, devices):
-  """Stops the run (SystemExit) when a several-device step's temporary buffer fits in no
-  free piece of some device's memory. On one device XLA then raises an out-of-memory
-  error; on several, the device that failed leaves the others waiting at NCCL's
-  rendezvous for good (jax 0.11.2), so a run would hang instead (bench/NOTES.md,
-  thirty-fourth session: the 1B reference with --fsdp after the fused path)."""
-  if len(devices) < 2 or not temp_bytes:
-    return
+def temp_room(temp_bytes, devices):
+  """The device that cannot allocate a step's temporary buffer of ``temp_bytes`` in one
+  piece now, and the most it can, or None where every device can (or none reports).
+
+  XLA allocates the buffer when the step runs; on several devices a device that fails
+  leaves the others waiting at NCCL's rendezvous for good (jax 0.11.2), so the run
+  checks first."""
+  if not temp_bytes:
+    return None
   for d in devices:
     room = largest_allocation(d.memory_stats())
     if room is not None and temp_bytes > room:
-      sys.exit(f"{path}: the compiled step needs a {temp_bytes / 2**30:.1f} GiB temporary "
-               f"buffer, and {d} can allocate at most {room / 2**30:.1f} GiB in one piece "
-               "now (memory held or fragmented by the paths run before it). On several "
-               "devices an out-of-memory error leaves the other devices waiting for good, "
-               f"so the run stops here: run this path in a process of its own (--paths "
-               f"{path}), or with a smaller --batch")
+      return d, room
+  return None
+
+
+class DoesNotFit(Exception):
+  """A path's step fits the device at no micro-batch count; the message says why."""
+
+
+class NeedsMoreMicroBatches(Exception):
+  """The first step ran out of device memory: retry the path from its start at ``k``."""
+
+  def __init__(self, k):
+    super().__init__(k)
+    self.k = k
+
+
+def is_out_of_memory(error: Exception) -> bool:
+  return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
 
 
 def mem_limit(results):
-  limit = results[0].get("device_limit_bytes")
+  limit = next((r["device_limit_bytes"] for r in results if r.get("device_limit_bytes")),
+               None)
   return f"{limit / 2**30:.1f} GiB" if limit else "-"
 
 
@@ -237,7 +318,26 @@ def device_peak_bytes():
 
 
 def run_path(path, cfg, args, train_batches, val_batches):
-  """Trains one path from scratch; everything it allocated is freed on return."""
+  """Trains one path from scratch (or from --resume's checkpoint); everything it allocated
+  is freed on return. Returns its results, or ``{"path": path, "skipped": why}`` when its
+  step fits the device at no micro-batch count."""
+  k = args.micro_batches or 1
+  while True:
+    try:
+      return train_path(path, cfg, args, train_batches, val_batches, k)
+    except DoesNotFit as e:
+      reason = str(e)
+    except NeedsMoreMicroBatches as e:
+      k = e.k
+      reason = None
+    gc.collect()  # the failed attempt's arrays, before the next one allocates
+    if reason is not None:
+      print(f"{path}: skipped: {reason}", flush=True)
+      return {"path": path, "skipped": reason}
+
+
+def train_path(path, cfg, args, train_batches, val_batches, k):
+  """One attempt at a path with at least ``k`` micro-batches (``run_path``)."""
   if args.init_from is not None:
     load = load_gpt2_checkpoint if isinstance(cfg, GPT2Config) else load_hf_checkpoint
     model = load(args.init_from, fused=path == "fused", seed=args.seed)
@@ -269,7 +369,6 @@ def run_path(path, cfg, args, train_batches, val_batches):
     print(f"{path}: resumed at step {start} from {mngr.directory}", flush=True)
   r["first_step"] = start + 1
   r["compile_s"] = 0.0
-  k = args.micro_batches or 1
   first = put(train_batches[0])  # the batch the step is lowered for
   programs = None if args.program_cache == "none" else args.program_cache
   make_step = lambda k: train.make_train_step(graphdef, micro_batches=k, mesh=mesh,
@@ -281,6 +380,8 @@ def run_path(path, cfg, args, train_batches, val_batches):
   print(f"{path}: compiling the train step" + (
       " (a kernel not in the kernel cache takes a second or two to lower)" if lowers
       else ""), flush=True)
+  devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
+  can_halve = lambda k: not args.micro_batches and args.batch % (2 * k) == 0
   while True:  # "auto": halve the micro-batch until the compiled step fits the device
     step = make_step(k)
     t0 = time.perf_counter()
@@ -290,12 +391,24 @@ def run_path(path, cfg, args, train_batches, val_batches):
     r["compiled_peak_bytes"] = m and (m.argument_size_in_bytes + m.output_size_in_bytes +
                                       m.temp_size_in_bytes - m.alias_size_in_bytes)
     limit = device_limit_bytes()
-    if (args.micro_batches or mesh is not None or not limit or not r["compiled_peak_bytes"]
-        or r["compiled_peak_bytes"] <= 0.95 * limit or 2 * k > args.batch
-        or args.batch % (2 * k)):
-      break
-    print(f"{path}: {r['compiled_peak_bytes'] / 2**30:.1f} GiB does not fit in "
-          f"{limit / 2**30:.1f} GiB: {2 * k} micro-batches", flush=True)
+    # Two tests: the compiled estimate against the allocator's limit (mesh runs are sized
+    # by the user), then the step's scratch buffer against the largest piece the
+    # allocator can hand out now, which is what the step needs when it runs.
+    if (mesh is None and limit and r["compiled_peak_bytes"]
+        and r["compiled_peak_bytes"] > 0.95 * limit):
+      why = (f"{r['compiled_peak_bytes'] / 2**30:.1f} GiB does not fit in "
+             f"{limit / 2**30:.1f} GiB")
+    else:
+      short = m and temp_room(m.temp_size_in_bytes, devices)
+      if not short:
+        break
+      why = (f"the step's {m.temp_size_in_bytes / 2**30:.1f} GiB scratch buffer does not "
+             f"fit in the {short[1] / 2**30:.1f} GiB {short[0]} can allocate in one piece")
+    if not can_halve(k):
+      raise DoesNotFit(f"{why} at {k} micro-batch{'es' if k > 1 else ''}" + (
+          " (--micro-batches fixes the count)" if args.micro_batches else
+          f"; --batch {args.batch} splits no further"))
+    print(f"{path}: {why}: {2 * k} micro-batches", flush=True)
     k *= 2
   found = kernel_cache.counts - before
   r["kernels"] = {how: found[how] for how in ("lowered", "memory", "disk")}
@@ -312,8 +425,6 @@ def run_path(path, cfg, args, train_batches, val_batches):
     step = make_step(k)
     compiled = step.lower(state, *first).compile()
     r["warm_compile_s"] = time.perf_counter() - t0
-  if mesh is not None and m is not None:
-    check_temp_fits(path, m.temp_size_in_bytes, list(mesh.devices.flat))
   r["micro_batches"] = k
   r["losses"], r["step_s"] = [], []
   last = args.stop_after or args.steps
@@ -321,8 +432,20 @@ def run_path(path, cfg, args, train_batches, val_batches):
   for i in range(start, last):
     tokens, targets = put(train_batches[i])  # the host-to-device copy stays untimed
     t0 = time.perf_counter()
-    state, loss = compiled(state, tokens, targets)
-    loss = float(jax.block_until_ready(loss))
+    try:
+      state, loss = compiled(state, tokens, targets)
+      loss = float(jax.block_until_ready(loss))
+    except jax.errors.JaxRuntimeError as e:
+      # Out of memory in the first step despite the checks above: the state was donated,
+      # so the path starts over with twice the micro-batches, or is skipped.
+      if i != start or not is_out_of_memory(e):
+        raise
+      if not can_halve(k):
+        raise DoesNotFit(f"its first step ran out of device memory at {k} micro-batches "
+                         f"({str(e).splitlines()[0][:200]})") from None
+      print(f"{path}: the first step ran out of device memory at {k} micro-batches: "
+            f"starting over with {2 * k}", flush=True)
+      raise NeedsMoreMicroBatches(2 * k) from None
     r["step_s"].append(time.perf_counter() - t0)
     r["losses"].append(loss)
     bar.update(i + 1, loss, r["step_s"])
@@ -342,6 +465,9 @@ def run_path(path, cfg, args, train_batches, val_batches):
 
 
 def summarize(results, tokens_per_step):
+  """Adds each trained path's timing and final loss to its results; returns the two paths'
+  comparison ({} unless both trained)."""
+  results = [r for r in results if "skipped" not in r]
   for r in results:
     timed = r["step_s"][WARMUP:] or r["step_s"]  # a resumed run may have few steps left
     r["median_step_ms"] = 1e3 * statistics.median(timed)
@@ -367,16 +493,18 @@ def summarize(results, tokens_per_step):
               val_loss_diff=by["fused"]["val_loss"] - by["reference"]["val_loss"])
 
 
-def markdown(results, summary, args, cfg, data, prov):
+def markdown(all_results, summary, args, cfg, data, prov):
   mib = lambda v: f"{v / 2**20:,.0f}" if v else "-"
+  results = [r for r in all_results if "skipped" not in r]
+  skipped = [r for r in all_results if "skipped" in r]
   md = [f"# Training {args.config} ({cfg.n_layers} layers): "
-        + " vs ".join(r["path"] for r in results), "",
+        + " vs ".join(r["path"] for r in all_results), "",
         f"device: {prov['device']}; jax {prov['jax_version']}; commit {prov['commit']}",
         f"command: `{prov['command']}`", data.describe(),
         f"model: {cfg.param_count() / 1e6:,.1f}M parameters, d_model {cfg.d_model}, "
         f"vocab {cfg.vocab_size}; batch {args.batch} x {args.seq} tokens, {args.steps} "
         f"AdamW steps, lr {args.lr:g} ({args.warmup_steps} warm-up), seed {args.seed}",
-        (f"mesh: {args.mesh} ({results[0]['n_devices']} devices, {args.partitioner}"
+        (f"mesh: {args.mesh} ({args.mesh_obj.size} devices, {args.partitioner}"
          f"{', FSDP' if args.fsdp else ''}; tokens/s per device: " + ", ".join(
              f"{r['path']} {r['tokens_per_s_per_device']:,.0f}" for r in results) + ")")
         if args.mesh else "mesh: none (1 device)",
@@ -390,6 +518,7 @@ def markdown(results, summary, args, cfg, data, prov):
          f"{r['median_step_ms']:.1f} "
          f"| {r['tokens_per_s']:,.0f} | {r['final_loss']:.4f} | {r['val_loss']:.4f} | "
          f"{mib(r['compiled_peak_bytes'])} | {mib(r['device_peak_bytes'])} |" for r in results]
+  md += [f"| {r['path']} | skipped: {r['skipped']} |" + " - |" * 8 for r in skipped]
   if summary:
     s, noise = summary, summary["reference_noise_std"]
     noise = "-" if noise is None else f"{noise:.2e}"
@@ -401,7 +530,7 @@ def markdown(results, summary, args, cfg, data, prov):
            f"second half): {noise}. Validation loss fused - reference: "
            f"{s['val_loss_diff']:+.2e}."]
   md += ["", "Program cache: " + "; ".join(f"{r['path']} {r['program']}" for r in results)
-         if all("program" in r for r in results) else "Program cache: off"]
+         if results and all("program" in r for r in results) else "Program cache: off"]
   md += ["", f"Kernel cache ({kernel_cache.cache_dir() or 'in memory only'}), at the first "
          "compile: " + "; ".join(
       f"{r['path']} {r['kernels']['lowered']} kernels lowered, {r['kernels']['memory']} "
@@ -418,8 +547,10 @@ def markdown(results, summary, args, cfg, data, prov):
          f"fewest (a power of 2) whose compiled step fits the device. Final loss: "
          f"mean of the last 10 steps' training loss (nats/byte); val loss: mean over "
          f"{args.eval_batches} held-out batches. Compiled peak: argument + output + temp - "
-         f"alias bytes of the compiled step; device peak: the allocator's high-water mark, "
-         f"a running maximum over the process, so only the first path's is its own."]
+         f"alias bytes of the compiled step; device peak: the allocator's high-water mark in "
+         f"the path's process" + (" (one process for every path: a running maximum, so "
+                                  "only the first path's is its own)." if not args.spawn
+                                  else ", each path in a process of its own.")]
   if not epilogue_gemm.kernels_available():
     md += ["", "No Hopper GPU: both paths are XLA programs on this machine, timed in wall "
            "clock next to whatever else ran on it; their speed ratio says nothing about the "
@@ -453,7 +584,39 @@ def plot(results, png, title):
   return png
 
 
+def child_command(args, path: str, result: Path) -> list[str]:
+  """This run's command line for one path, in a process of its own."""
+  argv, skip = [], False
+  for a in args.argv:
+    if skip:
+      skip = False
+    elif a == "--paths":
+      skip = True
+    elif not (a.startswith("--paths=") or a == "--one-process"):
+      argv.append(a)
+  return [sys.executable, "-m", "bench.train", *argv, "--paths", path,
+          "--child-result", str(result)]
+
+
+def run_path_in_child(path: str, args) -> dict:
+  """``run_path`` in a fresh process: its device memory is all given back when it ends."""
+  env = dict(os.environ)
+  env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+  if _PREALLOCATE is not None:
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = _PREALLOCATE
+  with tempfile.TemporaryDirectory() as tmp:
+    result = Path(tmp) / "result.json"
+    code = subprocess.run(child_command(args, path, result), env=env).returncode
+    if code == 0 and result.exists():
+      return json.loads(result.read_text())
+  why = f"its process ended with exit code {code} (its error is in the log above)"
+  print(f"{path}: failed: {why}", flush=True)
+  return {"path": path, "skipped": why}
+
+
 def main():
+  # One prefix per line: the library's messages carry none of their own.
+  logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", force=True)
   args = parse_args()
   if args.kernel_cache is not None:
     kernel_cache.set_cache_dir(None if args.kernel_cache == "none" else args.kernel_cache)
@@ -496,15 +659,19 @@ def main():
     data = corpus.load(args.batch, args.seq)
   except ValueError as e:
     sys.exit(f"bench.train: {e}")
-  train_gen = corpus.batches(data.train, args.batch, args.seq, args.seed)
-  val_gen = corpus.batches(data.val, args.batch, args.seq, args.seed)
-  train_batches = [next(train_gen) for _ in range(args.steps)]  # the same for every path
-  val_batches = [next(val_gen) for _ in range(args.eval_batches)]
-  print(f"{args.config}: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_q_heads}/"
-        f"{cfg.n_kv_heads} heads of {cfg.head_dim}, ffn {cfg.ffn_dim}, vocab "
-        f"{cfg.vocab_size}: {cfg.param_count() / 1e6:,.1f}M parameters\n"
-        f"batch {args.batch} x seq {args.seq}, {args.steps} steps, paths {','.join(args.paths)}, "
-        f"device {jax.devices()[0].device_kind}\n{data.describe()}", flush=True)
+  child = args.child_result is not None
+  if not args.spawn:  # the same batches for every path, and in every path's process
+    train_gen = corpus.batches(data.train, args.batch, args.seq, args.seed)
+    val_gen = corpus.batches(data.val, args.batch, args.seq, args.seed)
+    train_batches = [next(train_gen) for _ in range(args.steps)]
+    val_batches = [next(val_gen) for _ in range(args.eval_batches)]
+  if not child:  # the parent said it already
+    print(f"{args.config}: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_q_heads}/"
+          f"{cfg.n_kv_heads} heads of {cfg.head_dim}, ffn {cfg.ffn_dim}, vocab "
+          f"{cfg.vocab_size}: {cfg.param_count() / 1e6:,.1f}M parameters\n"
+          f"batch {args.batch} x seq {args.seq}, {args.steps} steps, paths "
+          f"{','.join(args.paths)}" + (" (each in a process of its own)" if args.spawn else "")
+          + f", device {jax.devices()[0].device_kind}\n{data.describe()}", flush=True)
   args.mesh_obj = common.parse_mesh(args.mesh)
   n_devices = 1 if args.mesh_obj is None else args.mesh_obj.size
   tp = 1 if args.mesh_obj is None else args.mesh_obj.shape.get("model", 1)
@@ -535,15 +702,23 @@ def main():
                             if args.head_per_device == "on" else "")))
     else:
       state_layout = "replicated"
-    print(f"mesh {dict(args.mesh_obj.shape)} ({args.partitioner}): tokens and targets split "
-          f"along the batch over 'data' ({args.batch // n_data} rows of {args.seq} per data "
-          f"shard), parameters and optimizer state {state_layout}; devices "
-          f"{[d.id for d in args.mesh_obj.devices.flat]}", flush=True)
+    if not child:
+      print(f"mesh {dict(args.mesh_obj.shape)} ({args.partitioner}): tokens and targets "
+            f"split along the batch over 'data' ({args.batch // n_data} rows of {args.seq} "
+            f"per data shard), parameters and optimizer state {state_layout}; devices "
+            f"{[d.id for d in args.mesh_obj.devices.flat]}", flush=True)
   elif args.fsdp:
     sys.exit("--fsdp needs --mesh data=N")
-  results = [run_path(p, cfg, args, train_batches, val_batches) for p in args.paths]
+  if args.spawn:
+    results = [run_path_in_child(p, args) for p in args.paths]
+  else:
+    results = [run_path(p, cfg, args, train_batches, val_batches) for p in args.paths]
+  if child:
+    args.child_result.write_text(json.dumps(results[0]))
+    return
   summary = summarize(results, args.batch * args.seq)
-  for r in results:
+  trained = [r for r in results if "skipped" not in r]
+  for r in trained:
     r["n_devices"] = n_devices
     r["mesh"] = (args.mesh or "none") + (" fsdp" if args.fsdp else "")
     r["partitioner"] = args.partitioner if args.mesh else "none"
@@ -551,7 +726,7 @@ def main():
     r["tokens_per_s_per_device"] = r["tokens_per_s"] / n_devices
   if args.mesh_obj is not None:
     print("tokens/s per device: " + ", ".join(
-        f"{r['path']} {r['tokens_per_s_per_device']:,.0f}" for r in results), flush=True)
+        f"{r['path']} {r['tokens_per_s_per_device']:,.0f}" for r in trained), flush=True)
 
   prov = common.provenance()
   jsonable = lambda v: (v if isinstance(v, (int, float, str, bool, list, type(None)))
@@ -560,7 +735,7 @@ def main():
              corpus=data.describe(),
              model={k: jsonable(v) for k, v in dataclasses.asdict(cfg).items()})
   rows = [dict(op=f"train_step_{r['path']}", shape=f"{args.batch}x{args.seq}", **r, **prov)
-          for r in results]
+          for r in results]  # a skipped path's row says why
   if summary:
     by = {r["path"]: r for r in results}
     rows.append(dict(op="train_step", shape=f"{args.batch}x{args.seq}", n_devices=n_devices,
@@ -570,7 +745,7 @@ def main():
   rows[-1].update(run)
   md = markdown(results, summary, args, cfg, data, prov)
   out = common.write_results(name, rows, md, args.out)
-  png = plot(results, out / f"{name}.png", f"{args.config} on {prov['device']}, "
+  png = plot(trained, out / f"{name}.png", f"{args.config} on {prov['device']}, "
              f"commit {prov['commit']}")
   print(f"wrote {out / name}.json, .md" + (", .png" if png else "") + "\n")
   print(md)

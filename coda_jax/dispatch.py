@@ -43,7 +43,7 @@ def announce(msg: str) -> None:
   """Logs ``msg`` once per process (the reason a fallback ran, for example)."""
   if msg not in _announced:
     _announced.add(msg)
-    log.warning("coda_jax: %s", msg)
+    log.warning("%s", msg)
 
 
 class Unsupported(Exception):

@@ -443,7 +443,7 @@ def exported(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> "jax.export
   folder = cache_dir()
   path = None if folder is None else folder / f"kernel-{key[:40]}{SUFFIX}"
   exp = None if path is None else read_exported(
-      path, lambda msg: log.warning("coda_jax: kernel cache: %s", msg))
+      path, lambda msg: log.warning("kernel cache: %s", msg))
   if exp is not None and exp.fun_name == name:
     counts["disk"] += 1
   else:
@@ -452,7 +452,7 @@ def exported(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> "jax.export
     exp = dataclasses.replace(jax.export.export(jitted, platforms=["cuda"])(*specs),
                               fun_name=name)
     counts["lowered"] += 1
-    log.info("coda_jax: kernel cache: lowered kernel %d of this process (arguments %s) "
+    log.info("kernel cache: lowered kernel %d of this process (arguments %s) "
              "in %.1f s", counts["lowered"], ", ".join(str(jax.typeof(x)) for x in specs),
              time.perf_counter() - t0)
     if path is not None:
@@ -460,11 +460,11 @@ def exported(fn: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> "jax.export
         gone = write_bounded(path, bytes(exp.serialize()), _KERNEL_FILE, MAX_MB_ENV,
                              DEFAULT_MAX_MB)
       except OSError as e:  # a read-only or full disk must not stop the program itself
-        log.warning("coda_jax: kernel cache: could not write %s (%s); the kernel is kept "
+        log.warning("kernel cache: could not write %s (%s); the kernel is kept "
                     "in memory only", path, e)
       else:
         if gone:
-          log.info("coda_jax: kernel cache: deleted the %d least recently used kernels of "
+          log.info("kernel cache: deleted the %d least recently used kernels of "
                    "%s to stay within $%s", len(gone), folder, MAX_MB_ENV)
   with _lock:
     _exported[key] = exp

@@ -44,14 +44,17 @@ fi
 # An NVIDIA GPU gets the CUDA build of the pinned jax (the "cuda" extra); without it pip
 # would install a CPU-only jaxlib, and everything would quietly run the XLA fallback.
 if $has_gpu; then
-  echo "setup: NVIDIA GPU found ($(nvidia-smi -L | head -1)): installing jax with CUDA 13" >&2
+  jax_kind="jax with CUDA 13 (NVIDIA GPU found: $(nvidia-smi -L | head -1))"
 else
-  echo "setup: no NVIDIA GPU: installing the CPU jax (kernels run through the interpreter in tests)" >&2
+  jax_kind="the CPU jax (no NVIDIA GPU: kernels run through the interpreter in tests)"
 fi
 stamp=.venv/.coda-jax-installed-${extras//,/-}
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "setup: installing coda-jax [$extras] into .venv, with $jax_kind" >&2
   .venv/bin/python -m pip install -q --upgrade pip >&2
   .venv/bin/python -m pip install -q -e ".[$extras]" >&2
   touch "$stamp"
+else
+  echo "setup: using .venv (coda-jax [$extras] already installed, with $jax_kind)" >&2
 fi
 echo "$(pwd)/.venv/bin/python"

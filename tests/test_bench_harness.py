@@ -956,38 +956,6 @@ def test_layernorm_row_terms_program_matches_its_reference():
     assert err < (1e-2 if nm in ("dxt", "n") else 1e-4), (nm, err)
 
 
-def test_train_stops_before_a_temp_buffer_that_cannot_fit():
-  """bench.train checks a several-device step's temporary buffer against each device's
-  allocator before the first step: where it fits in no free piece, the run stops with a
-  message naming the fix, since an out-of-memory error on one of several devices leaves
-  the others waiting for good (a hang)."""
-  from bench import train as bt
-  gib = 2**30
-
-  class dev:  # a jax device as check_temp_fits reads it
-    def __init__(self, name, **stats):
-      self.name, self.stats = name, stats
-
-    def memory_stats(self):
-      return self.stats or None  # None, as a CPU device answers
-
-    def __str__(self):
-      return self.name
-  fragmented = dict(bytes_limit=132 * gib, pool_bytes=132 * gib,
-                    largest_free_block_bytes=70 * gib)
-  growing = dict(bytes_limit=132 * gib, pool_bytes=30 * gib, largest_free_block_bytes=20 * gib)
-  assert bt.largest_allocation(fragmented) == 70 * gib
-  assert bt.largest_allocation(growing) == 102 * gib  # a new region can still be reserved
-  assert bt.largest_allocation(None) is None and bt.largest_allocation({}) is None
-  fits, too_big = dev("gpu0", **growing), dev("gpu1", **fragmented)
-  bt.check_temp_fits("reference", 71 * gib, [fits, fits])
-  bt.check_temp_fits("reference", 71 * gib, [too_big])  # one device: XLA raises, no hang
-  bt.check_temp_fits("reference", 71 * gib, [dev("cpu0"), dev("cpu1")])  # no statistics
-  with pytest.raises(SystemExit, match=r"reference: .*71\.0 GiB.*gpu1.*70\.0 GiB.*--paths "
-                     r"reference"):
-    bt.check_temp_fits("reference", 71 * gib, [fits, too_big])
-
-
 def test_sustained_step_windows_alternate_after_a_warm_up():
   """``bench.sustained_step``'s windows (``common.alternating_windows``): one untimed
   window of the first variant, then each round times every variant, the odd rounds in
