@@ -189,7 +189,7 @@ class PowerLog:
   """The GPU's SM clock and power draw, read every ``interval`` seconds by a background
   thread, to read beside timing windows: under back-to-back GEMMs an H100 sits at its
   power cap, so a block's time there is its energy per call over the cap's watts
-  (bench/NOTES.md, twenty-second session), and ``window`` gives both.
+  (docs/performance.md, "The power cap"), and ``window`` gives both.
 
       with PowerLog() as log:
         t0 = time.perf_counter(); ...; t1 = time.perf_counter()
@@ -268,7 +268,7 @@ def back_to_back_ms(call, seconds: float, *, sync=jax.block_until_ready,
   power where ``power`` (a running ``PowerLog`` on the same clock) has samples in it. An
   H100 running GEMMs back to back sits at its power cap and lowers its clock within a
   fraction of a second, so this measures the speed its energy per call allows; a short
-  CUPTI run measures nearer the boost clock (bench/NOTES.md, twenty-second session)."""
+  CUPTI run measures nearer the boost clock (docs/performance.md, "How to measure")."""
   if seconds <= 0:
     raise ValueError(f"seconds={seconds}: must be positive")
   t0 = clock()
@@ -295,7 +295,7 @@ def alternating_windows(calls: dict, seconds: float, rounds: int, *,
   ``seconds``; 0 skips it), untimed: a GPU left idle through the compiles sits at its
   idle clock (345 MHz on an H200), and a window that starts there spends its start
   climbing, which made the first config timed look up to 2x slower than it is
-  (bench/NOTES.md, fifty-fourth session)."""
+  (docs/performance.md, "How to measure")."""
   if seconds <= 0:
     raise ValueError(f"seconds={seconds}: must be positive")
   if rounds < 1:

@@ -21,13 +21,13 @@ time and the ratio to the chosen config ("base").
 S seconds, twice, in the order base, variants, then reversed (ABBA). An H100 running
 GEMMs back to back sits at its power cap and lowers its clock: a short CUPTI run
 measures the kernel near the boost clock, the sustained one at the clock its energy per
-call allows (bench/NOTES.md, twenty-second session). nvidia-smi is sampled every 0.1 s
+call allows (docs/performance.md, "The power cap"). nvidia-smi is sampled every 0.1 s
 meanwhile (``common.PowerLog``), and the table gives each variant's mean SM clock, power
 and energy per call over its windows.
 
 ``--deeper-only`` keeps the problems where some variant gets a deeper pipeline than the
 chosen config (``deepens``): one output slot, for example, pays only where the shared
-memory it frees buys a stage (bench/NOTES.md, fortieth session).
+memory it frees buys a stage (docs/performance.md, "What was tried").
 
 ``--trace DIR`` runs each (problem, variant) once more with Mosaic GPU's on-device
 profiler (``gemm_mgpu.traced``), writes its trace under ``DIR/<problem>/<variant>/``, and

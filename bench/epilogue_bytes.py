@@ -6,8 +6,8 @@ traced as an H100 would run them).
 
 Kernel traces put the cost of the heavy epilogue programs in the bytes they write: while
 one warpgroup's epilogue streams a second output tile out of the SM, the other's
-mainloop loads land later, whichever engine does the writing (bench/NOTES.md,
-forty-eighth session). So the programs to slim are those that write more than the
+mainloop loads land later, whichever engine does the writing (docs/performance.md,
+"Epilogue bytes"). So the programs to slim are those that write more than the
 product's own tile. For each GEMM of ``bench.tune_gemm``'s workloads this prints the
 tile outputs it writes (name, width relative to N, dtype), the tile operands its
 epilogue reads, their bytes, and ``written / product``: the bytes written over those of

@@ -56,7 +56,7 @@ class _WithoutNormGrads(Q.HeadRmsNormGrad):
 
 @dataclasses.dataclass(frozen=True)
 class _MaskedHeads(Q.HeadRmsNormGrad):
-  """HeadRmsNormGrad as it was before its per-head branch (fifty-eighth session): every
+  """HeadRmsNormGrad as it was before its per-head branch (``Env.cond``): every
   head runs the norm's math, and a 0/1 mask per column makes pass-through heads' results
   exact. With ``mask=False`` every head runs the normed head's math, with no mask and
   no branch (``normed`` is staged but not read): what the mask, and the branch, cost on

@@ -101,7 +101,7 @@ def gpt2_inputs(s: Shape, key):
 
 # Where the GPT-2 block's next LN_1 statistics come from (``--ln1-stats``): the MLP's
 # output GEMM (``layernorm_gelu_mlp(next_norm=)``, as flax_layers.gpt2 runs it), or an XLA
-# pass over the MLP's output (as before the nineteenth session).
+# pass over the MLP's output (the unfused way, kept for comparison).
 LN1_STATS = ("gemm", "xla")
 # How the out-projection, the MLP and the next QKV run (``--half-block``): all as one op
 # (``residual_layernorm_gelu_mlp(next_w=)``, as flax_layers.gpt2 runs them); the first two

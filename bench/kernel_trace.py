@@ -139,7 +139,7 @@ def middle_tiles_per_warpgroup(compute: dict) -> int:
   Below ``STEADY_TILES`` the summary describes the kernel's first tiles, which run
   beside the pipelines filling and every SM's first loads, not its steady state: the
   SwiGLU backward's first two tiles ran 58,000 and 49,000 cycles a period against
-  ~42,000 later (bench/NOTES.md, sixty-third session)."""
+  ~42,000 later (docs/performance.md, "How to measure")."""
   return min((max(len(tiles(rs)) - 2, 0) for rs in compute.values()), default=0)
 
 
@@ -171,8 +171,8 @@ def stage_waits_by_step(path: str | Path) -> list[float]:
   """One trace file -> the mean wait for each K step's stage, by step (the first is
   the mainloop's wait for its turn), over ``_middle_tiles``. A ping-pong mainloop runs
   under the other warpgroup's epilogue for its first steps: waits that grow there, and
-  not after, are the epilogue's traffic slowing the mainloop's loads (bench/NOTES.md,
-  forty-eighth session)."""
+  not after, are the epilogue's traffic slowing the mainloop's loads
+  (docs/performance.md, "Epilogue bytes")."""
   steps = [t["stage_waits"] for t in _middle_tiles(_compute_traces(regions(path)))]
   if not steps or not steps[0]:
     raise ValueError(f"{path}: no whole mainloop with stage waits between a compute "

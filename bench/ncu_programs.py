@@ -8,8 +8,8 @@ profile under Nsight Compute. GPU host only.
 
 The tensor pipe's busy share is ``sm__pipe_tensor_op_hmma_cycles_active``: on the GPU
 host's ncu it counts wgmma (HGMMA) too, 98.5% for the plain GEMM on an H200, while
-``sm__pipe_tensor_op_gmma_cycles_active`` comes back n/a (bench/NOTES.md, forty-fourth
-session; ``ncu --query-metrics | grep tensor`` lists what a version has).
+``sm__pipe_tensor_op_gmma_cycles_active`` comes back n/a (``ncu --query-metrics | grep
+tensor`` lists what a version has).
 
 Each program is compiled and run once before the profiled run, so every kernel shows up
 twice: take the second. Inputs and programs are bench/gemm_epilogue.py's.

@@ -6,8 +6,8 @@ windows that alternate between the paths, with the GPU's clock, power and energy
 ``bench.train`` waits for each step's loss before the next, as a training loop that logs
 every step does. Here the steps run back to back, as a loop that does not, and the GPU
 runs at its power cap: an H200 at 700 W holds the 8B-shaped step at ~1,450-1,520 MHz,
-so a step's time is its energy over the cap's watts (bench/NOTES.md, twenty-second and
-fifty-fourth sessions). Each variant is compiled and run once; the first then runs for
+so a step's time is its energy over the cap's watts (docs/performance.md, "The power
+cap"). Each variant is compiled and run once; the first then runs for
 one window untimed, since the GPU idled through the compiles. Then ``--rounds``
 rounds time each variant for ``--seconds``, in the given order and then reversed,
 alternately (``common.alternating_windows``), with nvidia-smi sampled beside them

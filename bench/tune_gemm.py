@@ -55,12 +55,12 @@ that kernel-cache folder, keyed for the H200 (``kernel_cache.keyed_for``). Carry
 folder to the host and run the command there without the two flags, with
 ``CODA_JAX_KERNEL_CACHE=devrun/kernels``: the search reads each kernel instead of lowering
 it. Its last lines say how many kernels it read and how many it lowered (any that
-differ: another source tree, jax version or device kind). Measured on an H200
-(bench/NOTES.md, forty-sixth session): bias + LayerNorm statistics' wider search (156
-kernels) in 37 s, which cold had not finished in 360 s; GPT-2's seven block problems
-(235 kernels) in 74 s; every kernel read from the folder. Lowering them here took ~2 s a
-kernel on one core. The folder holds ~160 KB a kernel (a third of that compressed). Any
-change to ``pallas_kernels``' source gives new keys: lower from the tree that travels.
+differ: another source tree, jax version or device kind). Measured on an H200: bias +
+LayerNorm statistics' wider search (156 kernels) in 37 s, which cold had not finished in
+360 s; GPT-2's seven block problems (235 kernels) in 74 s; every kernel read from the
+folder. Lowering them here took ~2 s a kernel on one core. The folder holds ~160 KB a
+kernel (a third of that compressed). Any change to ``pallas_kernels``' source gives new
+keys: lower from the tree that travels.
 """
 from __future__ import annotations
 
@@ -155,9 +155,9 @@ def train_problems(spec: str):
 
 # A challenger, or a search's winner (``incumbent``), replaces the config serving a
 # problem only when faster by more than this: repeated timings of one config in one
-# process differ by up to ~1% (the eighteenth session's challenge logs: the heuristic
-# default and an equal-but-for-grid-order config 0.2-1% apart), and a cache entry should
-# not change on noise.
+# process differ by up to ~1% (the heuristic default and an equal-but-for-grid-order
+# config 0.2-1% apart in the challenge logs), and a cache entry should not change on
+# noise.
 CHALLENGE_MARGIN = 0.01
 
 
@@ -258,7 +258,7 @@ def writes_served_winner(source: str | None, narrowed: bool) -> bool:
   device and shape, whose record is then this problem's own (a narrowed run's would
   change nothing ``gemm`` runs, and its few configs would read as this problem's
   search). ``--list`` then reads the problem as tuned here, where it would otherwise go
-  on offering it for a search that has been made (bench/NOTES.md, sixty-fifth session).
+  on offering it for a search that has been made.
   Such an entry outranks the sibling's or nearby one's later retunes, as this device's
   own search should.
 
@@ -378,7 +378,7 @@ def listed_source(problem: autotune.Problem) -> str:
   source, or "NOT TUNED"; for an entry at the problem's own key, also how many configs
   its search timed. An entry that timed a few (``--same-shape``, a challenge) is worth a
   whole search: the 8B SwiGLU backward's two-config entry ran 8% slower than a config
-  the same shape's other entry held (bench/NOTES.md, fifty-fourth session)."""
+  the same shape's other entry held (on an H200)."""
   source = autotune.lookup_with_source(problem.key)[1]
   if source is None:
     return "NOT TUNED"

@@ -1,10 +1,13 @@
-"""The README's Python examples run as written and return what their comments say.
+"""The Python examples of README.md and docs/ run as written and return what their
+comments say.
 
-Each ```python block of README.md is run from its text: the two of "Using the layers"
-one after the other in one namespace, as a reader's session would run them; the API
-sketches of "The kernels and ops" after a setup that makes the arrays they name (shapes
-that tile the kernels, so on an H100 they run compiled); and the two of "Sharded arrays"
-in a fresh process on 4 fake CPU devices, after the model example that makes their
+Each ```python block of the files in ``DOCUMENTS`` is run from its text: README.md's two
+layer examples one after the other in one namespace, as a reader's session would run
+them; the op API sketches (README.md's ``gemm_epilogue`` and ``fused_ops`` examples,
+docs/ops.md's LayerNorm and QK-norm ops) after a setup that makes the arrays they name
+(shapes that tile the kernels, so on an H100 they run compiled); and the two sharded
+examples (README.md's tensor-parallel train step, docs/sharding.md's ``shard_map``) in a
+fresh process on 4 fake CPU devices, after the model example that makes their
 ``state``. A block this file does not know fails ``test_every_example_is_run``, so a new
 example gets a run here.
 """
@@ -26,15 +29,21 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 # A line that starts each example this file runs (at the start of one of its lines,
-# in exactly one block).
+# in exactly one block of the documents below).
 LAYERS = "class MyBlock(nnx.Module):"
-MODEL = "from flax_layers import Llama, get_config"
-GEMM = "import coda_jax as cj"
-OPS = "from coda_jax import fused_ops as F"
-FAMILIES = "from coda_jax import layernorm_ops as LN, qk_norm as QN"
-TENSOR_PARALLEL = "from jax.sharding import NamedSharding, PartitionSpec as P"
+MODEL = "model = Llama(get_config("
+GEMM = "outs = coda_jax.gemm_epilogue("
+OPS = "x, h, r = fused_ops.residual_rmsnorm("
+FAMILIES = "x, h, mu, r = layernorm_ops.residual_layernorm("
+TENSOR_PARALLEL = "state = jax.device_put(state, train.tensor_parallel_shardings("
 SHARD_MAP = "post = jax.shard_map("
-EXAMPLES = (LAYERS, MODEL, GEMM, OPS, FAMILIES, TENSOR_PARALLEL, SHARD_MAP)
+# Each document with python examples, and the examples it holds.
+DOCUMENTS = {
+    README: (LAYERS, MODEL, GEMM, OPS, TENSOR_PARALLEL),
+    ROOT / "docs" / "ops.md": (FAMILIES,),
+    ROOT / "docs" / "sharding.md": (SHARD_MAP,),
+}
+EXAMPLES = tuple(m for markers in DOCUMENTS.values() for m in markers)
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
@@ -47,7 +56,7 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
     elif start is not None and line.strip() == "```":
       blocks.append((start + 1, "\n".join(lines[start:i])))
       start = None
-  assert start is None, f"README.md: the ```python block at line {start} is not closed"
+  assert start is None, f"the ```python block at line {start} is not closed"
   return blocks
 
 
@@ -55,19 +64,21 @@ def _marks(src: str, marker: str) -> bool:
   return any(line.startswith(marker) for line in src.split("\n"))
 
 
-def example(marker: str) -> tuple[int, str]:
-  """(first line number, source) of the README example with a line starting ``marker``."""
-  found = [(line, src) for line, src in python_blocks(README.read_text())
+def example(marker: str) -> tuple[Path, int, str]:
+  """(document, first line number, source) of the example with a line starting
+  ``marker``, in the document ``DOCUMENTS`` names for it."""
+  path = next(p for p, markers in DOCUMENTS.items() if marker in markers)
+  found = [(path, line, src) for line, src in python_blocks(path.read_text())
            if _marks(src, marker)]
-  assert len(found) == 1, (f"README.md has {len(found)} python blocks with a line "
+  assert len(found) == 1, (f"{path.name} has {len(found)} python blocks with a line "
                            f"starting {marker!r}; tests/test_readme.py runs exactly one")
   return found[0]
 
 
-def run(block: tuple[int, str], namespace: dict) -> dict:
-  """Runs a README example in ``namespace``; a traceback names its README line."""
-  line, source = block
-  exec(compile("\n" * (line - 1) + source, str(README), "exec"), namespace)
+def run(block: tuple[Path, int, str], namespace: dict) -> dict:
+  """Runs a documented example in ``namespace``; a traceback names its document line."""
+  path, line, source = block
+  exec(compile("\n" * (line - 1) + source, str(path), "exec"), namespace)
   return namespace
 
 
@@ -83,13 +94,21 @@ def test_python_blocks_parses_every_block():
 
 
 def test_every_example_is_run():
-  """Every python block of the README is one this file runs."""
-  blocks = python_blocks(README.read_text())
-  unknown = [(line, src.split("\n", 1)[0]) for line, src in blocks
-             if not any(_marks(src, k) for k in EXAMPLES)]
-  assert not unknown, (f"README.md python blocks no test runs (line, first line): {unknown};"
-                       " add each to tests/test_readme.py")
-  assert sorted(example(k)[0] for k in EXAMPLES) == [line for line, _ in blocks]
+  """Every python block of each document is one this file runs, and no document but
+  those in ``DOCUMENTS`` holds one of its examples."""
+  for path, markers in DOCUMENTS.items():
+    blocks = python_blocks(path.read_text())
+    unknown = [(line, src.split("\n", 1)[0]) for line, src in blocks
+               if not any(_marks(src, k) for k in markers)]
+    assert not unknown, (f"{path.name} python blocks no test runs (line, first line): "
+                         f"{unknown}; add each to tests/test_readme.py")
+    assert sorted(example(k)[1] for k in markers) == [line for line, _ in blocks]
+  for path in sorted((ROOT / "docs").glob("*.md")):
+    if path in DOCUMENTS:
+      continue
+    for line, src in python_blocks(path.read_text()):
+      assert not any(_marks(src, k) for k in EXAMPLES), (
+          f"{path.name}:{line} holds an example this file runs from another document")
 
 
 def test_layers_and_model(tmp_path, monkeypatch):
