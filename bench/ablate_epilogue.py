@@ -32,7 +32,6 @@ from coda_jax import epilogue_gemm as eg
 from coda_jax import layernorm_ops as L
 from coda_jax import primitives as P
 from pallas_kernels import autotune
-from pallas_kernels import epilogue as epi
 
 _F32 = jnp.float32
 _LN_PARTS = ("dr", "dmu", "dbeta", "dg", "n")

@@ -27,7 +27,6 @@ import gc
 import json
 import logging
 import os
-import shlex
 import statistics
 import subprocess
 import sys

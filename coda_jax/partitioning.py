@@ -250,7 +250,7 @@ def _rule_parts(sc, n):
          else f"m {cols(2 if kinds[nm] == pk.InputKind.WIDE_TILE else 1)}"
          for nm in sc.operand_names]
   res = []
-  for name, (kind, width) in sorted(dispatch.finished_kinds(call).items()):  # a dict's leaf order
+  for _, (kind, width) in sorted(dispatch.finished_kinds(call).items()):  # a dict's leaf order
     res.append(f"m {cols(width)}" if kind == "tile" else cols(width) if kind == "col" else "m")
   return a, b, ops, res, dict(need_replication_factors=tuple(need), **sizes)
 

@@ -225,7 +225,7 @@ def _entries(path: Path) -> dict:
     try:
       data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-      raise ValueError(f"GEMM config cache {path} is unreadable ({e}): fix or delete it")
+      raise ValueError(f"GEMM config cache {path} is unreadable ({e}): fix or delete it") from e
     if data.get("format") != CACHE_FORMAT:
       raise ValueError(f"GEMM config cache {path} has format {data.get('format')!r}, "
                        f"this library reads {CACHE_FORMAT}: delete it and re-tune")

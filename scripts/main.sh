@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 py=$(bash scripts/setup.sh)
 export NPROC="${NPROC:-32}"
 # The report's command line: this script as it was called, not the python behind it.
-CODA_JAX_COMMAND="bash scripts/main.sh$(printf ' %q' "$@")"
+CODA_JAX_COMMAND="bash scripts/main.sh"
+[ $# -gt 0 ] && CODA_JAX_COMMAND+=$(printf ' %q' "$@")
 export CODA_JAX_COMMAND
 exec "$py" -m bench.train "$@"

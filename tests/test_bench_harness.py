@@ -831,7 +831,6 @@ def test_ablate_epilogue_main_prints_each_table(monkeypatch, capsys):
   the kernel run on its XLA program): ``--variant`` picks variants by name, each
   program's table is printed as soon as it is measured, and ``--ncu`` runs the chosen
   variants without timing them."""
-  import jax.numpy as jnp
   import pallas_kernels
   from bench import ablate_epilogue as A
   import coda_jax as cj
@@ -871,7 +870,6 @@ def test_epilogue_pass_split_case_adds_up(monkeypatch):
   mask it replaced gives the same bits as the per-head branch, and so does the maskless
   variant on the q/k heads (where nothing passes through)."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from bench import epilogue_pass as E
   import coda_jax as cj

@@ -38,7 +38,7 @@ def _compute_warpgroup(offset, tiles, period, stage_waits, epi_waits):
     main_end = t0 + 20_000
     spans.append(("mainloop", t0, main_end))
     c = t0 + 10
-    for i, w in enumerate([1000, *stage_waits]):
+    for w in [1000, *stage_waits]:
       spans.append(("wait_stage", c, c + w))
       c += w + 500
     e0 = main_end + 20
