@@ -36,7 +36,8 @@ except ImportError:
 NEEDED_FROM_EXTRAS = {"pytest", "pytest-xdist", "tqdm"}
 # What goes without an optional package (any other: what needs it skips or says so).
 WITHOUT = {"transformers": "the interop tests skip (tests/test_hf_interop.py)",
-           "matplotlib": "the benchmarks write no PNG (bench/plot.py draws one later)"}
+           "matplotlib": "the benchmarks write no PNG (bench/plot.py draws one later)",
+           "ruff": "the lint step of .ci/run cannot run"}
 
 
 def installed_version(name: str) -> str | None:

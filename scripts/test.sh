@@ -8,10 +8,9 @@
 # (the heaviest files peak near 6 GB), each test file kept in one worker (--dist
 # loadfile: a file's tests share the worker's compiled programs). A worker keeps only
 # ~0.7 of a core busy on average (the interpreter's warpgroups are Python threads that
-# wait on each other and on XLA): on 2 cores and 23 GB, 3 workers ran the suite in
-# 45m34s against 57m45s for 2, at most 12 GB in use (bench/NOTES.md, thirty-ninth
-# session). With a GPU, as many as there are cores and 8 GiB of GPU memory each, each
-# worker on one GPU of the host's (tests/worker_gpus.py; CODA_JAX_TEST_SPREAD_GPUS=0
+# wait on each other and on XLA), so 3 workers beat 2 on 2 cores (docs/testing.md).
+# With a GPU, as many as there are cores and 8 GiB of GPU memory each, each worker on
+# one GPU of the host's (tests/worker_gpus.py; CODA_JAX_TEST_SPREAD_GPUS=0
 # keeps them all on the first), the tests handed out a few at a time (--dist load:
 # compiling dominates there, and the kernels each worker lowers and the programs XLA
 # compiles go to folders all of them read, tests/conftest.py).
@@ -33,8 +32,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then 
 # Without a GPU, XLA compiles every program for the CPU at LLVM's lowest optimisation
 # level: the suite's programs are small and run briefly (the interpreter's time goes to
 # its Python callbacks), so optimising them costs more than it saves. test_sharding's
-# multi-device subprocess ran 89 s -> 59 s on a 2-core machine (bench/NOTES.md,
-# twenty-eighth session). HLO passes, and so the collectives counted, are the same.
+# multi-device subprocess ran 89 s -> 59 s on a 2-core machine (docs/testing.md). HLO passes, and so the collectives counted, are the same.
 if ! $has_gpu && [[ "${XLA_FLAGS:-}" != *xla_backend_optimization_level* ]]; then
   export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0"
 fi

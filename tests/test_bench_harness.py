@@ -179,7 +179,7 @@ def test_lowering_time_lowers_each_lm_head_kernel_once():
   """bench/lowering_time.py exports the post-block for an H100 from the CPU, and the LM
   head's kernels are traced (so lowered) once whatever the number of chunks: with the
   chunks written out, the 8B training step took 134 s to compile on the H100, against
-  74 s with one scan (bench/NOTES.md, issue 12, fourth session)."""
+  74 s with one scan (docs/tuning.md)."""
   from bench import lowering_time as lt
   two, four = lt.post_block("tiny", 128), lt.post_block("tiny", 64)  # M = 256 rows
   assert two["gemms_traced"] == four["gemms_traced"] > 0, (two, four)
@@ -632,8 +632,7 @@ def test_tune_gemm_lower_only_fills_a_folder_an_h200_reads(monkeypatch, capsys, 
   the same search compiles on an H200 (``autotune.search_configs``: the heuristic
   default, the incumbent, the challenger) into DIR, keyed for an H200; a second run
   lowers none; and the folder serves the H200's trace (SM count from the device), not an
-  H100's. (That an H200 reads such a folder: 224 of 224 kernels, bench/NOTES.md, the
-  forty-sixth session.)"""
+  H100's. (An H200 read such a folder: 224 of 224 kernels.)"""
   import sys
   from bench import lowering_time as lt
   from bench import tune_gemm
