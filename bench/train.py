@@ -65,26 +65,21 @@ DEFAULTS["gpt2-small"] = dict(batch=16, seq=1024, steps=200, lr=6e-4)  # 1024 po
 ALL_CONFIGS = sorted({**CONFIGS, **GPT2_CONFIGS})  # Llama and GPT-2 (flax_layers.gpt2)
 
 
-def positive_int(text: str) -> int:
-  """argparse type: an integer >= 1."""
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-  return value
+def int_at_least(minimum: int):
+  """An argparse type: an integer >= ``minimum``."""
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < minimum:
+      raise argparse.ArgumentTypeError(
+          f"{value} must be at least 1" if minimum == 1 else f"{value} must not be negative")
+    return value
+  return parse
 
 
-def nonnegative_int(text: str) -> int:
-  """argparse type: an integer >= 0."""
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"{value} must not be negative")
-  return value
+positive_int, nonnegative_int = int_at_least(1), int_at_least(0)
 
 
 def positive_float(text: str) -> float:

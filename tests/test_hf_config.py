@@ -19,6 +19,7 @@ from coda_jax import layout
 from flax_layers import (CONFIGS, Llama, LlamaConfig, get_config, load_hf_checkpoint,
                          save_hf_checkpoint)
 from flax_layers.config import rope_from_hf_config
+from test_hf_checkpoint import HF_QWEN3_0_6B as QWEN3_0_6B_V4  # as transformers 4.x wrote it
 
 # meta-llama/Llama-3.2-1B's config.json, as transformers 4.x wrote it.
 LLAMA_3_2_1B_V4 = {
@@ -32,19 +33,6 @@ LLAMA_3_2_1B_V4 = {
                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
     "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256}
-
-# Qwen/Qwen3-0.6B's config.json, as transformers 4.x wrote it.
-QWEN3_0_6B_V4 = {
-    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
-    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
-    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
-    "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-    "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
-    "vocab_size": 151936}
-
 
 def as_transformers_5(hf: dict) -> dict:
   """``hf`` in transformers 5's layout: RoPE under ``rope_parameters`` alone, ``dtype``
