@@ -10,6 +10,7 @@ from coda_jax.epilogue_gemm import (IMPLS, epilogue_pass, gemm_epilogue, kernel_
 from coda_jax.primitives import (AddBias, AddTile, BColumnSum, ColSum, Env, Gated, MulTile,
                                  PickColumn, Primitive, Rotate, RowDot, RowLogSumExp, RowSum,
                                  ScaleCol, ScaleConst, ScaleRow, Store, finish_lse)
+from coda_jax.dispatch import implementation
 from coda_jax.sharding import reduce_like
 from pallas_kernels import EpilogueOutput, InputKind, OutputKind
 
@@ -17,7 +18,7 @@ __all__ = [
     "IMPLS", "AddBias", "AddTile", "BColumnSum", "ColSum", "Env", "EpilogueOutput", "Gated",
     "InputKind", "MulTile", "OutputKind", "PickColumn", "Primitive", "Rotate", "RowDot",
     "RowLogSumExp", "RowSum", "ScaleCol", "ScaleConst", "ScaleRow", "Store",
-    "epilogue_pass", "finish_lse", "gemm_epilogue", "kernel_config", "reduce_like",
+    "epilogue_pass", "finish_lse", "gemm_epilogue", "implementation", "kernel_config", "reduce_like",
     "reference", "scalar_operand",
 ]
 

@@ -50,21 +50,57 @@ class Unsupported(Exception):
   """An implementation cannot run this call; the message says why."""
 
 
-def resolve(impl: str | Sequence[str]) -> tuple[str, ...]:
-  """``impl`` as the ordered tuple of implementation names to try."""
+def _checked_names(impl: str | Sequence[str], what: str) -> tuple[str, ...]:
   names = (impl,) if isinstance(impl, str) else tuple(impl)
   if not names:
-    raise ValueError("impl=(): name at least one implementation")
+    raise ValueError(f"{what}=(): name at least one implementation")
   if names == ("auto",):
-    env = os.environ.get("CODA_JAX_IMPL", "auto")
-    if env != "auto":
-      if env not in NAMES:
-        raise ValueError(f"CODA_JAX_IMPL={env!r}: one of {('auto',) + NAMES}")
-      return (env,)
     return AUTO
   for nm in names:
     if nm not in NAMES:
-      raise ValueError(f"impl={impl!r}: {nm!r} is not one of {('auto',) + NAMES}")
+      raise ValueError(f"{what}={impl!r}: {nm!r} is not one of {('auto',) + NAMES}")
+  return names
+
+
+# Part of jax.jit's cache key: a function traced under one implementation is traced again
+# under another, never replayed with the first one's kernels.
+_CHOSEN = jax.make_user_context(default_value=None)
+
+
+def implementation(impl: str | Sequence[str]):
+  """A context in which every GEMM-epilogue call traced runs with ``impl``.
+
+  Args:
+    impl: "mosaic", "interpret" or "xla", a sequence of them tried in order, or "auto"
+      (= ("mosaic", "xla")).
+
+  Returns:
+    A context manager. ``jax.jit`` keys its cache on it, so a jitted function called
+    under another implementation is traced again.
+
+  Example: ``with coda_jax.implementation("xla"): loss = step(params, batch)``.
+  """
+  return _CHOSEN(_checked_names(impl, "implementation"))
+
+
+def current() -> tuple[str, ...]:
+  """The implementations a call traced now tries, in order: the innermost
+  ``implementation(...)`` context's, else ``CODA_JAX_IMPL``'s (a process-wide default,
+  read when a call is traced), else ``AUTO``."""
+  chosen = _CHOSEN.value
+  if chosen is not None:
+    return chosen
+  env = os.environ.get("CODA_JAX_IMPL", "auto")
+  if env != "auto" and env not in NAMES:
+    raise ValueError(f"CODA_JAX_IMPL={env!r}: one of {('auto',) + NAMES}")
+  return AUTO if env == "auto" else (env,)
+
+
+def resolve(impl: str | Sequence[str]) -> tuple[str, ...]:
+  """``impl`` as the ordered tuple of implementation names to try ("auto": ``current()``)."""
+  names = _checked_names(impl, "impl")
+  if (impl,) == ("auto",) or tuple(impl) == ("auto",):
+    return current()
   return names
 
 
@@ -453,6 +489,7 @@ def run(call: Call, a, b, operands, impl) -> dict[str, jax.Array]:
 
 
 __all__ = ["AUTO", "Call", "IMPLEMENTATIONS", "Implementation", "NAMES", "Unsupported",
-           "announce", "apply_program", "choose", "column_block", "finish", "finished_kinds",
+           "announce", "apply_program", "choose", "column_block", "current", "finish",
+           "finished_kinds", "implementation",
            "kernel_config", "kernels_available", "KernelShape", "padded_shape", "resolve", "run",
            "target_device"]
