@@ -18,8 +18,8 @@ __all__ = [
     "IMPLS", "AddBias", "AddTile", "BColumnSum", "ColSum", "Env", "EpilogueOutput", "Gated",
     "InputKind", "MulTile", "OutputKind", "PickColumn", "Primitive", "Rotate", "RowDot",
     "RowLogSumExp", "RowSum", "ScaleCol", "ScaleConst", "ScaleRow", "Store",
-    "epilogue_pass", "finish_lse", "gemm_epilogue", "implementation", "kernel_config", "reduce_like",
-    "reference", "scalar_operand",
+    "epilogue_pass", "finish_lse", "gemm_epilogue", "implementation", "kernel_config",
+    "reduce_like", "reference", "scalar_operand",
 ]
 
 # Each imports the library's own modules (above) first.

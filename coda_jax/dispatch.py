@@ -90,18 +90,14 @@ def current() -> tuple[str, ...]:
   chosen = _CHOSEN.value
   if chosen is not None:
     return chosen
-  env = os.environ.get("CODA_JAX_IMPL", "auto")
-  if env != "auto" and env not in NAMES:
-    raise ValueError(f"CODA_JAX_IMPL={env!r}: one of {('auto',) + NAMES}")
-  return AUTO if env == "auto" else (env,)
+  return _checked_names(os.environ.get("CODA_JAX_IMPL", "auto"), "CODA_JAX_IMPL")
 
 
 def resolve(impl: str | Sequence[str]) -> tuple[str, ...]:
   """``impl`` as the ordered tuple of implementation names to try ("auto": ``current()``)."""
-  names = _checked_names(impl, "impl")
-  if (impl,) == ("auto",) or tuple(impl) == ("auto",):
+  if impl == "auto":
     return current()
-  return names
+  return _checked_names(impl, "impl")
 
 
 def target_device() -> jax.Device:

@@ -363,3 +363,55 @@ def test_xla_program_size_does_not_grow_with_heads(key):
         jnp.zeros((8, n)), ops_)
     return len(jaxpr.eqns)
   assert size(16) == size(4)
+
+
+def test_implementation_context_nests_and_restores(monkeypatch):
+  monkeypatch.delenv("CODA_JAX_IMPL", raising=False)
+  assert dispatch.current() == dispatch.AUTO
+  with cj.implementation("xla"):
+    assert dispatch.resolve("auto") == ("xla",)
+    with cj.implementation(("interpret", "xla")):
+      assert dispatch.current() == ("interpret", "xla")
+    assert dispatch.current() == ("xla",)
+    assert dispatch.resolve("mosaic") == ("mosaic",)  # a named choice is not overridden
+  assert dispatch.current() == dispatch.AUTO
+
+
+def test_implementation_context_over_the_environment(monkeypatch):
+  monkeypatch.setenv("CODA_JAX_IMPL", "interpret")
+  assert dispatch.current() == ("interpret",)
+  with cj.implementation("auto"):
+    assert dispatch.current() == dispatch.AUTO
+
+
+@pytest.mark.parametrize("bad", ["cuda", (), ("xla", "triton")])
+def test_implementation_refuses_unknown_names(bad):
+  with pytest.raises(ValueError, match="implementation="):
+    cj.implementation(bad)
+
+
+def test_jit_traces_again_under_another_implementation(monkeypatch):
+  monkeypatch.delenv("CODA_JAX_IMPL", raising=False)
+  seen = []
+
+  @jax.jit
+  def f(x):
+    seen.append(dispatch.current())
+    return x * 2
+  f(1.0)
+  with cj.implementation("xla"):
+    f(1.0)
+    f(1.0)  # same choice: the cached trace
+  f(1.0)
+  assert seen == [dispatch.AUTO, ("xla",)]
+
+
+def test_implementation_context_runs_its_choice(problem, kernel_calls):
+  """Under "interpret" the kernel runs through the interpreter; left to "auto", a CPU host
+  would run XLA and never reach the kernel."""
+  a, b, ops = problem
+  with cj.implementation("interpret"):
+    got = cj.gemm_epilogue(a, b, PROGRAM, ops)
+  assert kernel_calls and all(c is not None for c in kernel_calls)
+  want = cj.gemm_epilogue(a, b, PROGRAM, ops, impl="interpret")
+  assert_same(got, want)
